@@ -1,0 +1,14 @@
+"""ember: a torch.compile-first runner for Hugging Face decoder models, with a paged KV cache and CUDA graphs."""
+
+from ember.runner.request import CompletionOutput, Logprob, RequestOutput, SamplingParams
+
+__version__ = "0.1.0"
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "__version__"]
+
+
+def __getattr__(name):
+    # LLM pulls in the engine, models and tokenizer stack; import it only when it is used.
+    if name == "LLM":
+        from ember.llm import LLM
+        return LLM
+    raise AttributeError(f"module 'ember' has no attribute {name!r}")

@@ -1,0 +1,106 @@
+"""The three roles of an attention backend: a class-level description, a metadata builder per KV-cache group,
+and an impl per layer."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from ember.attention_backends.common import CommonAttentionMetadata
+from ember.runner.kv_cache_spec import KVCacheGroup, KVCacheSpec
+
+
+class CudaGraphSupport(enum.IntEnum):
+    """How much of a step a backend's attention may be captured in a CUDA graph."""
+    NEVER = 0
+    UNIFORM_SINGLE_TOKEN_DECODE = 1
+    UNIFORM_BATCH = 2
+    ALWAYS = 3
+
+
+@dataclass(frozen=True)
+class AttentionLayerOptions:
+    """Per-layer attention options a backend may or may not support."""
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    scale: float
+    sliding_window: int | None = None
+    logits_soft_cap: float | None = None
+    use_sinks: bool = False
+    use_alibi: bool = False
+    kv_sharing_target: str | None = None   # name of the layer whose cache this layer reads
+
+
+@dataclass(frozen=True)
+class BuilderContext:
+    """The frozen pieces a metadata builder needs; it never sees the runner or the engine config."""
+    group: KVCacheGroup
+    group_index: int
+    dtype: torch.dtype
+    device: torch.device
+    max_num_reqs: int
+    max_num_tokens: int
+    max_model_len: int
+    capture_sizes: tuple[int, ...] = ()
+
+
+class MetadataBuilder:
+    """Turns the step's `CommonAttentionMetadata` into this backend's metadata for one KV-cache group.
+
+    It owns whatever persistent buffers the backend needs (allocated in __init__, filled in place in build),
+    so that a CUDA graph captured with one step's metadata replays correctly with the next step's.
+    """
+
+    def __init__(self, ctx: BuilderContext):
+        self.ctx = ctx
+
+    def build(self, common: CommonAttentionMetadata) -> Any:
+        raise NotImplementedError
+
+    def build_for_capture(self, common: CommonAttentionMetadata) -> Any:
+        """Metadata for a CUDA-graph capture at a bucket; by default the same as `build`."""
+        return self.build(common)
+
+
+class AttentionImpl:
+    """One layer's attention: write the new K/V into the paged cache, then attend."""
+
+    def __init__(self, options: AttentionLayerOptions, sinks: torch.Tensor | None = None,
+                 alibi_slopes: torch.Tensor | None = None):
+        self.options = options
+        self.sinks = sinks                 # [num_heads] float32, or None
+        self.alibi_slopes = alibi_slopes   # [num_heads] float32, or None
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: torch.Tensor, metadata: Any, out: torch.Tensor) -> None:
+        """query [T, Hq, D], key/value [T, Hkv, D], out [T, Hq, D]; T may include padding tokens."""
+        raise NotImplementedError
+
+
+class AttentionBackend:
+    """Class-level description of a backend. Subclass, set the class variables, register with `register_backend`."""
+    name: ClassVar[str] = ""
+    priority: ClassVar[int] = 0                          # higher wins in "auto" selection
+    cudagraph_support: ClassVar[CudaGraphSupport] = CudaGraphSupport.NEVER
+    builder_cls: ClassVar[type[MetadataBuilder]] = MetadataBuilder
+    impl_cls: ClassVar[type[AttentionImpl]] = AttentionImpl
+
+    @staticmethod
+    def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
+        """Shape of one layer's cache tensor."""
+        raise NotImplementedError
+
+    @classmethod
+    def supports(cls, spec: KVCacheSpec, dtype: torch.dtype, device: torch.device,
+                 options: AttentionLayerOptions | None = None) -> list[str]:
+        """Reasons this backend cannot serve the given layers; an empty list means it can."""
+        return []
+
+    @classmethod
+    def describe(cls) -> str:
+        """One line for `ember backends`."""
+        return f"{cls.name}: priority {cls.priority}, cudagraph {cls.cudagraph_support.name}"

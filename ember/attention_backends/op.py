@@ -1,0 +1,65 @@
+"""The `ember::attention` custom op and the forward context it reads its per-step metadata from.
+
+The op is the one place where the compiled model hands control to an attention backend: torch.compile treats
+it as opaque (it has a fake implementation), and the piecewise compile splits the FX graph exactly there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+
+from ember.attention_backends.base import AttentionImpl
+
+
+@dataclass
+class AttentionLayerState:
+    """What the op needs for one layer: its impl, its cache tensor, and which KV-cache group it belongs to."""
+    impl: AttentionImpl
+    kv_cache: torch.Tensor
+    group_index: int
+
+
+@dataclass
+class ForwardContext:
+    """Set around each forward: the static layer table and this step's metadata per KV-cache group."""
+    layers: dict[str, AttentionLayerState]
+    attn_metadata: tuple[Any, ...] = field(default_factory=tuple)
+
+
+_current: contextvars.ContextVar[ForwardContext | None] = contextvars.ContextVar("ember_forward_context", default=None)
+
+
+@contextlib.contextmanager
+def forward_context(ctx: ForwardContext) -> Iterator[ForwardContext]:
+    """Make `ctx` visible to `ember::attention` for the duration of a forward (or a graph capture)."""
+    token = _current.set(ctx)
+    try:
+        yield ctx
+    finally:
+        _current.reset(token)
+
+
+def get_forward_context() -> ForwardContext:
+    ctx = _current.get()
+    if ctx is None:
+        raise RuntimeError("ember::attention was called outside a forward context; run the model through the engine "
+                           "or wrap the call in ember.attention_backends.op.forward_context(...)")
+    return ctx
+
+
+@torch.library.custom_op("ember::attention", mutates_args=("out",))
+def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: torch.Tensor, layer_name: str) -> None:
+    """query [T, Hq, D], key/value [T, Hkv, D]; writes the attention output into out [T, Hq, D]."""
+    ctx = get_forward_context()
+    layer = ctx.layers[layer_name]
+    layer.impl.forward(query, key, value, layer.kv_cache, ctx.attn_metadata[layer.group_index], out)
+
+
+@attention.register_fake
+def _attention_fake(query, key, value, out, layer_name) -> None:
+    return None

@@ -1,0 +1,102 @@
+"""Frozen engine configuration. `resolve()` turns "auto" values into concrete ones, once, at start-up."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+}
+
+
+def cache_dir() -> Path:
+    """ember's cache directory: $EMBER_CACHE, default ~/.cache/ember."""
+    return Path(os.environ.get("EMBER_CACHE", Path.home() / ".cache" / "ember"))
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """Map a dtype name ("bfloat16", "fp16", ...) or a torch.dtype to a torch.dtype."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise ValueError(f"dtype {dtype} is not supported; use one of float32, float16, bfloat16")
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not supported; use 'auto' or one of {sorted(set(_DTYPES))}")
+    return _DTYPES[dtype]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which model to run and in which precision."""
+    model: str
+    dtype: str | torch.dtype = "auto"
+    max_model_len: int | None = None
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache sizing."""
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous-batching limits per step."""
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+
+
+@dataclass(frozen=True)
+class CompileConfig:
+    """torch.compile and CUDA-graph switches; see ember.graphs."""
+    compile_mode: str = "auto"             # "none" | "default" | "auto" (default on CUDA, none on CPU)
+    cudagraph_mode: str = "auto"           # a CUDAGraphMode name, or "auto"
+    cudagraph_capture_sizes: tuple[int, ...] | None = None
+    enforce_eager: bool = False
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs, resolved once."""
+    model: ModelConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    compile: CompileConfig = field(default_factory=CompileConfig)
+    device: str = "auto"
+    attention_backend: str = "auto"
+
+    def resolve(self) -> "EngineConfig":
+        """Return a copy with device and dtype made concrete and every limit validated."""
+        device = self.device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        dev = torch.device(device)
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {device!r} was asked for but CUDA is not available")
+        if dev.type not in ("cuda", "cpu"):
+            raise ValueError(f"device {device!r} is not supported; use 'cpu', 'cuda' or 'auto'")
+        c, s = self.cache, self.scheduler
+        if c.block_size not in (8, 16, 32, 64, 128):
+            raise ValueError(f"block_size {c.block_size} is not supported; use 8, 16, 32, 64 or 128")
+        if c.num_kv_blocks is not None and c.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks {c.num_kv_blocks} must be at least 1 (or None to size from memory)")
+        if not 0.0 < c.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization {c.gpu_memory_utilization} must be in (0, 1]")
+        if s.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs {s.max_num_seqs} must be at least 1")
+        if s.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens {s.max_num_batched_tokens} must be at least 1")
+        if self.model.max_model_len is not None and self.model.max_model_len < 1:
+            raise ValueError(f"max_model_len {self.model.max_model_len} must be at least 1")
+        return dataclasses.replace(self, device=str(dev))

@@ -1,0 +1,35 @@
+"""The model-side attention layer: reshapes q/k/v and calls the `ember::attention` op by layer name."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import ember.attention_backends.op  # noqa: F401  (registers torch.ops.ember.attention)
+from ember.attention_backends.base import AttentionLayerOptions
+
+
+class Attention(nn.Module):
+    """Holds no weights; the runner finds every `Attention` by its `layer_name` and binds it to a backend impl."""
+
+    def __init__(self, layer_name: str, num_heads: int, num_kv_heads: int, head_size: int, scale: float,
+                 sliding_window: int | None = None, logits_soft_cap: float | None = None,
+                 kv_sharing_target: str | None = None):
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+        self.layer_name = layer_name
+        self.options = AttentionLayerOptions(
+            num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size, scale=scale,
+            sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, kv_sharing_target=kv_sharing_target)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [T, Hq*D], k/v [T, Hkv*D] -> [T, Hq*D]."""
+        o = self.options
+        num_tokens = q.shape[0]
+        q = q.view(num_tokens, o.num_heads, o.head_size)
+        k = k.view(num_tokens, o.num_kv_heads, o.head_size)
+        v = v.view(num_tokens, o.num_kv_heads, o.head_size)
+        out = torch.empty_like(q)
+        torch.ops.ember.attention(q, k, v, out, self.layer_name)
+        return out.view(num_tokens, o.num_heads * o.head_size)
