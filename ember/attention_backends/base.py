@@ -46,6 +46,11 @@ class BuilderContext:
     max_num_tokens: int
     max_model_len: int
     capture_sizes: tuple[int, ...] = ()
+    num_sms: int = 0                        # the device's multiprocessor count (0 on CPU)
+    backend_options: tuple[tuple[str, Any], ...] = ()   # backend-specific switches, e.g. ("split_launch", True)
+
+    def option(self, name: str, default: Any = None) -> Any:
+        return dict(self.backend_options).get(name, default)
 
 
 class MetadataBuilder:
