@@ -29,6 +29,9 @@ class ForwardContext:
     """Set around each forward: the static layer table and this step's metadata per KV-cache group."""
     layers: dict[str, AttentionLayerState]
     attn_metadata: tuple[Any, ...] = field(default_factory=tuple)
+    # set by the runner for the CUDA-graph machinery in ember.graphs (a BatchDescriptor and a CUDAGraphMode)
+    batch_descriptor: Any = None
+    cudagraph_runtime_mode: Any = None
 
 
 _current: contextvars.ContextVar[ForwardContext | None] = contextvars.ContextVar("ember_forward_context", default=None)
