@@ -111,6 +111,7 @@ class Request:
     num_preemptions: int = 0
     num_cached_prompt_tokens: int = 0     # prefix-cache hits at the last admission
     stop_reason: int | str | None = None
+    sampling_seed: int = 0                # sampling_params.seed, or one drawn from the engine's generator
     max_tokens: int = 16                  # resolved: sampling_params.max_tokens or what fits in max_model_len
 
     @property

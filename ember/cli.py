@@ -1,0 +1,107 @@
+"""`ember generate`, `ember backends`, `ember bench`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="HF model folder (default: SmolLM2-135M-Instruct, fetched once)")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--compile-mode", default="auto", choices=["auto", "none", "default"])
+    p.add_argument("--cudagraph-mode", default="auto")
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("-v", "--verbose", action="store_true", help="log start-up decisions")
+
+
+def engine_kwargs(args) -> dict:
+    return dict(dtype=args.dtype, device=args.device, max_model_len=args.max_model_len, block_size=args.block_size,
+                num_kv_blocks=args.num_kv_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
+                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                enable_prefix_caching=not args.no_prefix_caching, attention_backend=args.attention_backend,
+                compile_mode=args.compile_mode, cudagraph_mode=args.cudagraph_mode,
+                enforce_eager=args.enforce_eager, seed=args.seed)
+
+
+def _generate(args) -> int:
+    from ember import LLM, SamplingParams
+    llm = LLM(args.model, **engine_kwargs(args))
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                            max_tokens=args.max_tokens, seed=args.sample_seed, ignore_eos=args.ignore_eos,
+                            stop=args.stop or None)
+    prompt = args.prompt
+    if args.chat:
+        prompt = {"prompt_token_ids": llm.chat_prompt_ids([{"role": "user", "content": args.prompt}])}
+    printed = 0
+    for out in llm.generate_stream(prompt, params):
+        text = out.outputs[0].text
+        sys.stdout.write(text[printed:])
+        sys.stdout.flush()
+        printed = len(text)
+    sys.stdout.write("\n")
+    return 0
+
+
+def _backends(args) -> int:
+    from ember.attention_backends.registry import available_backends, get_backend
+    for name in available_backends():
+        try:
+            b = get_backend(name)
+            print(f"{name:16s} priority {b.priority:3d}  cudagraph {b.cudagraph_support.name:28s} {b.__doc__ or ''}"
+                  .rstrip())
+        except Exception as exc:   # a plug-in that fails to import is listed with the reason
+            print(f"{name:16s} unavailable: {exc}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ember", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text for one prompt, streaming to stdout")
+    _add_engine_args(g)
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--sample-seed", type=int, default=None)
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--stop", action="append")
+    g.set_defaults(func=_generate)
+
+    b = sub.add_parser("backends", help="list registered attention backends")
+    b.set_defaults(func=_backends)
+
+    try:
+        from ember.bench import add_bench_parser
+    except ImportError:
+        pass
+    else:
+        add_bench_parser(sub, _add_engine_args)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2

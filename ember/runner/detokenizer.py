@@ -1,0 +1,55 @@
+"""Incremental detokenization and stop-string matching, per request, on the host."""
+
+from __future__ import annotations
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text without decoding the whole list each step.
+
+    Decodes a small window (from `prefix_offset`) twice, before and after the new tokens, and emits the
+    difference, holding back text that ends in an incomplete UTF-8 sequence.
+    """
+
+    def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True,
+                 stop: tuple[str, ...] = (), include_stop_str_in_output: bool = False):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.stop = stop
+        self.include_stop = include_stop_str_in_output
+        self.max_stop_len = max((len(s) for s in stop), default=0)
+        self.token_ids: list[int] = list(prompt_token_ids[-6:])   # a few prompt tokens give the first output context
+        self.prefix_offset = 0
+        self.read_offset = len(self.token_ids)
+        self.text = ""
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add(self, token_id: int) -> str | None:
+        """Append one token; returns the stop string if the text now contains one (the text is cut before it)."""
+        if self.tokenizer is None:
+            return None
+        self.token_ids.append(token_id)
+        prefix = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
+        full = self._decode(self.token_ids[self.prefix_offset:])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            start = len(self.text)
+            self.text += full[len(prefix):]
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
+            return self._check_stop(start)
+        return None
+
+    def _check_stop(self, new_start: int) -> str | None:
+        if not self.stop:
+            return None
+        search_from = max(0, new_start - self.max_stop_len + 1)
+        best = None
+        for s in self.stop:
+            i = self.text.find(s, search_from)
+            if i != -1 and (best is None or i < best[0]):
+                best = (i, s)
+        if best is None:
+            return None
+        i, s = best
+        self.text = self.text[:i + len(s)] if self.include_stop else self.text[:i]
+        return s

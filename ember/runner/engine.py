@@ -1,0 +1,166 @@
+"""The step loop: validate and add requests, schedule, execute, update, detokenize, stop."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+from dataclasses import dataclass, field
+
+from ember.config import EngineConfig
+from ember.runner.detokenizer import IncrementalDetokenizer
+from ember.runner.kv_cache import KVCacheCoordinator
+from ember.runner.model_runner import ModelRunner, ModelRunnerOutput
+from ember.runner.request import (CompletionOutput, Logprob, Request, RequestOutput, RequestStatus,
+                                  SamplingParams)
+from ember.runner.scheduler import Scheduler, SchedulerOutput
+
+logger = logging.getLogger("ember")
+
+
+@dataclass
+class _Tracked:
+    """Host-side state of a request's output beyond its tokens."""
+    request: Request
+    prompt: str | None
+    detokenizer: IncrementalDetokenizer
+    logprobs: list[dict[int, Logprob]] | None
+    cumulative_logprob: float | None
+    stop_reason: int | str | None = None
+    finish_reason: str | None = None
+    extra: dict = field(default_factory=dict)
+
+
+class Engine:
+    """Owns the scheduler and the model runner; `step()` advances every unfinished request by one step."""
+
+    def __init__(self, config: EngineConfig, model_path: str, tokenizer=None, hf_config=None, model=None):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.runner = ModelRunner(config, model_path, hf_config=hf_config, model=model)
+        self.max_model_len = self.runner.max_model_len
+        self.vocab_size = self.runner.vocab_size
+        self.kv = KVCacheCoordinator(self.runner.attn.groups, self.runner.num_blocks,
+                                     config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
+        self.eos_token_ids = self._eos_ids()
+        self._rng = random.Random(config.model.seed)
+        self._ids = itertools.count()
+        self._tracked: dict[str, _Tracked] = {}
+
+    def _eos_ids(self) -> tuple[int, ...]:
+        ids: set[int] = set()
+        for src in (getattr(self.runner.hf_config, "eos_token_id", None),
+                    getattr(self.tokenizer, "eos_token_id", None) if self.tokenizer is not None else None):
+            if isinstance(src, int):
+                ids.add(src)
+            elif src:
+                ids.update(int(i) for i in src)
+        return tuple(sorted(ids))
+
+    # ---- requests ---------------------------------------------------------------------------------------------
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError naming the value and the limit if the request cannot be served."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("the prompt is empty; give at least one token")
+        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})")
+        if n >= self.max_model_len:
+            raise ValueError(f"the prompt has {n} tokens; with at least one generated token it exceeds "
+                             f"max_model_len {self.max_model_len}")
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None,
+                    request_id: str | None = None) -> str:
+        """Validate and queue a request; returns its id."""
+        prompt_token_ids = list(prompt_token_ids)
+        self.validate(prompt_token_ids, params)
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self._tracked:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        room = self.max_model_len - len(prompt_token_ids)
+        req = Request(request_id, prompt_token_ids, params, eos_token_ids=self.eos_token_ids,
+                      sampling_seed=params.seed if params.seed is not None else self._rng.getrandbits(63),
+                      max_tokens=min(params.max_tokens or room, room))
+        self.scheduler.add_request(req)
+        detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens, params.stop,
+                                       params.include_stop_str_in_output)
+        self._tracked[request_id] = _Tracked(req, prompt, detok, [] if params.logprobs is not None else None,
+                                             0.0 if params.logprobs is not None else None)
+        return request_id
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request; its blocks are freed at once. Returns whether it was found."""
+        found = self.scheduler.abort(request_id)
+        t = self._tracked.get(request_id)
+        if t is not None and t.finish_reason is None:
+            t.finish_reason = "abort"
+        return found
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the step ---------------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one step; returns the outputs of requests that got a new token (finished ones included)."""
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        result = self.runner.execute(out)
+        sampled = {s.request.request_id: tok for s, tok in zip(out.scheduled, result.sampled_token_ids) if s.samples}
+        updated = self.scheduler.update(out, sampled)
+        row_of = {s.request.request_id: i for i, s in enumerate(out.scheduled)}
+        outputs = []
+        for req in updated:
+            t = self._tracked[req.request_id]
+            self._record_logprobs(t, result, row_of[req.request_id])
+            self._check_stop(t)
+            outputs.append(self._output(t))
+            if t.finish_reason is not None:
+                del self._tracked[req.request_id]
+        return outputs
+
+    def _record_logprobs(self, t: _Tracked, result: ModelRunnerOutput, row: int) -> None:
+        n = t.request.sampling_params.logprobs
+        if n is None or result.logprobs is None:
+            return
+        ids, lps = result.logprob_token_ids[row], result.logprobs[row]
+        entry = {ids[0]: Logprob(lps[0], result.ranks[row])}
+        for rank, (tok, lp) in enumerate(zip(ids[1:1 + n], lps[1:1 + n]), start=1):
+            entry.setdefault(tok, Logprob(lp, rank))
+        t.logprobs.append(entry)
+        t.cumulative_logprob += lps[0]
+
+    def _check_stop(self, t: _Tracked) -> None:
+        req, p = t.request, t.request.sampling_params
+        token = req.output_token_ids[-1]
+        num_out = len(req.output_token_ids)
+        stop_str = t.detokenizer.add(token)
+        status = None
+        if num_out >= p.min_tokens:
+            if token in p.stop_token_ids:
+                status, t.stop_reason = RequestStatus.FINISHED_STOPPED, token
+            elif not p.ignore_eos and token in req.eos_token_ids:
+                status = RequestStatus.FINISHED_STOPPED
+            elif stop_str is not None:
+                status, t.stop_reason = RequestStatus.FINISHED_STOPPED, stop_str
+        if status is None and (num_out >= req.max_tokens or req.num_tokens >= self.max_model_len):
+            status = RequestStatus.FINISHED_LENGTH
+        if status is not None:
+            t.finish_reason = status.value
+            self.scheduler.finish(req, status)
+
+    def _output(self, t: _Tracked) -> RequestOutput:
+        req = t.request
+        completion = CompletionOutput(0, t.detokenizer.text, list(req.output_token_ids), t.cumulative_logprob,
+                                      list(t.logprobs) if t.logprobs is not None else None,
+                                      t.finish_reason, t.stop_reason)
+        return RequestOutput(req.request_id, t.prompt, req.prompt_token_ids, [completion],
+                             t.finish_reason is not None, req.num_cached_prompt_tokens)
+
+    @property
+    def stats(self):
+        return self.scheduler.stats

@@ -1,0 +1,113 @@
+"""Persistent input buffers: a `SchedulerOutput` is written into host buffers, copied into device buffers
+allocated once, and described by a `CommonAttentionMetadata` of views into them (CUDA-graph safe)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ember.attention_backends.common import CommonAttentionMetadata
+from ember.runner.scheduler import SchedulerOutput
+
+
+@dataclass(frozen=True)
+class PreparedBatch:
+    """What one step's forward reads: padded inputs, attention metadata and where each request's logits are."""
+    input_ids: torch.Tensor        # [num_tokens_padded] int64, device
+    positions: torch.Tensor        # [num_tokens_padded] int64, device
+    logits_indices: torch.Tensor   # [num_reqs] int64, device: each request's last scheduled token
+    common: CommonAttentionMetadata
+
+
+class _Buffer:
+    """A device tensor with a host mirror (pinned on CUDA) and a numpy view of the mirror."""
+
+    def __init__(self, shape, dtype: torch.dtype, device: torch.device, fill: int = 0):
+        self.host = torch.full(shape, fill, dtype=dtype, pin_memory=device.type == "cuda")
+        self.np = self.host.numpy()
+        self.device = torch.full(shape, fill, dtype=dtype, device=device)
+
+    def copy(self, n: int) -> torch.Tensor:
+        """Copy the first `n` rows to the device (asynchronously on CUDA) and return the device view."""
+        self.device[:n].copy_(self.host[:n], non_blocking=True)
+        return self.device[:n]
+
+
+class InputBatch:
+    """Turns scheduled requests into the step's input tensors, reusing the same buffers every step."""
+
+    def __init__(self, num_groups: int, block_size: int, max_num_reqs: int, max_num_tokens: int,
+                 max_model_len: int, device: torch.device):
+        self.block_size = block_size
+        self.max_num_reqs = max_num_reqs
+        self.max_num_tokens = max_num_tokens
+        self.max_blocks_per_req = -(-max_model_len // block_size)
+        self.input_ids = _Buffer((max_num_tokens,), torch.int64, device)               # [T]
+        self.positions = _Buffer((max_num_tokens,), torch.int64, device)               # [T]
+        self.query_start_loc = _Buffer((max_num_reqs + 1,), torch.int32, device)       # [R + 1]
+        self.seq_lens = _Buffer((max_num_reqs,), torch.int32, device)                  # [R]
+        self.logits_indices = _Buffer((max_num_reqs,), torch.int64, device)            # [R]
+        self.block_tables = [_Buffer((max_num_reqs, self.max_blocks_per_req), torch.int32, device)
+                             for _ in range(num_groups)]                               # [R, max_blocks]
+        self.slot_mappings = [_Buffer((max_num_tokens,), torch.int64, device, fill=-1)
+                              for _ in range(num_groups)]                              # [T]
+
+    def prepare(self, out: SchedulerOutput, num_tokens_padded: int | None = None,
+                num_reqs_padded: int | None = None, uniform_decode: bool | None = None) -> PreparedBatch:
+        """Fill the buffers for this step; rows past the live batch (up to the padded sizes) are padding."""
+        num_reqs = len(out.scheduled)
+        num_tokens = out.total_num_tokens
+        num_tokens_padded = num_tokens_padded or num_tokens
+        num_reqs_padded = num_reqs_padded or num_reqs
+        if num_tokens_padded > self.max_num_tokens or num_reqs_padded > self.max_num_reqs:
+            raise ValueError(f"batch of {num_tokens_padded} tokens / {num_reqs_padded} requests exceeds the "
+                             f"buffers ({self.max_num_tokens} / {self.max_num_reqs})")
+        bs = self.block_size
+        ids, pos, qsl, lens, logit_idx = (self.input_ids.np, self.positions.np, self.query_start_loc.np,
+                                          self.seq_lens.np, self.logits_indices.np)
+        qsl[0] = 0
+        t = 0
+        max_query_len = max_seq_len = 0
+        for r, s in enumerate(out.scheduled):
+            n, start = s.num_new_tokens, s.num_computed_tokens
+            req = s.request
+            if n == 1:
+                ids[t] = req.token_at(start)
+            else:
+                ids[t:t + n] = req.all_token_ids[start:start + n]
+            positions = np.arange(start, start + n)
+            pos[t:t + n] = positions
+            for g, blocks in enumerate(s.block_ids):
+                table = np.asarray(blocks, dtype=np.int64)
+                self.block_tables[g].np[r, :len(blocks)] = table
+                self.slot_mappings[g].np[t:t + n] = table[positions // bs] * bs + positions % bs
+            t += n
+            qsl[r + 1] = t
+            lens[r] = start + n
+            logit_idx[r] = t - 1
+            max_query_len = max(max_query_len, n)
+            max_seq_len = max(max_seq_len, start + n)
+        # padding: zero-length queries, empty sequences, null slots
+        qsl[num_reqs + 1:num_reqs_padded + 1] = t
+        lens[num_reqs:num_reqs_padded] = 0
+        ids[t:num_tokens_padded] = 0
+        pos[t:num_tokens_padded] = 0
+        for g in range(len(self.slot_mappings)):
+            self.slot_mappings[g].np[t:num_tokens_padded] = -1
+
+        common = CommonAttentionMetadata(
+            query_start_loc=self.query_start_loc.copy(num_reqs_padded + 1),
+            seq_lens=self.seq_lens.copy(num_reqs_padded),
+            query_start_loc_cpu=self.query_start_loc.host[:num_reqs_padded + 1],
+            seq_lens_cpu=self.seq_lens.host[:num_reqs_padded],
+            block_tables=tuple(b.copy(num_reqs_padded) for b in self.block_tables),
+            slot_mappings=tuple(m.copy(num_tokens_padded) for m in self.slot_mappings),
+            num_reqs=num_reqs, num_actual_tokens=num_tokens,
+            num_reqs_padded=num_reqs_padded, num_tokens_padded=num_tokens_padded,
+            max_query_len=max_query_len, max_seq_len=max_seq_len, num_decodes=out.num_decodes,
+            uniform_decode=(out.num_decodes == num_reqs) if uniform_decode is None else uniform_decode,
+        )
+        return PreparedBatch(self.input_ids.copy(num_tokens_padded), self.positions.copy(num_tokens_padded),
+                             self.logits_indices.copy(num_reqs), common)

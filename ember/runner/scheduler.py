@@ -1,0 +1,163 @@
+"""Continuous batching under a token budget: running requests first (decodes and unfinished chunked prefills),
+then new requests, prefill chunked to fit. When blocks run out, the newest running request is preempted
+by recompute and put back at the head of the queue: it is never dropped."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from ember.config import SchedulerConfig
+from ember.runner.kv_cache import KVCacheCoordinator
+from ember.runner.request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    """One request's share of a step: tokens [num_computed_tokens, num_computed_tokens + num_new_tokens)."""
+    request: Request
+    num_computed_tokens: int
+    num_new_tokens: int
+    block_ids: tuple[tuple[int, ...], ...]   # per KV-cache group, all blocks the request holds
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step reaches the end of the request's known tokens, so its logits give the next token."""
+        return self.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """One step's batch: decodes (single-token queries) first, then prefills."""
+    scheduled: tuple[ScheduledRequest, ...]
+    num_decodes: int
+    preempted_ids: tuple[str, ...] = ()
+
+    @property
+    def total_num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class SchedulerStats:
+    """Counters the tests and the benchmark read."""
+    num_preemptions: int = 0
+    num_prefix_cache_queries: int = 0       # prompt tokens looked up
+    num_prefix_cache_hits: int = 0          # of which found cached
+    num_steps: int = 0
+
+
+class Scheduler:
+    """Decides which requests run in each step and how many tokens of each."""
+
+    def __init__(self, config: SchedulerConfig, kv: KVCacheCoordinator, max_model_len: int):
+        self.config = config
+        self.kv = kv
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.stats = SchedulerStats()
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[str] = []
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.kv.try_allocate(req, req.num_computed_tokens + num_new):
+                victim = self.running.pop()     # the newest running request
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is req:
+                    break
+            else:
+                scheduled.append(self._schedule(req, num_new))
+                budget -= num_new
+                i += 1
+                continue
+            break   # req preempted itself: nothing after it is left in running
+
+        # new requests only when nobody had to be preempted (they would just be preempted next)
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            cached = self.kv.find_cached_prefix(req)
+            num_cached_tokens = len(cached[0]) * self.kv.block_size
+            num_new = min(req.num_tokens - num_cached_tokens, budget)
+            if not self.kv.try_allocate(req, num_cached_tokens + num_new, cached):
+                break
+            self.waiting.popleft()
+            self.stats.num_prefix_cache_queries += req.num_tokens
+            self.stats.num_prefix_cache_hits += num_cached_tokens
+            req.num_computed_tokens = num_cached_tokens
+            req.num_cached_prompt_tokens = num_cached_tokens
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            scheduled.append(self._schedule(req, num_new))
+            budget -= num_new
+
+        decodes = [s for s in scheduled if s.num_new_tokens == 1]
+        prefills = [s for s in scheduled if s.num_new_tokens != 1]
+        self.stats.num_steps += 1
+        return SchedulerOutput(tuple(decodes + prefills), len(decodes), tuple(preempted))
+
+    def _schedule(self, req: Request, num_new: int) -> ScheduledRequest:
+        return ScheduledRequest(req, req.num_computed_tokens, num_new, self.kv.block_ids(req))
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        req.status = RequestStatus.PREEMPTED
+        self.stats.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Advance computed counts and append sampled tokens; returns requests that received a token."""
+        got_token = []
+        for s in output.scheduled:
+            req = s.request
+            if req.status is not RequestStatus.RUNNING:
+                continue   # aborted while the step ran
+            req.num_computed_tokens = s.num_computed_tokens + s.num_new_tokens
+            self.kv.cache_full_blocks(req, req.num_computed_tokens)
+            if s.samples:
+                req.output_token_ids.append(sampled[req.request_id])
+                got_token.append(req)
+        return got_token
+
+    def finish(self, req: Request, status: RequestStatus) -> None:
+        """Finish (or abort) a request and free its blocks at once."""
+        if req.status.finished:
+            return
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        req.status = status
+        self.kv.free(req)
+        self.requests.pop(req.request_id, None)
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a waiting or running request; returns whether it was found."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return False
+        self.finish(req, RequestStatus.FINISHED_ABORTED)
+        return True
