@@ -1,0 +1,129 @@
+"""Block pool, prefix hashing and the scheduler's budget, chunking and preemption, without a model."""
+
+import pytest
+import torch
+
+from ember.config import SchedulerConfig
+from ember.runner.kv_cache import NULL_BLOCK, BlockPool, KVCacheCoordinator
+from ember.runner.kv_cache_spec import KVCacheGroup, KVCacheSpec
+from ember.runner.request import Request, RequestStatus, SamplingParams
+from ember.runner.scheduler import Scheduler
+
+BS = 4
+GROUPS = [KVCacheGroup(("a", "b"), KVCacheSpec(BS, 2, 8, torch.float32)),
+          KVCacheGroup(("c",), KVCacheSpec(BS, 2, 8, torch.float32, sliding_window=8))]
+
+
+def make(rid, n, start=0):
+    return Request(rid, list(range(start, start + n)), SamplingParams(max_tokens=100))
+
+
+def test_page_size_counts_k_and_v():
+    assert KVCacheSpec(16, 8, 128, torch.bfloat16).page_size_bytes == 2 * 16 * 8 * 128 * 2
+
+
+def test_pool_never_hands_out_the_null_block_and_recycles():
+    pool = BlockPool(5, enable_prefix_caching=False)
+    got = pool.allocate(4)
+    assert NULL_BLOCK not in got and sorted(got) == [1, 2, 3, 4] and pool.num_free_blocks == 0
+    pool.release(got)
+    assert pool.num_free_blocks == 4 and all(pool.ref_cnt[b] == 0 for b in got)
+
+
+def test_prefix_hits_share_blocks_across_groups_and_keep_one_token_to_compute():
+    kv = KVCacheCoordinator(GROUPS, num_blocks=32, enable_prefix_caching=True)
+    a = make("a", 10)
+    assert kv.try_allocate(a, 10)
+    kv.cache_full_blocks(a, 10)                   # 2 full blocks of 4
+    b = make("b", 10)                             # same 10 tokens
+    cached = kv.find_cached_prefix(b)
+    assert [len(c) for c in cached] == [2, 2]
+    assert tuple(cached[0]) == kv.block_ids(a)[0][:2]
+    c = make("c", 8)                              # exactly 2 blocks: the last token must be recomputed
+    assert [len(x) for x in kv.find_cached_prefix(c)] == [1, 1]
+    d = make("d", 10, start=1)                    # different first block: no hit, chained hashes
+    assert [len(x) for x in kv.find_cached_prefix(d)] == [0, 0]
+    assert kv.try_allocate(b, 10, cached)
+    assert kv.managers[0].pool.ref_cnt[cached[0][0]] == 2
+    kv.free(a)
+    kv.free(b)
+    assert kv.num_free_blocks == 31
+    # freed blocks keep their hash until reused
+    assert [len(x) for x in kv.find_cached_prefix(make("e", 10))] == [2, 2]
+
+
+def test_all_or_nothing_allocation():
+    kv = KVCacheCoordinator(GROUPS, num_blocks=4, enable_prefix_caching=False)   # 3 usable blocks
+    assert not kv.try_allocate(make("a", 13), 13)                                 # needs 4
+    assert kv.num_free_blocks == 3 and kv.block_ids(make("a", 13)) == ((), ())
+
+
+def run_steps(sched, steps=100):
+    """Drive the scheduler as the engine would: each sampling request gets token 7."""
+    trace = []
+    for _ in range(steps):
+        if not sched.has_unfinished():
+            break
+        out = sched.schedule()
+        trace.append(out)
+        sampled = {s.request.request_id: 7 for s in out.scheduled if s.samples}
+        for req in sched.update(out, sampled):
+            if len(req.output_token_ids) >= 3:
+                sched.finish(req, RequestStatus.FINISHED_LENGTH)
+    return trace
+
+
+def test_token_budget_chunks_prefill_and_puts_decodes_first():
+    kv = KVCacheCoordinator(GROUPS[:1], num_blocks=64, enable_prefix_caching=False)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=6), kv, max_model_len=64)
+    sched.add_request(make("a", 3))
+    sched.add_request(make("b", 9, start=50))
+    trace = run_steps(sched)
+    assert all(o.total_num_tokens <= 6 for o in trace)
+    first = trace[0]
+    assert [(s.request.request_id, s.num_new_tokens) for s in first.scheduled] == [("a", 3), ("b", 3)]
+    second = trace[1]
+    assert second.num_decodes == 1 and second.scheduled[0].request.request_id == "a"
+    assert [s.num_new_tokens for s in second.scheduled] == [1, 5]
+    assert not sched.has_unfinished()
+    assert kv.num_free_blocks == 63
+
+
+def test_preemption_requeues_the_newest_and_loses_nothing():
+    kv = KVCacheCoordinator(GROUPS[:1], num_blocks=5, enable_prefix_caching=False)   # 4 blocks = 16 tokens
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64), kv, max_model_len=16)
+    reqs = [make("a", 7), make("b", 7, start=20)]
+    for r in reqs:
+        sched.add_request(r)
+    trace = run_steps(sched)
+    assert sched.stats.num_preemptions >= 1
+    assert any("b" in o.preempted_ids for o in trace)
+    assert all(r.output_token_ids == [7, 7, 7] for r in reqs)
+    assert kv.num_free_blocks == 4
+
+
+def test_max_num_seqs_bounds_running():
+    kv = KVCacheCoordinator(GROUPS[:1], num_blocks=64, enable_prefix_caching=False)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64), kv, max_model_len=64)
+    for i in range(5):
+        sched.add_request(make(str(i), 3, start=10 * i))
+    out = sched.schedule()
+    assert len(out.scheduled) == 2 and len(sched.waiting) == 3
+
+
+def test_abort_frees_blocks():
+    kv = KVCacheCoordinator(GROUPS[:1], num_blocks=16, enable_prefix_caching=False)
+    sched = Scheduler(SchedulerConfig(), kv, max_model_len=64)
+    sched.add_request(make("a", 9))
+    sched.schedule()
+    assert kv.num_free_blocks == 15 - 3
+    assert sched.abort("a") and not sched.abort("a")
+    assert kv.num_free_blocks == 15 and not sched.has_unfinished()
+
+
+def test_duplicate_request_id_is_refused():
+    kv = KVCacheCoordinator(GROUPS[:1], num_blocks=16, enable_prefix_caching=False)
+    sched = Scheduler(SchedulerConfig(), kv, max_model_len=64)
+    sched.add_request(make("a", 3))
+    with pytest.raises(ValueError, match="'a' is already in use"):
+        sched.add_request(make("a", 3))
