@@ -1,0 +1,138 @@
+"""The engine end to end on tiny random-weight models (float32, CPU): same greedy tokens as transformers, and the
+same tokens whatever the batching (together or one by one, chunked prefill, preemption, prefix caching)."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+
+from ember import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+PROMPTS = [[1, 5, 9, 33, 7], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19], [200],
+           [17, 250, 31, 64, 99, 12, 5, 8, 201]]
+
+
+def _save(cfg, path):
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_llama")
+    cfg = LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      tie_word_embeddings=False)
+    return str(path), _save(cfg, path)
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_qwen3")
+    cfg = Qwen3Config(vocab_size=300, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=6, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                      tie_word_embeddings=True)
+    return str(path), _save(cfg, path)
+
+
+def hf_greedy(model, prompt, n):
+    ids = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                         eos_token_id=None, pad_token_id=0)
+    return ids[0, len(prompt):].tolist()
+
+
+def generate(llm, prompts=PROMPTS, params=GREEDY):
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize("family", ["tiny_llama", "tiny_qwen3"])
+def test_greedy_tokens_equal_transformers(family, request):
+    path, hf = request.getfixturevalue(family)
+    llm = LLM(path, device="cpu")
+    got = generate(llm)
+    for prompt, tokens in zip(PROMPTS, got):
+        assert len(tokens) == 32
+        assert tokens == hf_greedy(hf, prompt, 32)
+
+
+def test_batching_does_not_change_tokens(tiny_llama):
+    path, _ = tiny_llama
+    together = generate(LLM(path, device="cpu"))
+    llm = LLM(path, device="cpu")
+    one_by_one = [generate(llm, [p])[0] for p in PROMPTS]
+    assert one_by_one == together
+
+    chunked = LLM(path, device="cpu", max_num_batched_tokens=4, enable_prefix_caching=False)
+    assert generate(chunked) == together
+
+    # 9 usable blocks of 4 tokens: the four requests need up to 13 blocks together, so some must be preempted
+    small = LLM(path, device="cpu", block_size=8, num_kv_blocks=9, max_model_len=64, enable_prefix_caching=False)
+    assert generate(small) == together
+    assert small.engine.stats.num_preemptions > 0
+    assert small.engine.kv.num_free_blocks == 9
+
+
+def test_prefix_caching_hits_and_keeps_tokens(tiny_llama):
+    path, _ = tiny_llama
+    shared = list(range(40, 76))                         # 36 shared tokens: 2 full blocks of 16
+    prompts = [shared + [1, 2, 3], shared + [9, 8], shared + [5]]
+    off = LLM(path, device="cpu", enable_prefix_caching=False)
+    on = LLM(path, device="cpu", enable_prefix_caching=True)
+    expected = generate(off, prompts)
+    got = [generate(on, [p])[0] for p in prompts]        # one by one, so later ones find the first's blocks
+    assert got == expected
+    assert on.engine.stats.num_prefix_cache_hits == 2 * 32
+    assert off.engine.stats.num_prefix_cache_hits == 0
+
+
+def test_abort_and_stop_conditions(tiny_llama):
+    path, hf = tiny_llama
+    llm = LLM(path, device="cpu")
+    ref = hf_greedy(hf, PROMPTS[0], 12)
+    stop_tok = ref[5]
+    out = llm.generate({"prompt_token_ids": PROMPTS[0]},
+                       SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop_tok]), use_tqdm=False)[0]
+    first = ref.index(stop_tok)
+    assert out.outputs[0].token_ids == ref[:first + 1]
+    assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == stop_tok
+    out = llm.generate({"prompt_token_ids": PROMPTS[0]}, SamplingParams(temperature=0, max_tokens=7, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 7
+    rid = llm.engine.add_request(PROMPTS[1], GREEDY)
+    llm.engine.step()
+    assert llm.engine.abort(rid)
+    assert not llm.engine.has_unfinished() and llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks - 1
+
+
+def test_seeded_sampling_is_reproducible_across_batches(tiny_llama):
+    path, _ = tiny_llama
+    llm = LLM(path, device="cpu")
+    p = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=16, seed=1234, ignore_eos=True)
+    alone = generate(llm, [PROMPTS[0]], p)[0]
+    mixed = llm.generate([{"prompt_token_ids": q} for q in PROMPTS],
+                         [p if i == 2 else SamplingParams(temperature=0.8, max_tokens=10) for i in range(4)],
+                         use_tqdm=False)
+    reordered = generate(llm, [PROMPTS[2], PROMPTS[0]], p)
+    assert reordered[1] == alone
+    assert generate(llm, [PROMPTS[0]], SamplingParams(temperature=1.0, top_p=0.9, max_tokens=16, seed=1234,
+                                                      ignore_eos=True))[0] == alone
+    assert len(mixed) == 4 and all(len(o.outputs[0].token_ids) >= 1 for o in mixed)
+
+
+def test_logprobs_are_returned(tiny_llama):
+    path, hf = tiny_llama
+    llm = LLM(path, device="cpu")
+    out = llm.generate({"prompt_token_ids": PROMPTS[0]},
+                       SamplingParams(temperature=0, max_tokens=3, logprobs=2, ignore_eos=True), use_tqdm=False)[0]
+    c = out.outputs[0]
+    with torch.no_grad():
+        logits = hf(torch.tensor([PROMPTS[0]])).logits[0, -1]
+    ref = torch.log_softmax(logits.double(), -1)
+    first = c.logprobs[0]
+    assert len(c.logprobs) == 3 and c.token_ids[0] in first
+    assert abs(first[c.token_ids[0]].logprob - ref[c.token_ids[0]].item()) < 1e-4
+    assert first[c.token_ids[0]].rank == 1
+    assert abs(c.cumulative_logprob - sum(lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids))) < 1e-6
