@@ -32,9 +32,17 @@ class LLM:
                  enable_prefix_caching: bool = True, attention_backend: str = "auto", seed: int = 0,
                  compile_mode: str = "auto", cudagraph_mode: str = "auto",
                  cudagraph_capture_sizes: Sequence[int] | None = None, enforce_eager: bool = False,
-                 tokenizer=None, hf_config=None, model_module=None):
-        from ember.models.default_model import resolve_model_path
-        path = resolve_model_path(model)
+                 load_format: str = "auto", tokenizer=None):
+        if load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format {load_format!r} is not supported; use 'auto' or 'dummy' (random weights)")
+        hf_config = None
+        if load_format == "dummy" and model is not None and not Path(model).exists():
+            # a bundled public config by name: random weights of the real shape, no download
+            from ember.models.bundled import bundled_config
+            hf_config, path = bundled_config(model), Path(model)
+        else:
+            from ember.models.default_model import resolve_model_path
+            path = resolve_model_path(model)
         config = EngineConfig(
             model=ModelConfig(str(path), dtype, max_model_len, seed),
             cache=CacheConfig(block_size, num_kv_blocks, gpu_memory_utilization, enable_prefix_caching),
@@ -45,8 +53,10 @@ class LLM:
             device=device, attention_backend=attention_backend,
         ).resolve()
         self.config = config
-        self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(path)
-        self.engine = Engine(config, str(path), self.tokenizer, hf_config=hf_config, model=model_module)
+        if tokenizer is None and hf_config is None:
+            tokenizer = _load_tokenizer(path)
+        self.tokenizer = tokenizer
+        self.engine = Engine(config, str(path), self.tokenizer, hf_config=hf_config, load_format=load_format)
 
     # ---- prompts ----------------------------------------------------------------------------------------------
     def _tokenize(self, prompt: PromptType) -> tuple[list[int], str | None]:

@@ -13,7 +13,7 @@ from ember.runner.kv_cache import KVCacheCoordinator
 from ember.runner.model_runner import ModelRunner, ModelRunnerOutput
 from ember.runner.request import (CompletionOutput, Logprob, Request, RequestOutput, RequestStatus,
                                   SamplingParams)
-from ember.runner.scheduler import Scheduler, SchedulerOutput
+from ember.runner.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 
 logger = logging.getLogger("ember")
 
@@ -34,10 +34,11 @@ class _Tracked:
 class Engine:
     """Owns the scheduler and the model runner; `step()` advances every unfinished request by one step."""
 
-    def __init__(self, config: EngineConfig, model_path: str, tokenizer=None, hf_config=None, model=None):
+    def __init__(self, config: EngineConfig, model_path: str, tokenizer=None, hf_config=None,
+                 load_format: str = "auto"):
         self.config = config
         self.tokenizer = tokenizer
-        self.runner = ModelRunner(config, model_path, hf_config=hf_config, model=model)
+        self.runner = ModelRunner(config, model_path, hf_config=hf_config, load_format=load_format)
         self.max_model_len = self.runner.max_model_len
         self.vocab_size = self.runner.vocab_size
         self.kv = KVCacheCoordinator(self.runner.attn.groups, self.runner.num_blocks,
@@ -160,6 +161,24 @@ class Engine:
                                       t.finish_reason, t.stop_reason)
         return RequestOutput(req.request_id, t.prompt, req.prompt_token_ids, [completion],
                              t.finish_reason is not None, req.num_cached_prompt_tokens)
+
+    def score(self, token_ids: list[int]) -> "torch.Tensor":
+        """Teacher-forced logits [len(token_ids), V] of one sequence, computed through the paged cache in one
+        prefill step. Runs only while no other request is in flight."""
+        if self.has_unfinished():
+            raise RuntimeError("score() needs an idle engine; finish or abort running requests first")
+        self.validate(token_ids, SamplingParams())
+        if len(token_ids) > self.config.scheduler.max_num_batched_tokens:
+            raise ValueError(f"{len(token_ids)} tokens exceed max_num_batched_tokens "
+                             f"{self.config.scheduler.max_num_batched_tokens} for one scoring step")
+        req = Request("__score__", list(token_ids), SamplingParams())
+        if not self.kv.try_allocate(req, len(token_ids)):
+            raise ValueError(f"{len(token_ids)} tokens do not fit in the KV cache")
+        try:
+            sched = ScheduledRequest(req, 0, len(token_ids), self.kv.block_ids(req))
+            return self.runner.all_logits(SchedulerOutput((sched,), 1 if len(token_ids) == 1 else 0))
+        finally:
+            self.kv.free(req)
 
     @property
     def stats(self):

@@ -11,7 +11,7 @@ import torch
 
 from ember.attention_backends.op import ForwardContext, forward_context
 from ember.config import EngineConfig, parse_dtype
-from ember.models.loader import load_config, load_model
+from ember.models.loader import load_config, load_model, random_model
 from ember.runner.input_batch import InputBatch
 from ember.runner.kv_cache_setup import allocate_kv_caches, make_builders, select_backends
 from ember.runner.sampler import Sampler, SamplingMetadata
@@ -41,14 +41,17 @@ class StartupTimes:
 class ModelRunner:
     """Owns the model, the KV cache, the persistent input buffers and the sampler on one device."""
 
-    def __init__(self, config: EngineConfig, model_path: str, hf_config=None, model=None):
+    def __init__(self, config: EngineConfig, model_path: str, hf_config=None, load_format: str = "auto"):
         self.config = config
         self.device = torch.device(config.device)
         self.times = StartupTimes()
         t0 = time.perf_counter()
         self.hf_config = hf_config if hf_config is not None else load_config(model_path)
         self.dtype = self._resolve_dtype(config.model.dtype)
-        self.model = model if model is not None else load_model(model_path, self.hf_config, self.dtype, self.device)
+        if load_format == "dummy":
+            self.model = random_model(self.hf_config, self.dtype, self.device, seed=config.model.seed)
+        else:
+            self.model = load_model(model_path, self.hf_config, self.dtype, self.device)
         self.vocab_size = self.hf_config.vocab_size
         self.times.load_s = time.perf_counter() - t0
 
@@ -129,12 +132,16 @@ class ModelRunner:
         return min(model_len, capacity)
 
     # ---- the step -------------------------------------------------------------------------------------------
-    @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+    def _forward(self, out: SchedulerOutput):
         batch = self.input_batch.prepare(out)
         metadata = tuple(b.build(batch.common) for b in self.builders)
         with forward_context(ForwardContext(self.layer_states, metadata)):
             hidden = self.forward_fn(batch.input_ids, batch.positions)
+        return batch, hidden
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        batch, hidden = self._forward(out)
         logits = self.model.compute_logits(hidden[batch.logits_indices])
         reqs = [s.request for s in out.scheduled]
         meta = SamplingMetadata.build(
@@ -142,6 +149,12 @@ class ModelRunner:
             [r.prompt_token_ids for r in reqs], [r.eos_token_ids for r in reqs], self.vocab_size, self.device)
         result = self.sampler(logits, meta)
         return self._to_host(result)
+
+    @torch.inference_mode()
+    def all_logits(self, out: SchedulerOutput) -> torch.Tensor:
+        """Logits of every scheduled token [num_tokens, V] (for scoring and teacher-forced checks)."""
+        batch, hidden = self._forward(out)
+        return self.model.compute_logits(hidden[:batch.common.num_actual_tokens])
 
     def _to_host(self, result) -> ModelRunnerOutput:
         # the step's single device-to-host transfer (token ids, and logprobs only when some request asked)

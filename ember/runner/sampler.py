@@ -1,0 +1,187 @@
+"""Batched sampling on the device: penalties, greedy, temperature, top-k, top-p, min-p, per-request seeds, logprobs.
+
+Every request of a step is sampled in one pass over the [N, V] logits, with no host sync. Random draws use
+counter-based noise: a splitmix64 hash of (seed, output position, token id) computed in int64 tensor ops, so a
+request's token depends only on its own logits, seed and position, never on its batch mates or its row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ember.runner.sampling_metadata import SamplingMetadata
+
+__all__ = ["Sampler", "SamplerOutput", "SamplingMetadata", "apply_penalties", "apply_top_k_top_p", "apply_min_p",
+           "random_bits", "gumbel_noise"]
+
+
+@dataclass
+class SamplerOutput:
+    """What the sampler returns for one step; all tensors stay on the device until the engine copies them."""
+    sampled_token_ids: torch.Tensor           # [N] int64
+    logprob_token_ids: torch.Tensor | None    # [N, 1 + max_logprobs] int64: sampled token, then the top-k ids
+    logprobs: torch.Tensor | None             # [N, 1 + max_logprobs] float32
+    ranks: torch.Tensor | None                # [N] int64: rank of the sampled token (1 = most likely)
+
+
+class Sampler(nn.Module):
+    """Samples one token per request from [N, V] logits as described by a `SamplingMetadata`."""
+
+    def forward(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        """Sample the next token of every request; logprobs come from the raw logits, as vLLM does by default."""
+        if logits.dim() != 2 or logits.shape[0] != meta.num_reqs or logits.shape[1] != meta.vocab_size:
+            raise ValueError(f"logits of shape {tuple(logits.shape)} do not match the sampling metadata "
+                             f"[num_reqs={meta.num_reqs}, vocab_size={meta.vocab_size}]")
+        if not logits.is_floating_point():
+            raise ValueError(f"logits dtype {logits.dtype} must be a floating-point type")
+        raw_logprobs = None
+        if meta.max_num_logprobs is not None:
+            raw_logprobs = torch.log_softmax(logits.float(), dim=-1)   # [N, V]
+
+        # a private float32 copy: the steps below work in place and the caller's logits stay untouched
+        logits = logits.to(torch.float32, copy=True)                 # [N, V]
+        logits = apply_penalties(logits, meta)
+        if meta.blocked_token_ids is not None:
+            logits.masked_fill_(_token_mask(meta.blocked_token_ids, meta.vocab_size), float("-inf"))
+        sampled = self._sample(logits, meta)
+
+        if raw_logprobs is None:
+            return SamplerOutput(sampled, None, None, None)
+        ids, lps, ranks = gather_logprobs(raw_logprobs, sampled, meta.max_num_logprobs)
+        return SamplerOutput(sampled, ids, lps, ranks)
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """Greedy rows take the argmax; random rows race counter-based noise over the filtered logits."""
+        greedy = None if meta.all_random else logits.argmax(dim=-1)   # [N]
+        if meta.all_greedy:
+            return greedy
+        if meta.temperature is not None:
+            logits.div_(meta.temperature[:, None])
+        logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p, meta.max_top_k)
+        if meta.min_p is not None:
+            logits = apply_min_p(logits, meta.min_p)
+        # Gumbel-max: argmax(l + G) with G = -log(E), E ~ Exp(1), is the exponential race argmax(p / E)
+        logits.add_(gumbel_noise(meta.seeds, meta.output_lens, meta.vocab_size))
+        sampled = logits.argmax(dim=-1)                                # [N]
+        if greedy is None:
+            return sampled
+        return torch.where(meta.greedy_mask, greedy, sampled)
+
+
+def _token_mask(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[N, V] bool, True at the ids listed per row; the pad id vocab_size lands in a dropped extra column."""
+    mask = torch.zeros(token_ids.shape[0], vocab_size + 1, dtype=torch.bool, device=token_ids.device)
+    return mask.scatter_(1, token_ids, True)[:, :vocab_size]
+
+
+def _token_counts(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[N, V] int64, how often each id occurs per row; padding is counted in a dropped extra column."""
+    counts = torch.zeros(token_ids.shape[0], vocab_size + 1, dtype=torch.int64, device=token_ids.device)
+    return counts.scatter_add_(1, token_ids, torch.ones_like(token_ids))[:, :vocab_size]
+
+
+def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """Repetition (HF/vLLM, prompt + output tokens) then presence and frequency (OpenAI, output tokens only)."""
+    if not meta.has_penalties:
+        return logits
+    vocab_size = meta.vocab_size
+    if meta.repetition_penalty is not None:
+        seen = _token_mask(meta.prompt_token_ids, vocab_size) | _token_mask(meta.output_token_ids, vocab_size)
+        penalty = meta.repetition_penalty[:, None]
+        # dividing positive and multiplying negative logits makes a seen token less likely either way
+        penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
+        logits = torch.where(seen, penalised, logits)
+    if meta.frequency_penalty is not None or meta.presence_penalty is not None:
+        counts = _token_counts(meta.output_token_ids, vocab_size)   # [N, V]
+        if meta.frequency_penalty is not None:
+            logits = logits - meta.frequency_penalty[:, None] * counts
+        if meta.presence_penalty is not None:
+            logits = logits - meta.presence_penalty[:, None] * (counts > 0)
+    return logits
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
+                      max_top_k: int) -> torch.Tensor:
+    """Mask to -inf what top-k and then top-p (on the renormalised sorted probs) leave out; vLLM semantics."""
+    if top_p is None and top_k is None:
+        return logits
+    vocab_size = logits.shape[1]
+    neg_inf = float("-inf")
+    if top_p is None:
+        # top-k alone needs only the largest max_top_k values per row, not a full sort
+        top_values = logits.topk(max_top_k, dim=-1).values                         # [N, max_top_k]
+        kth = top_values.gather(1, (top_k.clamp(max=max_top_k) - 1)[:, None])      # [N, 1]
+        kth = kth.masked_fill((top_k >= vocab_size)[:, None], neg_inf)              # disabled rows keep all
+        return logits.masked_fill_(logits < kth, neg_inf)
+
+    sorted_logits, sorted_ids = logits.sort(dim=-1)                                # ascending, [N, V]
+    if top_k is not None:
+        kth = sorted_logits.gather(1, (vocab_size - top_k)[:, None])                # [N, 1]
+        sorted_logits.masked_fill_(sorted_logits < kth, neg_inf)
+    cum_probs = sorted_logits.softmax(dim=-1).cumsum(dim=-1)                       # [N, V]
+    # drop the low tail whose mass stays within 1 - top_p; the most likely token always survives
+    drop = cum_probs <= (1.0 - top_p)[:, None]
+    drop[:, -1] = False
+    sorted_logits.masked_fill_(drop, neg_inf)
+    return torch.empty_like(logits).scatter_(1, sorted_ids, sorted_logits)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Mask tokens whose probability is below min_p times the most likely token's (done in log space)."""
+    # p_i < min_p * p_max  <=>  l_i < l_max + log(min_p); min_p = 0 gives -inf and keeps everything
+    threshold = logits.amax(dim=-1, keepdim=True) + torch.log(min_p)[:, None]     # [N, 1]
+    return logits.masked_fill_(logits < threshold, float("-inf"))
+
+
+def gather_logprobs(raw_logprobs: torch.Tensor, sampled: torch.Tensor,
+                    num_logprobs: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The sampled token's logprob followed by the top-`num_logprobs` ones, and the sampled token's rank."""
+    sampled = sampled[:, None]                                                     # [N, 1]
+    sampled_logprob = raw_logprobs.gather(1, sampled)                              # [N, 1]
+    # rank counts ties against the sampled token, as vLLM does: 1 means nothing is more likely
+    ranks = (raw_logprobs >= sampled_logprob).sum(dim=-1)                          # [N]
+    if num_logprobs == 0:
+        return sampled, sampled_logprob, ranks
+    top_logprobs, top_ids = raw_logprobs.topk(num_logprobs, dim=-1)               # [N, num_logprobs]
+    return torch.cat([sampled, top_ids], dim=1), torch.cat([sampled_logprob, top_logprobs], dim=1), ranks
+
+
+# splitmix64 constants, stored as the signed int64 values with the same bits
+def _signed64(c: int) -> int:
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+_GOLDEN = _signed64(0x9E3779B97F4A7C15)
+_MIX1 = _signed64(0xBF58476D1CE4E5B9)
+_MIX2 = _signed64(0x94D049BB133111EB)
+
+
+def _shift_right(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 bits (torch's >> is arithmetic, so clear the sign-filled bits)."""
+    return (x >> k) & ((1 << (64 - k)) - 1)
+
+
+def _mix64(z: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser; int64 multiplication wraps like uint64, so the bits match the unsigned original."""
+    z = (z ^ _shift_right(z, 30)) * _MIX1
+    z = (z ^ _shift_right(z, 27)) * _MIX2
+    return z ^ _shift_right(z, 31)
+
+
+def random_bits(seeds: torch.Tensor, counters: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[N, V] int64 of 64 random bits per (seed, counter, token id), a pure function of those three numbers."""
+    # one splitmix64 stream per (seed, counter): hash the seed, step to the counter, hash again for the row key
+    row_key = _mix64(_mix64(seeds + _GOLDEN) + (counters + 1) * _GOLDEN)             # [N]
+    token_steps = (torch.arange(vocab_size, dtype=torch.int64, device=seeds.device) + 1) * _GOLDEN   # [V]
+    return _mix64(row_key[:, None] + token_steps[None, :])                           # [N, V]
+
+
+def gumbel_noise(seeds: torch.Tensor, counters: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[N, V] float32 standard Gumbel noise, -log(E) with E ~ Exp(1), from `random_bits`."""
+    # top 23 bits plus a half step: uniform strictly inside (0, 1) and exact in float32, so no log(0)
+    uniform = (_shift_right(random_bits(seeds, counters, vocab_size), 41).float() + 0.5) * (2.0 ** -23)
+    return -torch.log(-torch.log(uniform))
