@@ -1,0 +1,152 @@
+"""The Triton unified attention backend: one kernel for mixed prefill/decode batches, a split-KV variant for small
+decode batches, CUDA-graph capturable in every mode. On a CPU it runs under TRITON_INTERPRET=1 (for tests)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from ember.attention_backends.base import (AttentionBackend, AttentionImpl, AttentionLayerOptions, BuilderContext,
+                                           CudaGraphSupport, MetadataBuilder)
+from ember.attention_backends.common import CommonAttentionMetadata
+from ember.runner.kv_cache_spec import KVCacheSpec
+
+from .kernels import (MODE_DECODES, segment_scratch_numel, unified_attention_2d, unified_attention_3d,
+                      write_kv_cache)
+from .plan import MAX_GROUP_3D, max_scratch_rows, plan_launch
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MIN_HEAD_SIZE, MAX_HEAD_SIZE = 16, 256
+MAX_QUERIES_PER_KV = 128   # the decode tile packs one token's query heads into at most 128 rows
+
+
+@dataclass(frozen=True)
+class TritonUnifiedMetadata:
+    """Views of the step's persistent buffers plus the bucket's (padded) sizes that pick the kernels."""
+    query_start_loc: torch.Tensor   # [num_reqs_padded + 1] int32
+    seq_lens: torch.Tensor          # [num_reqs_padded] int32
+    block_table: torch.Tensor       # [num_reqs_padded, max_blocks_per_req] int32
+    slot_mapping: torch.Tensor      # [num_tokens_padded] int64
+    num_decodes: torch.Tensor       # [1] int32, live count of leading decodes, filled in place each step
+    scratch_out: torch.Tensor       # [rows * head_pad] fp32, 3D partial outputs
+    scratch_max: torch.Tensor       # [rows] fp32, 3D partial maxima
+    scratch_sum: torch.Tensor       # [rows] fp32, 3D partial sums
+    num_reqs_padded: int
+    num_tokens_padded: int
+    uniform_decode: bool
+    split_launch: bool
+    num_sms: int
+    num_decode_tokens: int          # live split of the batch (host ints; informational, never pick a kernel)
+    num_prefill_tokens: int
+
+
+class TritonUnifiedMetadataBuilder(MetadataBuilder):
+    """Owns the decode-count tensor and the 3D segment scratch (sized for the largest bucket); fills them in place.
+
+    `build` runs outside any CUDA graph, before capture or replay: the graph reads what it wrote."""
+
+    def __init__(self, ctx: BuilderContext):
+        super().__init__(ctx)
+        spec = ctx.group.spec
+        self.split_launch = bool(ctx.option("split_launch", False))
+        self.num_decodes = torch.zeros(1, dtype=torch.int32, device=ctx.device)   # [1]
+        max_decodes = min(ctx.max_num_reqs, ctx.max_num_tokens)
+        rows = max_scratch_rows(max_decodes, spec.num_kv_heads, ctx.num_sms)
+        num_out, _ = segment_scratch_numel(rows, 1, spec.head_size, 1)
+        self.scratch_out = torch.empty(num_out, dtype=torch.float32, device=ctx.device)   # [rows * head_pad]
+        self.scratch_max = torch.empty(rows, dtype=torch.float32, device=ctx.device)      # [rows]
+        self.scratch_sum = torch.empty(rows, dtype=torch.float32, device=ctx.device)      # [rows]
+
+    def build(self, common: CommonAttentionMetadata) -> TritonUnifiedMetadata:
+        self.num_decodes.fill_(common.num_decodes)
+        i = self.ctx.group_index
+        return TritonUnifiedMetadata(
+            query_start_loc=common.query_start_loc, seq_lens=common.seq_lens, block_table=common.block_tables[i],
+            slot_mapping=common.slot_mappings[i], num_decodes=self.num_decodes, scratch_out=self.scratch_out,
+            scratch_max=self.scratch_max, scratch_sum=self.scratch_sum, num_reqs_padded=common.num_reqs_padded,
+            num_tokens_padded=common.num_tokens_padded, uniform_decode=common.uniform_decode,
+            split_launch=self.split_launch, num_sms=self.ctx.num_sms, num_decode_tokens=common.num_decode_tokens,
+            num_prefill_tokens=common.num_prefill_tokens)
+
+
+class TritonUnifiedImpl(AttentionImpl):
+    """Writes K/V with the cache-write kernel, then runs the launches `plan_launch` picks for the bucket."""
+
+    def forward(self, query, key, value, kv_cache, metadata: TritonUnifiedMetadata, out) -> None:
+        o = self.options
+        key_cache, value_cache = kv_cache[0], kv_cache[1]
+        if o.kv_sharing_target is None:
+            write_kv_cache(key, value, key_cache, value_cache, metadata.slot_mapping)
+        plan = plan_launch(metadata.num_tokens_padded, metadata.num_reqs_padded, metadata.uniform_decode,
+                           o.num_heads, o.num_kv_heads, o.head_size, metadata.num_sms, metadata.split_launch)
+        sinks = None if self.sinks is None else self.sinks.float().contiguous()
+        slopes = None if self.alibi_slopes is None else self.alibi_slopes.float().contiguous()
+        layout = (query, key_cache, value_cache, out, metadata.block_table, metadata.query_start_loc,
+                  metadata.seq_lens)
+        options = dict(scale=o.scale, sliding_window=o.sliding_window, soft_cap=o.logits_soft_cap, sinks=sinks,
+                       alibi_slopes=slopes)
+        decode_count = metadata.num_decodes if plan.decode_count_on_device else None
+        if plan.decode is not None and plan.num_segments > 1:
+            unified_attention_3d(*layout, num_seqs=plan.num_decode_seqs, config=plan.decode,
+                                 num_segments=plan.num_segments, scratch_out=metadata.scratch_out,
+                                 scratch_max=metadata.scratch_max, scratch_sum=metadata.scratch_sum,
+                                 num_decodes=decode_count, **options)
+        elif plan.decode is not None:
+            unified_attention_2d(*layout, num_seqs=plan.num_decode_seqs, num_tokens=metadata.num_tokens_padded,
+                                 config=plan.decode, mode=MODE_DECODES, num_decodes=decode_count, **options)
+        if plan.rest is not None:
+            unified_attention_2d(*layout, num_seqs=metadata.num_reqs_padded, num_tokens=metadata.num_tokens_padded,
+                                 config=plan.rest, mode=plan.rest_mode, num_decodes=metadata.num_decodes,
+                                 **options)
+
+
+class TritonUnifiedBackend(AttentionBackend):
+    """Triton kernels over a [2, num_blocks, num_kv_heads, block_size, head_size] cache; every option, every
+    CUDA-graph mode. CUDA, or CPU under TRITON_INTERPRET=1."""
+    name = "triton_unified"
+    priority = 10
+    cudagraph_support = CudaGraphSupport.ALWAYS
+    builder_cls = TritonUnifiedMetadataBuilder
+    impl_cls = TritonUnifiedImpl
+
+    @staticmethod
+    def kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size):
+        # heads outside the token axis: one (block, head) is a contiguous run (see kernels/kv_cache_write.py)
+        return (2, num_blocks, num_kv_heads, block_size, head_size)
+
+    @classmethod
+    def supports(cls, spec: KVCacheSpec, dtype: torch.dtype, device: torch.device,
+                 options: AttentionLayerOptions | None = None) -> list[str]:
+        reasons = []
+        device = torch.device(device)
+        interpreted = os.environ.get("TRITON_INTERPRET", "0") == "1"   # read now: tests set it per process
+        if device.type == "cpu" and not interpreted:
+            reasons.append("on a CPU the Triton kernels run only under TRITON_INTERPRET=1")
+        elif device.type not in ("cpu", "cuda"):
+            reasons.append(f"device {device.type} is not supported (cuda, or cpu with TRITON_INTERPRET=1)")
+        for what, dt in (("dtype", dtype), ("KV-cache dtype", spec.dtype)):
+            if dt not in SUPPORTED_DTYPES:
+                reasons.append(f"{what} {dt} is not supported (float16, bfloat16, float32)")
+            elif dt == torch.bfloat16 and device.type == "cpu" and interpreted:
+                reasons.append(f"{what} bfloat16 is not supported under TRITON_INTERPRET (its tl.dot is wrong "
+                               "there); use float16 or float32 on a CPU")
+        head_size = spec.head_size if options is None else options.head_size
+        if not (MIN_HEAD_SIZE <= head_size <= MAX_HEAD_SIZE and head_size % 8 == 0):
+            reasons.append(f"head_size {head_size} is not supported (a multiple of 8 from {MIN_HEAD_SIZE} to "
+                           f"{MAX_HEAD_SIZE})")
+        if options is not None:
+            group = options.num_heads // max(options.num_kv_heads, 1)
+            if options.num_heads % max(options.num_kv_heads, 1):
+                reasons.append(f"num_heads {options.num_heads} is not a multiple of num_kv_heads "
+                               f"{options.num_kv_heads}")
+            elif group > MAX_QUERIES_PER_KV:
+                reasons.append(f"{group} query heads per KV head exceed the supported {MAX_QUERIES_PER_KV}")
+            if options.sliding_window is not None and options.sliding_window < 1:
+                reasons.append(f"sliding_window {options.sliding_window} must be at least 1")
+        return reasons
+
+
+__all__ = ["TritonUnifiedBackend", "TritonUnifiedMetadataBuilder", "TritonUnifiedImpl", "TritonUnifiedMetadata",
+           "MAX_GROUP_3D"]

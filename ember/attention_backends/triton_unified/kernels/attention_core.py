@@ -1,0 +1,143 @@
+"""Device helpers shared by the 2D and 3D unified attention kernels and the segment reduce.
+
+Scores live in log2 units (multiplied by log2(e)) so the online softmax can use exp2. Masks are applied only on
+the tiles that need them: the KV range of a query block is split into a masked front (sliding-window edge), an
+unmasked middle (every key visible to every query of the block) and a masked back (the causal diagonal and the
+sequence end).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LOG2E = tl.constexpr(1.4426950408889634)
+
+# How programs map to sequences (a kernel's MODE).
+MODE_ALL = 0        # every request; programs are query blocks found by binary search over query_start_loc
+MODE_DECODES = 1    # the leading single-token requests only; program i is request i
+MODE_PREFILLS = 2   # the requests after the leading decodes; like MODE_ALL but starting at the first prefill
+
+
+@triton.jit
+def _tanh(x):
+    # 1 - 2 / (e^{2x} + 1): overflow gives 1, underflow -1, and it only needs exp (portable to the interpreter).
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+@triton.jit
+def locate_query_block(pid, query_start_loc_ptr, num_decodes_ptr, num_seqs,
+                       BLOCK_Q: tl.constexpr, MODE: tl.constexpr, LIMIT_DECODES: tl.constexpr):
+    """(sequence index, query block within it, valid) for program `pid`, without any host sync.
+
+    Sequence i's query blocks are numbered from query_start_loc[i] // BLOCK_Q + i: an upper bound of the blocks
+    before it, so the grid num_tokens_padded // BLOCK_Q + num_seqs always suffices and the numbering is monotone,
+    which lets a binary search find the sequence of any program."""
+    if MODE == 1:
+        seq = pid
+        block_in_seq = pid * 0
+        limit = num_seqs + pid * 0
+        if LIMIT_DECODES:
+            limit = tl.load(num_decodes_ptr)
+        valid = seq < limit
+    else:
+        lo = pid * 0
+        if MODE == 2:
+            lo = tl.load(num_decodes_ptr)
+            pid = pid + tl.load(query_start_loc_ptr + lo) // BLOCK_Q + lo
+        hi = num_seqs + pid * 0
+        # largest i in [lo, num_seqs) with query_start_loc[i] // BLOCK_Q + i <= pid
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            start = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+            take = start <= pid
+            lo = tl.where(take, mid, lo)
+            hi = tl.where(take, hi, mid)
+        seq = lo
+        block_in_seq = pid - (tl.load(query_start_loc_ptr + lo) // BLOCK_Q + lo)
+        valid = lo < num_seqs
+    return seq, block_in_seq, valid
+
+
+@triton.jit
+def kv_tile_bounds(min_q_pos, max_q_pos, window, TILE_N: tl.constexpr, USE_WINDOW: tl.constexpr):
+    """Tile indices (lo, a, b, hi) of a query block's KV range: [lo, a) masked, [a, b) unmasked, [b, hi) masked.
+
+    hi stops at the last tile the latest query can see, so fully masked tails are never loaded; with a sliding
+    window lo starts at the first tile the earliest query can see (HF semantics: key j visible to query i iff
+    i - window < j <= i)."""
+    hi = tl.cdiv(max_q_pos + 1, TILE_N)
+    lo = min_q_pos * 0
+    a = lo
+    if USE_WINDOW:
+        lo = tl.maximum(min_q_pos - window + 1, 0) // TILE_N
+        all_see_from = tl.maximum(max_q_pos - window + 1, 0)  # first key inside every query's window
+        a = tl.minimum(tl.maximum(tl.cdiv(all_see_from, TILE_N), lo), hi)
+    b = tl.minimum(tl.maximum((min_q_pos + 1) // TILE_N, a), hi)
+    return lo, a, b, hi
+
+
+@triton.jit
+def attend_tiles(acc, m_i, l_i, q, k_base, v_base, block_table_row, tile_lo, tile_hi, q_pos, seq_len,
+                 slopes, qk_scale, softcap, window, stride_cb, stride_ct,
+                 HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
+                 MASKED: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
+                 USE_ALIBI: tl.constexpr, IEEE: tl.constexpr):
+    """Online-softmax accumulation of KV tiles [tile_lo, tile_hi) into (acc [M, HEAD_PAD], m_i [M], l_i [M]).
+
+    q [M, HEAD_PAD]; q_pos [M] absolute positions; slopes [M] ALiBi slopes already in log2 units."""
+    offs_n = tl.arange(0, TILE_N)
+    offs_d = tl.arange(0, HEAD_PAD)
+    for t in range(tile_lo, tile_hi):
+        keys = t * TILE_N + offs_n                                               # [TILE_N] positions
+        if MASKED:
+            in_seq = keys < seq_len
+            block = tl.load(block_table_row + keys // BLOCK_SIZE, mask=in_seq, other=0)
+        else:
+            block = tl.load(block_table_row + keys // BLOCK_SIZE)
+        # Out-of-sequence keys read the null block 0 (always in bounds); their scores are masked below and their
+        # values zeroed, so stale or NaN bytes there cannot leak into the output.
+        kv_off = block.to(tl.int64) * stride_cb + (keys % BLOCK_SIZE) * stride_ct   # [TILE_N]
+        if HEAD_PAD == HEAD_SIZE:
+            k = tl.load(k_base + kv_off[None, :] + offs_d[:, None])                # [HEAD_PAD, TILE_N]
+            if MASKED:
+                v = tl.load(v_base + kv_off[:, None] + offs_d[None, :], mask=in_seq[:, None], other=0.0)
+            else:
+                v = tl.load(v_base + kv_off[:, None] + offs_d[None, :])             # [TILE_N, HEAD_PAD]
+        else:
+            d_ok = offs_d < HEAD_SIZE
+            k = tl.load(k_base + kv_off[None, :] + offs_d[:, None], mask=d_ok[:, None], other=0.0)
+            v_mask = d_ok[None, :]
+            if MASKED:
+                v_mask = v_mask & in_seq[:, None]
+            v = tl.load(v_base + kv_off[:, None] + offs_d[None, :], mask=v_mask, other=0.0)
+        if IEEE:
+            s = tl.dot(q, k, input_precision="ieee")
+        else:
+            s = tl.dot(q, k)                                                        # [M, TILE_N] fp32
+        if USE_SOFTCAP:
+            s = softcap * _tanh(s * (qk_scale / softcap)) * LOG2E
+        else:
+            s = s * (qk_scale * LOG2E)
+        if USE_ALIBI:
+            s += slopes[:, None] * (keys[None, :] - q_pos[:, None]).to(tl.float32)
+        if MASKED:
+            visible = (keys[None, :] <= q_pos[:, None]) & in_seq[None, :]
+            if USE_WINDOW:
+                visible = visible & ((q_pos[:, None] - keys[None, :]) < window)
+            s = tl.where(visible, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet stays at 0
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_ref = m_new
+        p = tl.exp2(s - m_ref[:, None])
+        alpha = tl.exp2(m_i - m_ref)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if IEEE:
+            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    return acc, m_i, l_i

@@ -1,0 +1,139 @@
+"""Host-side launchers for the unified attention kernels. Grids depend only on the sizes passed in (padded sizes
+when called from a CUDA graph), never on device values, so a captured launch replays with any batch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from .attention_core import MODE_ALL, MODE_DECODES, MODE_PREFILLS
+from .unified_attention import reduce_segments_kernel, unified_attention_kernel
+
+__all__ = ["TileConfig", "MODE_ALL", "MODE_DECODES", "MODE_PREFILLS", "unified_attention_2d",
+           "unified_attention_3d", "segment_scratch_numel"]
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Tile shape and launch options of one kernel launch. block_m rows hold block_m // G query tokens times the
+    G query heads of one KV head; tile_n keys per KV step (independent of the cache's block size)."""
+    block_m: int = 64
+    tile_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def block_q(self, num_queries_per_kv: int) -> int:
+        """Query tokens per program."""
+        if self.block_m < num_queries_per_kv:
+            raise ValueError(f"block_m {self.block_m} is smaller than the {num_queries_per_kv} query heads per KV "
+                             "head; use a block_m of at least that many rows")
+        return self.block_m // num_queries_per_kv
+
+
+def _check(query: torch.Tensor, key_cache: torch.Tensor, out: torch.Tensor) -> tuple[int, int, int]:
+    num_heads, head_size = query.shape[1], query.shape[2]
+    num_kv_heads = key_cache.shape[1]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
+    if key_cache.shape[3] != head_size or out.shape[1:] != query.shape[1:]:
+        raise ValueError(f"shapes disagree: query {tuple(query.shape)}, cache {tuple(key_cache.shape)}, "
+                         f"out {tuple(out.shape)}")
+    if query.stride(2) != 1 or out.stride(2) != 1 or key_cache.stride(3) != 1:
+        raise ValueError("query, out and the cache need a contiguous last (head_size) dimension")
+    return num_heads, num_kv_heads, head_size
+
+
+def _common_args(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, num_decodes, sinks,
+                 alibi_slopes, num_seqs, scale, sliding_window, soft_cap, stride_out):
+    # Unused optional pointers get a harmless stand-in: the kernel never dereferences them (constexpr flags).
+    dummy = query_start_loc
+    return ((query, key_cache, value_cache, block_table, query_start_loc, seq_lens,
+             num_decodes if num_decodes is not None else dummy,
+             sinks if sinks is not None else dummy, alibi_slopes if alibi_slopes is not None else dummy,
+             num_seqs, float(scale), float(soft_cap or 0.0), int(sliding_window or 0),
+             query.stride(0), query.stride(1), *stride_out,
+             key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_table.stride(0)),
+            dict(USE_WINDOW=sliding_window is not None, USE_SOFTCAP=bool(soft_cap), USE_SINKS=sinks is not None,
+                 USE_ALIBI=alibi_slopes is not None, IEEE=query.dtype == torch.float32,
+                 BLOCK_SIZE=key_cache.shape[2]))
+
+
+def unified_attention_2d(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, out: torch.Tensor,
+                         block_table: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, *,
+                         num_seqs: int, num_tokens: int, scale: float, config: TileConfig, mode: int = MODE_ALL,
+                         num_decodes: torch.Tensor | None = None, sliding_window: int | None = None,
+                         soft_cap: float | None = None, sinks: torch.Tensor | None = None,
+                         alibi_slopes: torch.Tensor | None = None) -> None:
+    """Causal paged attention into out [T, Hq, D] for query [T, Hq, D] over caches [blocks, Hkv, block_size, D].
+
+    num_seqs: rows of seq_lens (query_start_loc has num_seqs + 1); num_tokens: the padded token count the grid
+    covers. mode: MODE_ALL, MODE_DECODES (program i is request i; config.block_m >= G) or MODE_PREFILLS (requests
+    from num_decodes[0] on). num_decodes: int32 [1] device tensor of leading decodes, read by the kernel."""
+    num_heads, num_kv_heads, head_size = _check(query, key_cache, out)
+    group = num_heads // num_kv_heads
+    block_q = config.block_q(group)
+    if mode == MODE_DECODES:
+        block_q = 1
+    if mode == MODE_PREFILLS and num_decodes is None:
+        raise ValueError("MODE_PREFILLS needs the num_decodes device tensor")
+    if mode == MODE_DECODES:
+        programs = num_seqs
+    else:
+        programs = num_tokens // block_q + num_seqs
+    if programs == 0:
+        return
+    args, flags = _common_args(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, num_decodes,
+                               sinks, alibi_slopes, num_seqs, scale, sliding_window, soft_cap,
+                               (out.stride(0), out.stride(1)))
+    unified_attention_kernel[(programs, num_kv_heads)](
+        out, out, out, out, *args,
+        NUM_QUERIES_PER_KV=group, HEAD_SIZE=head_size, HEAD_PAD=max(16, triton.next_power_of_2(head_size)),
+        BLOCK_M=config.block_m, BLOCK_Q=block_q, TILE_N=config.tile_n, NUM_SEGMENTS=1, MODE=mode,
+        LIMIT_DECODES=num_decodes is not None and mode == MODE_DECODES, **flags,
+        num_warps=config.num_warps, num_stages=config.num_stages)
+
+
+def segment_scratch_numel(num_seqs: int, num_heads: int, head_size: int, num_segments: int) -> tuple[int, int]:
+    """fp32 elements the 3D kernel needs: (partial outputs, partial max = partial sums)."""
+    rows = num_seqs * num_heads * num_segments
+    return rows * max(16, triton.next_power_of_2(head_size)), rows
+
+
+def unified_attention_3d(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, out: torch.Tensor,
+                         block_table: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, *,
+                         num_seqs: int, scale: float, config: TileConfig, num_segments: int,
+                         scratch_out: torch.Tensor, scratch_max: torch.Tensor, scratch_sum: torch.Tensor,
+                         num_decodes: torch.Tensor | None = None, sliding_window: int | None = None,
+                         soft_cap: float | None = None, sinks: torch.Tensor | None = None,
+                         alibi_slopes: torch.Tensor | None = None) -> None:
+    """Split-KV decode attention over the first num_seqs requests (or the first num_decodes[0], if given), each with
+    one query token: num_segments programs per (request, KV head), then a reduce. Scratch: flat fp32 tensors of at
+    least segment_scratch_numel(...) elements."""
+    num_heads, num_kv_heads, head_size = _check(query, key_cache, out)
+    group = num_heads // num_kv_heads
+    config.block_q(group)
+    if num_segments < 2 or num_segments & (num_segments - 1):
+        raise ValueError(f"num_segments {num_segments} must be a power of two >= 2")
+    need_out, need_rows = segment_scratch_numel(num_seqs, num_heads, head_size, num_segments)
+    if scratch_out.numel() < need_out or scratch_max.numel() < need_rows or scratch_sum.numel() < need_rows:
+        raise ValueError(f"segment scratch holds {scratch_out.numel()}/{scratch_max.numel()} elements; "
+                         f"{need_out}/{need_rows} needed for {num_seqs} requests x {num_segments} segments")
+    if num_seqs == 0:
+        return
+    args, flags = _common_args(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, num_decodes,
+                               sinks, alibi_slopes, num_seqs, scale, sliding_window, soft_cap, (0, 0))
+    head_pad = max(16, triton.next_power_of_2(head_size))
+    limit = num_decodes is not None
+    unified_attention_kernel[(num_seqs, num_kv_heads, num_segments)](
+        out, scratch_out, scratch_max, scratch_sum, *args,
+        NUM_QUERIES_PER_KV=group, HEAD_SIZE=head_size, HEAD_PAD=head_pad, BLOCK_M=config.block_m, BLOCK_Q=1,
+        TILE_N=config.tile_n, NUM_SEGMENTS=num_segments, MODE=MODE_DECODES, LIMIT_DECODES=limit, **flags,
+        num_warps=config.num_warps, num_stages=config.num_stages)
+    reduce_segments_kernel[(num_seqs, num_heads)](
+        out, scratch_out, scratch_max, scratch_sum, query_start_loc, seq_lens,
+        num_decodes if limit else query_start_loc, sinks if sinks is not None else query_start_loc,
+        num_seqs, int(sliding_window or 0), out.stride(0), out.stride(1),
+        HEAD_SIZE=head_size, HEAD_PAD=head_pad, TILE_N=config.tile_n, NUM_SEGMENTS=num_segments,
+        LIMIT_DECODES=limit, USE_WINDOW=sliding_window is not None, USE_SINKS=sinks is not None, num_warps=4)

@@ -1,0 +1,155 @@
+"""Unified paged attention: one kernel for mixed batches of prefills and decodes.
+
+The same program body is compiled two ways. With NUM_SEGMENTS == 1 (the 2D kernel, grid = query blocks x KV
+heads) a program owns a query block's whole KV range and writes the normalized output. With NUM_SEGMENTS > 1
+(the 3D split-KV kernel, a third grid axis over segments of the KV range) it writes fp32 partial
+(out, max, sum) into scratch that `reduce_segments` combines; that fills the GPU when a decode batch is too
+small to.
+
+A query tile packs the query heads sharing one KV head (GQA): row m is query token m // G of the block and
+query head kv_head * G + m % G, so every K/V tile is loaded once for the whole group.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .attention_core import LOG2E, attend_tiles, kv_tile_bounds, locate_query_block
+
+
+@triton.jit
+def unified_attention_kernel(
+    out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, query_start_loc_ptr, seq_lens_ptr, num_decodes_ptr,
+    sinks_ptr, alibi_ptr,
+    num_seqs, qk_scale, softcap, window,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ch, stride_ct, stride_bt,
+    NUM_QUERIES_PER_KV: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
+    NUM_SEGMENTS: tl.constexpr, MODE: tl.constexpr, LIMIT_DECODES: tl.constexpr,
+    USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_SINKS: tl.constexpr, USE_ALIBI: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    kv_head = tl.program_id(1)
+    seq, q_block, valid = locate_query_block(tl.program_id(0), query_start_loc_ptr, num_decodes_ptr, num_seqs,
+                                             BLOCK_Q, MODE, LIMIT_DECODES)
+    if not valid:
+        return
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    if q_block * BLOCK_Q >= q_len:  # padding request, or a block past this request's queries
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context_len = seq_len - q_len
+
+    rows = tl.arange(0, BLOCK_M)
+    token_in_seq = q_block * BLOCK_Q + rows // NUM_QUERIES_PER_KV                # [BLOCK_M]
+    head = kv_head * NUM_QUERIES_PER_KV + rows % NUM_QUERIES_PER_KV             # [BLOCK_M]
+    row_ok = (rows < BLOCK_Q * NUM_QUERIES_PER_KV) & (token_in_seq < q_len)
+    q_pos = context_len + token_in_seq
+    min_q_pos = context_len + q_block * BLOCK_Q
+    max_q_pos = context_len + tl.minimum(q_block * BLOCK_Q + BLOCK_Q, q_len) - 1
+
+    offs_d = tl.arange(0, HEAD_PAD)
+    d_ok = offs_d < HEAD_SIZE
+    token = (q_start + token_in_seq).to(tl.int64)
+    q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)                # [BLOCK_M, HEAD_PAD]
+
+    if USE_ALIBI:
+        slopes = tl.load(alibi_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * LOG2E
+    else:
+        slopes = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if USE_SINKS and NUM_SEGMENTS == 1:
+        # The sink is one more logit in the denominator: start the running max at it with a running sum of 1.
+        # (The 3D path adds it in the reduce instead, once per row rather than once per segment.)
+        m_i = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * LOG2E
+        l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+
+    lo, a, b, hi = kv_tile_bounds(min_q_pos, max_q_pos, window, TILE_N, USE_WINDOW)
+    seg_lo = lo
+    seg_hi = hi
+    if NUM_SEGMENTS > 1:
+        tiles_per_segment = tl.cdiv(hi - lo, NUM_SEGMENTS)
+        seg_lo = lo + tl.program_id(2) * tiles_per_segment
+        if seg_lo >= hi:  # segment past the sequence's end
+            return
+        seg_hi = tl.minimum(seg_lo + tiles_per_segment, hi)
+
+    block_table_row = block_table_ptr + seq.to(tl.int64) * stride_bt
+    k_base = k_cache_ptr + kv_head.to(tl.int64) * stride_ch
+    v_base = v_cache_ptr + kv_head.to(tl.int64) * stride_ch
+    acc, m_i, l_i = attend_tiles(acc, m_i, l_i, q, k_base, v_base, block_table_row,
+                                 tl.maximum(lo, seg_lo), tl.minimum(a, seg_hi), q_pos, seq_len, slopes,
+                                 qk_scale, softcap, window, stride_cb, stride_ct, HEAD_SIZE, HEAD_PAD, BLOCK_SIZE,
+                                 TILE_N, True, USE_WINDOW, USE_SOFTCAP, USE_ALIBI, IEEE)
+    acc, m_i, l_i = attend_tiles(acc, m_i, l_i, q, k_base, v_base, block_table_row,
+                                 tl.maximum(a, seg_lo), tl.minimum(b, seg_hi), q_pos, seq_len, slopes,
+                                 qk_scale, softcap, window, stride_cb, stride_ct, HEAD_SIZE, HEAD_PAD, BLOCK_SIZE,
+                                 TILE_N, False, USE_WINDOW, USE_SOFTCAP, USE_ALIBI, IEEE)
+    acc, m_i, l_i = attend_tiles(acc, m_i, l_i, q, k_base, v_base, block_table_row,
+                                 tl.maximum(b, seg_lo), tl.minimum(hi, seg_hi), q_pos, seq_len, slopes,
+                                 qk_scale, softcap, window, stride_cb, stride_ct, HEAD_SIZE, HEAD_PAD, BLOCK_SIZE,
+                                 TILE_N, True, USE_WINDOW, USE_SOFTCAP, USE_ALIBI, IEEE)
+
+    if NUM_SEGMENTS == 1:
+        l_i = tl.where(l_i == 0.0, 1.0, l_i)
+        o = acc / l_i[:, None]
+        tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    else:
+        # scratch rows are (sequence, query head, segment); the 3D path runs decodes only (one token each)
+        part_row = (seq.to(tl.int64) * tl.num_programs(1) * NUM_QUERIES_PER_KV + head) * NUM_SEGMENTS \
+            + tl.program_id(2)
+        tl.store(part_max_ptr + part_row, m_i, mask=row_ok)
+        tl.store(part_sum_ptr + part_row, l_i, mask=row_ok)
+        tl.store(part_out_ptr + part_row[:, None] * HEAD_PAD + offs_d[None, :], acc, mask=row_ok[:, None])
+
+
+@triton.jit
+def reduce_segments_kernel(
+    out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, query_start_loc_ptr, seq_lens_ptr, num_decodes_ptr,
+    sinks_ptr, num_seqs, window, stride_ot, stride_oh,
+    HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, TILE_N: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
+    LIMIT_DECODES: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SINKS: tl.constexpr,
+):
+    """Combine the 3D kernel's per-segment partials of one (decode request, query head) into its output row."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    limit = num_seqs
+    if LIMIT_DECODES:
+        limit = tl.load(num_decodes_ptr)
+    if seq >= limit:
+        return
+    q_start = tl.load(query_start_loc_ptr + seq)
+    if tl.load(query_start_loc_ptr + seq + 1) == q_start:  # padding request
+        return
+    q_pos = tl.load(seq_lens_ptr + seq) - 1
+    # the segments the attention kernel wrote: same split as there, so stale scratch is never read
+    lo, a, b, hi = kv_tile_bounds(q_pos, q_pos, window, TILE_N, USE_WINDOW)
+    tiles_per_segment = tl.cdiv(hi - lo, NUM_SEGMENTS)
+    num_written = tl.cdiv(hi - lo, tiles_per_segment)
+    segs = tl.arange(0, NUM_SEGMENTS)
+    seg_ok = segs < num_written
+    row = (seq.to(tl.int64) * tl.num_programs(1) + head) * NUM_SEGMENTS + segs   # [NUM_SEGMENTS]
+    m = tl.load(part_max_ptr + row, mask=seg_ok, other=float("-inf"))
+    l = tl.load(part_sum_ptr + row, mask=seg_ok, other=0.0)
+    m_all = tl.max(m, axis=0)
+    if USE_SINKS:
+        sink = tl.load(sinks_ptr + head).to(tl.float32) * LOG2E
+        m_all = tl.maximum(m_all, sink)
+    m_ref = tl.where(m_all == float("-inf"), 0.0, m_all)
+    w = tl.where(seg_ok, tl.exp2(m - m_ref), 0.0)                                   # [NUM_SEGMENTS]
+    denom = tl.sum(l * w, axis=0)
+    if USE_SINKS:
+        denom += tl.exp2(sink - m_ref)
+    denom = tl.where(denom == 0.0, 1.0, denom)
+    offs_d = tl.arange(0, HEAD_PAD)
+    acc = tl.load(part_out_ptr + row[:, None] * HEAD_PAD + offs_d[None, :], mask=seg_ok[:, None], other=0.0)
+    o = tl.sum(acc * w[:, None], axis=0) / denom                                    # [HEAD_PAD]
+    tl.store(out_ptr + q_start.to(tl.int64) * stride_ot + head * stride_oh + offs_d,
+             o.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_SIZE)

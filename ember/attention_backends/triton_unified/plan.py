@@ -1,0 +1,99 @@
+"""Which kernels a step launches, and with which tiles: a pure function of the capture bucket.
+
+The rule (documented here, tuned on an H100 with benches/bench_attention.py, which prints the 2D/3D crossover):
+
+- A uniform-decode bucket launches one decode kernel over its `num_reqs_padded` requests (one query token each,
+  the G query heads of a KV head packed into the tile rows). It is the 3D split-KV kernel when the 2D grid,
+  (requests x KV heads) programs, is smaller than `SPLIT_KV_MAX_PAIRS_PER_SM` x num_sms (the GPU would idle), with
+  enough segments for about `SPLIT_KV_TARGET_PROGRAMS_PER_SM` programs per SM; otherwise the 2D decode kernel.
+- Any other bucket launches, by default, one 2D kernel over all requests, with a query tile sized for the
+  bucket's average query length (num_tokens_padded / num_reqs_padded).
+- With `split_launch`, a mixed bucket launches the decode kernel (chosen as above for up to
+  min(num_reqs_padded, num_tokens_padded) decodes; programs past the live count, read from a device tensor, exit)
+  and a prefill-tuned 2D kernel over the remaining requests.
+
+Nothing here reads a live value, so a CUDA graph captured at a bucket replays the kernels it was captured with.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import triton
+
+from .kernels import MODE_ALL, MODE_PREFILLS, TileConfig
+
+SPLIT_KV_MAX_PAIRS_PER_SM = 2.0       # 3D while (decode requests x KV heads) < this x num_sms
+SPLIT_KV_TARGET_PROGRAMS_PER_SM = 4   # 3D segments: about this many programs per SM
+MAX_SEGMENTS = 64                     # cap on 3D segments (power of two; sizes the reduce's tile)
+MAX_GROUP_3D = 16                     # 3D only for up to this many query heads per KV head (bounds the scratch)
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """The launches of one bucket: an optional decode launch, then an optional launch over the rest."""
+    decode: TileConfig | None         # MODE_DECODES launch over the leading decodes, or None
+    num_decode_seqs: int              # its grid rows (requests it may serve)
+    num_segments: int                 # 1: 2D decode kernel; > 1: 3D split-KV with that many segments
+    decode_count_on_device: bool      # programs past the live decode count (a device tensor) exit
+    rest: TileConfig | None           # the 2D launch over all requests (MODE_ALL) or the prefills (MODE_PREFILLS)
+    rest_mode: int = MODE_ALL
+
+
+def decode_tile(num_queries_per_kv: int, head_size: int) -> TileConfig:
+    """Tiles for single-token queries: just enough rows for one token's query heads."""
+    return TileConfig(block_m=max(16, triton.next_power_of_2(num_queries_per_kv)),
+                      tile_n=64 if head_size <= 128 else 32, num_warps=4, num_stages=3 if head_size <= 128 else 2)
+
+
+def prefill_tile(num_queries_per_kv: int, head_size: int, block_m: int | None = None) -> TileConfig:
+    """Tiles for long query runs: large query blocks to reuse every K/V tile across many rows."""
+    largest = 128 if head_size <= 128 else 64
+    block_m = min(block_m or largest, largest)
+    block_m = max(block_m, 16, triton.next_power_of_2(num_queries_per_kv))
+    return TileConfig(block_m=block_m, tile_n=64 if head_size <= 128 else 32,
+                      num_warps=8 if block_m >= 128 else 4, num_stages=2)
+
+
+def num_split_segments(num_decode_seqs: int, num_kv_heads: int, num_queries_per_kv: int, num_sms: int) -> int:
+    """Segments of the 3D kernel for a decode launch of this size; 1 means use the 2D kernel."""
+    pairs = num_decode_seqs * num_kv_heads
+    if num_sms <= 0 or pairs == 0 or num_queries_per_kv > MAX_GROUP_3D:
+        return 1
+    if pairs >= SPLIT_KV_MAX_PAIRS_PER_SM * num_sms:
+        return 1
+    wanted = -(-SPLIT_KV_TARGET_PROGRAMS_PER_SM * num_sms // pairs)
+    segments = min(MAX_SEGMENTS, triton.next_power_of_2(wanted))
+    return segments if segments >= 2 else 1
+
+
+@functools.lru_cache(maxsize=4096)
+def plan_launch(num_tokens_padded: int, num_reqs_padded: int, uniform_decode: bool, num_heads: int,
+                num_kv_heads: int, head_size: int, num_sms: int, split_launch: bool) -> LaunchPlan:
+    """The kernels and tiles for a bucket (see the module docstring); never depends on live batch contents."""
+    group = num_heads // num_kv_heads
+    if uniform_decode:
+        segments = num_split_segments(num_reqs_padded, num_kv_heads, group, num_sms)
+        return LaunchPlan(decode_tile(group, head_size), num_reqs_padded, segments, False, None)
+    if split_launch:
+        num_decode_seqs = min(num_reqs_padded, num_tokens_padded)
+        segments = num_split_segments(num_decode_seqs, num_kv_heads, group, num_sms)
+        return LaunchPlan(decode_tile(group, head_size), num_decode_seqs, segments, True,
+                          prefill_tile(group, head_size), MODE_PREFILLS)
+    avg_query_len = -(-num_tokens_padded // max(num_reqs_padded, 1))
+    block_m = triton.next_power_of_2(max(avg_query_len * group, 1))
+    return LaunchPlan(None, 0, 1, False, prefill_tile(group, head_size, block_m), MODE_ALL)
+
+
+def max_scratch_rows(max_decode_seqs: int, num_kv_heads: int, num_sms: int) -> int:
+    """Largest (request x query head x segment) count any bucket's 3D launch can need, for up to
+    `max_decode_seqs` decodes and up to MAX_GROUP_3D query heads per KV head."""
+    best = 0
+    for n in range(1, max_decode_seqs + 1):
+        if n * num_kv_heads >= SPLIT_KV_MAX_PAIRS_PER_SM * num_sms:
+            break
+        segments = num_split_segments(n, num_kv_heads, MAX_GROUP_3D, num_sms)
+        if segments > 1:
+            best = max(best, n * num_kv_heads * MAX_GROUP_3D * segments)
+    return best

@@ -1,0 +1,162 @@
+"""Llama (incl. SmolLM2 and Llama 3 rope scaling) and Mistral; the decoder blocks here are shared by the
+Llama-shaped families (Qwen2, Qwen3, Gemma), which differ only in the switches of `BlockOptions`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ember.models.layers.activation import get_act_and_mul
+from ember.models.layers.attention import Attention
+from ember.models.layers.embedding import LMHead, VocabEmbedding
+from ember.models.layers.linear import GateUpLinear, Linear, QKVLinear
+from ember.models.layers.norm import RMSNorm
+from ember.models.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters_from_config
+
+
+@dataclass(frozen=True)
+class BlockOptions:
+    """What differs between the Llama-shaped families; each model class derives it from the HF config."""
+    hidden_act: str = "silu"
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False                       # RMSNorm over each head of q and k before rotary (Qwen3)
+    norm_cls: type[RMSNorm] = RMSNorm
+    embed_scale: float | None = None            # multiply embeddings by this (Gemma: sqrt(hidden))
+
+
+def head_size_of(config) -> int:
+    """`head_dim` when the config sets it, else hidden_size / num_attention_heads."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def sliding_window_of(config, layer_idx: int) -> int | None:
+    """The layer's attention window, or None for full attention (Mistral: every layer; Qwen2/3: by layer type)."""
+    window = getattr(config, "sliding_window", None)
+    if not window or getattr(config, "use_sliding_window", True) is False:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        return window if layer_types[layer_idx] == "sliding_attention" else None
+    max_window_layers = getattr(config, "max_window_layers", None)
+    if max_window_layers is not None and layer_idx < max_window_layers:
+        return None
+    return window
+
+
+class LlamaAttention(nn.Module):
+    """Packed q/k/v projection, optional per-head q/k norm, rotary, paged attention through `ember::attention`."""
+
+    def __init__(self, config, layer_idx: int, options: BlockOptions, prefix: str = ""):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_size = head_size_of(config)
+        self.qkv_proj = QKVLinear(config.hidden_size, self.head_size, self.num_heads, self.num_kv_heads,
+                                  bias=options.qkv_bias)
+        self.o_proj = Linear(self.num_heads * self.head_size, config.hidden_size, bias=options.o_bias)
+        self.q_norm = options.norm_cls(self.head_size, config.rms_norm_eps) if options.qk_norm else None
+        self.k_norm = options.norm_cls(self.head_size, config.rms_norm_eps) if options.qk_norm else None
+        self.attn = Attention(layer_name=f"{prefix}model.layers.{layer_idx}.self_attn.attn",
+                              num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_size=self.head_size,
+                              scale=self.head_size ** -0.5, sliding_window=sliding_window_of(config, layer_idx))
+
+    def forward(self, cos: torch.Tensor, sin: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [T, hidden] -> [T, hidden]; cos/sin [T, rotary_dim / 2] for the tokens' positions."""
+        q, k, v = self.qkv_proj.forward_split(hidden)
+        q = q.unflatten(-1, (self.num_heads, self.head_size))      # [T, Hq, D]
+        k = k.unflatten(-1, (self.num_kv_heads, self.head_size))   # [T, Hkv, D]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = self.attn(q.flatten(1), k.flatten(1), v)
+        return self.o_proj(out)
+
+
+class LlamaMLP(nn.Module):
+    """down(act(gate(x)) * up(x)) with gate and up packed into one matmul."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, options: BlockOptions):
+        super().__init__()
+        self.gate_up_proj = GateUpLinear(hidden_size, intermediate_size, bias=options.mlp_bias)
+        self.act_fn = get_act_and_mul(options.hidden_act)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=options.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm block; the residual travels beside the hidden state so each norm can fuse the add."""
+
+    def __init__(self, config, layer_idx: int, options: BlockOptions, prefix: str = ""):
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_idx, options, prefix)
+        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, options)
+        self.input_layernorm = options.norm_cls(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = options.norm_cls(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, cos: torch.Tensor, sin: torch.Tensor, hidden: torch.Tensor,
+                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm.add_and_norm(hidden, residual)
+        hidden = self.self_attn(cos, sin, hidden)
+        hidden, residual = self.post_attention_layernorm.add_and_norm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder layers and final norm; one rotary table shared by every layer."""
+
+    def __init__(self, config, options: BlockOptions, prefix: str = ""):
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, scale=options.embed_scale)
+        self.rotary_emb = RotaryEmbedding(rope_parameters_from_config(config, head_size_of(config)))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, options, prefix)
+                                    for i in range(config.num_hidden_layers))
+        self.norm = options.norm_cls(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)     # [T, hidden]
+        cos, sin = self.rotary_emb(positions)     # gathered once per step, used by every layer
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(cos, sin, hidden, residual)
+        hidden, _ = self.norm.add_and_norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama-family causal LM over a flat token batch: forward(ids [T], positions [T]) -> hidden [T, H]."""
+    packed_modules = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+
+    @classmethod
+    def block_options(cls, config) -> BlockOptions:
+        """The family switches for this config (subclasses override)."""
+        bias = bool(getattr(config, "attention_bias", False))
+        return BlockOptions(hidden_act=config.hidden_act, qkv_bias=bias, o_bias=bias,
+                            mlp_bias=bool(getattr(config, "mlp_bias", False)))
+
+    def __init__(self, config, prefix: str = ""):
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, self.block_options(config), prefix)
+        tied = self.model.embed_tokens if getattr(config, "tie_word_embeddings", False) else None
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size, tied_to=tied)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids [T] int64, positions [T] int64 -> hidden [T, hidden] (a flat batch, no batch dim)."""
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] -> logits [N, vocab] float32."""
+        return self.lm_head(hidden)
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral: Llama blocks with a sliding window on every layer when the config sets one."""

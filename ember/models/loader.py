@@ -1,0 +1,225 @@
+"""Build a model on the meta device and fill it from safetensors shards: no random init, no second copy.
+
+HF tensor names map onto ember parameters through the model's `packed_modules` (q/k/v -> qkv_proj, gate/up ->
+gate_up_proj); each parameter's `weight_loader` places its tensor. A plain tensor is assigned (the parameter takes
+the checkpoint tensor's storage); a packed parameter is allocated once and its shards copied in. Non-persistent
+buffers (rotary tables) are created on the real device afterwards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from ember.models.layers.linear import check_shape, default_weight_loader
+from ember.models.registry import get_model_class
+
+# Checkpoint tensors that carry nothing ember needs: precomputed rotary tables of older exports.
+_HARMLESS_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+
+class CheckpointError(ValueError):
+    """A model folder that cannot be loaded: no config, no weights, a missing, extra or mis-shaped tensor."""
+
+
+def load_config(path: str | Path):
+    """The transformers `PretrainedConfig` of a local model folder (via AutoConfig)."""
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise CheckpointError(f"model folder {str(path)!r} has no config.json; point to a folder saved with "
+                              f"save_pretrained (or downloaded from the Hub)")
+    from transformers import AutoConfig
+    return AutoConfig.from_pretrained(path)
+
+
+def checkpoint_files(path: str | Path) -> list[Path]:
+    """The safetensors files of a folder: those named by model.safetensors.index.json, else every *.safetensors."""
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = [path / name for name in sorted(set(weight_map.values()))]
+        absent = [f.name for f in files if not f.is_file()]
+        if absent:
+            raise CheckpointError(f"{index} names shard(s) {absent} that are not in {str(path)!r}")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"model folder {str(path)!r} has no *.safetensors weights; ember loads safetensors only")
+    return files
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def build_on_meta(config, dtype: torch.dtype) -> nn.Module:
+    """Construct the config's model with every parameter on the meta device in `dtype` (no memory, no init)."""
+    model_cls = get_model_class(config)
+    with torch.device("meta"), _default_dtype(dtype):
+        return model_cls(config)
+
+
+def _replace_param(model: nn.Module, name: str, tensor: torch.Tensor) -> nn.Parameter:
+    """Put `tensor` in place of parameter `name`, keeping the old parameter's attributes (its weight_loader)."""
+    module_name, _, leaf = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    old = module._parameters[leaf]
+    new = nn.Parameter(tensor, requires_grad=False)
+    new.__dict__.update(old.__dict__)
+    module._parameters[leaf] = new
+    return new
+
+
+def materialise(model: nn.Module, device: torch.device) -> None:
+    """Give every parameter still on meta uninitialised storage on `device`."""
+    for name, param in list(model.named_parameters()):
+        if param.is_meta:
+            _replace_param(model, name, torch.empty_like(param, device=device))
+
+
+def init_buffers(model: nn.Module, device: torch.device) -> None:
+    """Create non-persistent buffers (rotary tables, ...) on `device`; then nothing may be left on meta."""
+    for module in model.modules():
+        if hasattr(module, "init_buffers"):
+            module.init_buffers(device)
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:
+        raise CheckpointError(f"tensors {left[:8]} were never materialised")
+
+
+def _target_of(name: str, packed_modules: dict[str, list[str]]) -> tuple[str, int | None]:
+    """HF tensor name -> (ember parameter name, shard index or None)."""
+    parts = name.split(".")
+    for packed, shards in packed_modules.items():
+        for shard_id, shard in enumerate(shards):
+            if shard in parts:
+                parts[parts.index(shard)] = packed
+                return ".".join(parts), shard_id
+    return name, None
+
+
+def _plan(model: nn.Module, config, files: list[Path]) -> dict[str, tuple[Path, str, int | None]]:
+    """Read only the headers: map every needed checkpoint tensor to its destination, or raise naming what is
+    missing or unexpected before any data is read."""
+    from safetensors import safe_open
+
+    packed = getattr(model, "packed_modules", {})
+    params = dict(model.named_parameters())
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    folder = str(files[0].parent)
+    plan: dict[str, tuple[Path, str, int | None]] = {}
+    unexpected: list[str] = []
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                target, shard_id = _target_of(name, packed)
+                if target in params:
+                    plan.setdefault(name, (file, target, shard_id))
+                elif name.endswith(_HARMLESS_SUFFIXES) or (tied and name.startswith("lm_head.")):
+                    continue
+                else:
+                    unexpected.append(name)
+    if unexpected:
+        raise CheckpointError(f"checkpoint in {folder!r} has tensor(s) {unexpected[:8]} that {type(model).__name__} "
+                              f"has no parameter for ({len(unexpected)} in all); does config.json match the weights?")
+    loaded: dict[str, set[int | None]] = {}
+    for _, target, shard_id in plan.values():
+        loaded.setdefault(target, set()).add(shard_id)
+    missing = []
+    for name in params:
+        got = loaded.get(name, set())
+        if None in got:      # present whole (an already packed checkpoint tensor, or a plain one)
+            continue
+        parts = name.split(".")
+        packed_name = next((p for p in packed if p in parts), None)
+        if packed_name is None:
+            missing.append(name)
+            continue
+        for shard_id, shard in enumerate(packed[packed_name]):
+            if shard_id not in got:
+                missing.append(".".join(shard if p == packed_name else p for p in parts))
+    if missing:
+        raise CheckpointError(f"checkpoint in {folder!r} is missing tensor(s) {missing[:8]} ({len(missing)} in all); "
+                              f"is it a complete {type(model).__name__} checkpoint?")
+    return plan
+
+
+def load_weights(model: nn.Module, config, files: list[Path], device: torch.device, progress: bool = True) -> None:
+    """Fill a meta-built model from safetensors files, shard by shard, with a progress bar."""
+    from safetensors import safe_open
+    from tqdm.auto import tqdm
+
+    plan = _plan(model, config, files)
+    by_file: dict[Path, list[str]] = {}
+    for name, (file, _, _) in plan.items():
+        by_file.setdefault(file, []).append(name)
+    for file in tqdm(files, desc="Loading safetensors shards", unit="shard", disable=not progress):
+        with safe_open(file, framework="pt") as f:
+            for name in by_file.get(file, []):
+                _, target, shard_id = plan[name]
+                _load_tensor(model, name, target, shard_id, f.get_tensor(name), device)
+
+
+def _load_tensor(model: nn.Module, name: str, target: str, shard_id: int | None, loaded: torch.Tensor,
+                 device: torch.device) -> None:
+    param = model.get_parameter(target)
+    loaded = loaded.to(device=device).to(dtype=param.dtype)
+    loader = getattr(param, "weight_loader", default_weight_loader)
+    try:
+        if param.is_meta and shard_id is None and loader is default_weight_loader:
+            check_shape(param, loaded, param.shape)
+            _replace_param(model, target, loaded.contiguous())    # assign: no second allocation
+            return
+        if param.is_meta:
+            param = _replace_param(model, target, torch.empty_like(param, device=device))
+        loader(param, loaded, shard_id)
+    except ValueError as exc:
+        into = "" if target == name else f" (packed into {target!r})"
+        raise CheckpointError(f"tensor {name!r}{into}: {exc}") from None
+
+
+def load_model(path: str | Path, config=None, dtype: torch.dtype = torch.bfloat16,
+               device: torch.device | str = "cpu", progress: bool = True) -> nn.Module:
+    """Load a local HF model folder into its ember model class, in `dtype` on `device`, in eval mode."""
+    path = Path(path)
+    if config is None:
+        config = load_config(path)
+    elif not (path / "config.json").is_file():
+        raise CheckpointError(f"model folder {str(path)!r} has no config.json")
+    device = torch.device(device)
+    files = checkpoint_files(path)
+    model = build_on_meta(config, dtype)
+    load_weights(model, config, files, device, progress)
+    init_buffers(model, device)
+    return model.eval()
+
+
+@torch.no_grad()
+def random_model(config, dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu",
+                 seed: int = 0) -> nn.Module:
+    """The config's model with random weights (normal, std `initializer_range`; norms at identity), for benchmarks."""
+    device = torch.device(device)
+    model = build_on_meta(config, dtype)
+    materialise(model, device)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    std = float(getattr(config, "initializer_range", 0.02))
+    for module in model.modules():
+        if hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+            continue
+        for param in module.parameters(recurse=False):
+            param.normal_(0.0, std, generator=generator)
+    init_buffers(model, device)
+    return model.eval()

