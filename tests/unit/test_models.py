@@ -158,15 +158,15 @@ def test_random_model_is_seeded_and_usable():
     assert torch.isfinite(a.compute_logits(hidden)).all()
 
 
-def test_random_model_from_bundled_config_builds_on_meta_free():
-    from importlib.resources import files
-    from transformers import AutoConfig
+def test_random_model_from_bundled_config():
+    from ember.models.bundled import bundled_config
 
-    path = files("ember") / "configs" / "llama-3.2-1b.json"
-    config = AutoConfig.from_pretrained(str(path))
+    config = bundled_config("llama-3.2-1b")
     config.num_hidden_layers, config.vocab_size = 1, 512   # keep the CPU test small
     model = random_model(config, torch.bfloat16, "cpu", seed=0)
-    assert model.model.rotary_emb.params.rope_type == "llama3"
+    rope = model.model.rotary_emb
+    assert rope.params.rope_type == "llama3" and rope.params.theta == 500000.0
+    assert rope.cos_sin_cache.shape == (131072, 64)
     assert all(p.dtype == torch.bfloat16 and not p.is_meta for p in model.parameters())
     assert model.lm_head.tied
 

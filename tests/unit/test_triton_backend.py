@@ -1,0 +1,173 @@
+"""The Triton unified backend through its builder/impl API on the CPU (TRITON_INTERPRET=1) against torch_ref, its
+support reasons, and the bucket-only kernel plan."""
+
+import dataclasses
+import os
+import sys
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")   # before the kernels are imported; see test_triton_kernels.py
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+needs_interpreter = pytest.mark.skipif(not INTERPRETED, reason="needs TRITON_INTERPRET=1 (set when no GPU)")
+
+
+def _import_interpreted_backend():
+    """The backend module, re-imported if its kernels were decorated before the interpreter was switched on."""
+    import ember.attention_backends.triton_unified.kernels.unified_attention as ua
+    if INTERPRETED and type(ua.unified_attention_kernel).__name__ != "InterpretedFunction":
+        for name in [n for n in sys.modules if n.startswith("ember.attention_backends.triton_unified")]:
+            del sys.modules[name]
+    import ember.attention_backends.triton_unified.backend as backend
+    return backend
+
+
+B = _import_interpreted_backend()
+from ember.attention_backends.base import AttentionLayerOptions, BuilderContext, CudaGraphSupport  # noqa: E402
+from ember.attention_backends.torch_ref import TorchRefBackend  # noqa: E402
+from ember.attention_backends.triton_unified import plan as P  # noqa: E402
+from ember.attention_backends.triton_unified.testing import (BatchShape, common_metadata,  # noqa: E402
+                                                             make_paged_batch, tolerance)
+from ember.runner.kv_cache_spec import KVCacheGroup, KVCacheSpec  # noqa: E402
+
+Backend = B.TritonUnifiedBackend
+
+
+def _context(shape: BatchShape, dtype, num_sms=0, split_launch=False, max_num_reqs=16, max_num_tokens=256):
+    spec = KVCacheSpec(shape.block_size, shape.num_kv_heads, shape.head_size, dtype, shape.sliding_window)
+    group = KVCacheGroup(("layer.0",), spec)
+    return BuilderContext(group, 0, dtype, torch.device("cpu"), max_num_reqs, max_num_tokens, 1024,
+                          capture_sizes=(1, 2, 4, 8), num_sms=num_sms,
+                          backend_options=(("split_launch", split_launch),))
+
+
+def _run_both(shape: BatchShape, dtype, *, num_sms=0, split_launch=False, uniform_decode=None, share=False):
+    """(triton output, triton cache, reference output, reference cache in the triton layout)."""
+    batch = make_paged_batch(shape, dtype, "cpu")
+    common = common_metadata(batch, uniform_decode)
+    options = shape.options()
+    if share:
+        options = dataclasses.replace(options, kv_sharing_target="layer.0")
+    out = torch.full_like(batch.query, float("nan"))
+    builder = Backend.builder_cls(_context(shape, dtype, num_sms, split_launch))
+    impl = Backend.impl_cls(options, sinks=batch.sinks, alibi_slopes=batch.alibi_slopes)
+    cache = batch.kv_cache.clone()
+    impl.forward(batch.query, batch.key, batch.value, cache, builder.build(common), out)
+
+    ref_cache = batch.kv_cache.transpose(2, 3).contiguous()            # torch_ref's [2, blocks, bs, Hkv, D]
+    ref_out = torch.zeros_like(batch.query)
+    ref_builder = TorchRefBackend.builder_cls(_context(shape, dtype))
+    ref_impl = TorchRefBackend.impl_cls(options, sinks=batch.sinks, alibi_slopes=batch.alibi_slopes)
+    ref_impl.forward(batch.query, batch.key, batch.value, ref_cache, ref_builder.build(common), ref_out)
+    return batch, out, cache, ref_out, ref_cache.transpose(2, 3)
+
+
+CASES = {
+    "mixed_single_launch": (BatchShape("mixed", (1, 1, 9, 4), (20, 7, 30, 4), pad_reqs=2, pad_tokens=3), {}),
+    "mixed_split_launch": (BatchShape("mixed", (1, 1, 9, 4), (20, 7, 30, 4), pad_reqs=2, pad_tokens=3),
+                           dict(split_launch=True)),
+    "decode_3d": (BatchShape("decode", (1, 1, 1), (40, 9, 70), pad_reqs=1), dict(num_sms=8)),
+    "decode_2d": (BatchShape("decode", (1, 1, 1), (40, 9, 70), pad_reqs=1), {}),
+    "options_split": (BatchShape("options", (1, 12), (50, 30), sliding_window=8, soft_cap=4.0, sinks=True,
+                                 alibi=True), dict(split_launch=True, num_sms=4)),
+}
+
+
+@needs_interpreter
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_backend_matches_torch_ref(case, dtype):
+    shape, kwargs = CASES[case]
+    batch, out, cache, ref_out, ref_cache = _run_both(shape, dtype, **kwargs)
+    plan = P.plan_launch(batch.num_tokens_padded, batch.num_reqs_padded, shape.num_decodes == len(shape.query_lens),
+                         shape.num_heads, shape.num_kv_heads, shape.head_size, kwargs.get("num_sms", 0),
+                         kwargs.get("split_launch", False))
+    assert (plan.num_segments > 1) == (case in ("decode_3d", "options_split"))   # the case runs the kernel it names
+    n = batch.num_tokens
+    # block 0 aside: torch_ref parks padding writes in the null block, this backend skips them
+    torch.testing.assert_close(cache[:, 1:], ref_cache[:, 1:], atol=0, rtol=0)
+    assert cache[:, 0].isnan().all()
+    err = (out[:n].float() - ref_out[:n].float()).abs().max().item()
+    assert err <= tolerance(dtype), f"{case}: max abs error {err:.3g}"
+
+
+@needs_interpreter
+def test_kv_sharing_layer_writes_nothing():
+    shape = BatchShape("shared", (1, 6), (12, 6))
+    batch, out, cache, ref_out, _ = _run_both(shape, torch.float32, share=True)
+    torch.testing.assert_close(cache, batch.kv_cache, atol=0, rtol=0, equal_nan=True)
+    assert (out[:batch.num_tokens] - ref_out[:batch.num_tokens]).abs().max().item() <= tolerance(torch.float32)
+
+
+@needs_interpreter
+def test_builder_fills_decode_count_in_place_and_sizes_scratch():
+    shape = BatchShape("b", (1, 1, 5), (9, 3, 5))
+    builder = Backend.builder_cls(_context(shape, torch.float32, num_sms=4, split_launch=True))
+    first = builder.build(common_metadata(make_paged_batch(shape, torch.float32, "cpu")))
+    assert int(first.num_decodes[0]) == 2
+    assert (first.num_decode_tokens, first.num_prefill_tokens) == (2, 5)
+    second_shape = BatchShape("b", (1, 1, 1, 2), (9, 3, 5, 8))
+    second = builder.build(common_metadata(make_paged_batch(second_shape, torch.float32, "cpu")))
+    assert second.num_decodes.data_ptr() == first.num_decodes.data_ptr() and int(first.num_decodes[0]) == 3
+    assert second.scratch_out.data_ptr() == first.scratch_out.data_ptr()
+    # scratch covers every decode bucket's 3D launch up to max_num_reqs, for any head grouping up to the cap
+    segments = {n: P.num_split_segments(n, shape.num_kv_heads, 2, 4) for n in range(1, 17)}
+    need = max(s * n * shape.num_kv_heads * P.MAX_GROUP_3D for n, s in segments.items() if s > 1)
+    assert first.scratch_max.numel() >= need > 0
+    assert first.scratch_out.numel() == first.scratch_max.numel() * 64
+
+
+def test_kv_cache_layout_and_class_description():
+    assert Backend.kv_cache_shape(10, 16, 8, 128) == (2, 10, 8, 16, 128)
+    assert Backend.cudagraph_support == CudaGraphSupport.ALWAYS
+    assert Backend.priority > TorchRefBackend.priority
+
+
+@pytest.mark.parametrize("env,dtype,head_size,heads,expect", [
+    ("1", torch.float32, 64, (4, 2), []),
+    ("1", torch.float16, 80, (32, 8), []),
+    ("0", torch.float32, 64, (4, 2), ["TRITON_INTERPRET=1"]),
+    ("1", torch.bfloat16, 64, (4, 2), ["bfloat16 is not supported under TRITON_INTERPRET"]),
+    ("1", torch.float64, 64, (4, 2), ["dtype torch.float64 is not supported"]),
+    ("1", torch.float32, 300, (4, 2), ["head_size 300 is not supported"]),
+    ("1", torch.float32, 64, (6, 4), ["num_heads 6 is not a multiple of num_kv_heads 4"]),
+    ("1", torch.float32, 64, (256, 1), ["256 query heads per KV head"]),
+])
+def test_supports_reasons_on_cpu(monkeypatch, env, dtype, head_size, heads, expect):
+    monkeypatch.setenv("TRITON_INTERPRET", env)   # read at call time
+    spec = KVCacheSpec(16, heads[1], head_size, dtype)
+    options = AttentionLayerOptions(heads[0], heads[1], head_size, 1.0)
+    reasons = Backend.supports(spec, dtype, torch.device("cpu"), options)
+    assert len(reasons) >= len(expect) and all(any(e in r for r in reasons) for e in expect), reasons
+    if not expect:
+        assert reasons == []
+
+
+def test_supports_bfloat16_on_cuda_device_description():
+    spec = KVCacheSpec(16, 8, 128, torch.bfloat16)
+    assert Backend.supports(spec, torch.bfloat16, torch.device("cuda"), AttentionLayerOptions(32, 8, 128, 1.0)) == []
+
+
+def test_plan_uses_split_kv_only_for_small_decode_buckets():
+    # H100-like: 132 SMs, 8 KV heads, 2 query heads per KV head
+    small = P.plan_launch(1, 1, True, 16, 8, 128, 132, False)
+    assert small.decode is not None and small.rest is None and small.num_segments == P.MAX_SEGMENTS
+    assert P.plan_launch(8, 8, True, 16, 8, 128, 132, False).num_segments == 16   # 64 pairs -> 528/64 -> 16
+    large = P.plan_launch(64, 64, True, 16, 8, 128, 132, False)
+    assert large.num_segments == 1 and large.decode.block_m == 16
+    assert P.plan_launch(1, 1, True, 16, 8, 128, 0, False).num_segments == 1          # no SM count: 2D
+    assert P.plan_launch(1, 1, True, 8 * 32, 8, 128, 132, False).num_segments == 1    # group 32 > cap: 2D
+
+
+def test_plan_mixed_buckets():
+    single = P.plan_launch(512, 64, False, 32, 8, 128, 132, False)
+    assert single.decode is None and single.rest_mode == P.MODE_ALL
+    assert single.rest.block_m == 32            # average 8 tokens x 4 heads
+    assert P.plan_launch(8192, 2, False, 32, 8, 128, 132, False).rest.block_m == 128
+    assert P.plan_launch(8192, 2, False, 32, 8, 256, 132, False).rest.block_m == 64
+    split = P.plan_launch(512, 64, False, 32, 8, 128, 132, True)
+    assert split.decode_count_on_device and split.num_decode_seqs == 64 and split.rest_mode == P.MODE_PREFILLS
+    assert split.rest.block_m == 128 and split.decode.block_m == 16
+    assert P.plan_launch(4, 64, False, 32, 8, 128, 132, True).num_decode_seqs == 4
