@@ -62,7 +62,7 @@ class LlamaAttention(nn.Module):
         self.k_norm = options.norm_cls(self.head_size, config.rms_norm_eps) if options.qk_norm else None
         self.attn = Attention(layer_name=f"{prefix}model.layers.{layer_idx}.self_attn.attn",
                               num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_size=self.head_size,
-                              scale=self.head_size ** -0.5, sliding_window=None)
+                              scale=self.head_size ** -0.5, sliding_window=sliding_window_of(config, layer_idx))
 
     def forward(self, cos: torch.Tensor, sin: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [T, hidden] -> [T, hidden]; cos/sin [T, rotary_dim / 2] for the tokens' positions."""

@@ -107,7 +107,10 @@ def test_forward_compiles_without_graph_breaks(pair):
     eager = ModelHarness(model, 2).step(list(enumerate(prompts)))
     harness = ModelHarness(compiled, 2)
     torch._dynamo.reset()
-    assert torch.equal(harness.step(list(enumerate(prompts))), eager)
+    hidden = harness.step(list(enumerate(prompts)))
+    assert torch.equal(hidden, eager)
+    logits = torch.compile(model.compute_logits, fullgraph=True, backend="eager")(hidden)
+    assert torch.equal(logits, model.compute_logits(eager))
 
 
 @pytest.mark.parametrize("rope", [
