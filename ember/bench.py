@@ -1,0 +1,393 @@
+"""`ember bench throughput` and `ember bench latency`: the standard random-token workloads, timed through the
+public engine API, reported beside the memory roofline and, on request, beside transformers on the same shapes."""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ember.bench_roofline import (decode_roofline, decode_weight_bytes, device_sync, kv_bytes_per_token,
+                                  measure_copy_bandwidth, run_roofline)
+
+MAX_PROMPT_TOKEN_ID = 10000   # nano-vllm's throughput benchmark draws prompt ids in [0, 10000]
+
+
+# ---- workloads ----------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Workload:
+    """Random-token prompts and the number of tokens to generate for each."""
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+    @property
+    def input_tokens(self) -> int:
+        """Prompt tokens over all requests."""
+        return sum(len(p) for p in self.prompts)
+
+    @property
+    def output_tokens(self) -> int:
+        """Tokens asked for over all requests."""
+        return sum(self.output_lens)
+
+
+def parse_range(text: str) -> tuple[int, int]:
+    """"100:1024" -> (100, 1024); "32" -> (32, 32). Bounds are inclusive and at least 1."""
+    lo, _, hi = str(text).partition(":")
+    try:
+        bounds = (int(lo), int(hi or lo))
+    except ValueError:
+        raise ValueError(f"length range {text!r} must be an integer or LOW:HIGH") from None
+    if not 1 <= bounds[0] <= bounds[1]:
+        raise ValueError(f"length range {text!r} needs 1 <= LOW <= HIGH")
+    return bounds
+
+
+def random_workload(num_prompts: int, input_len: tuple[int, int], output_len: tuple[int, int], seed: int = 0,
+                    max_token_id: int = MAX_PROMPT_TOKEN_ID) -> Workload:
+    """nano-vllm's draw order: every prompt (its length, then its ids), then every output length."""
+    if num_prompts < 1:
+        raise ValueError(f"num_prompts {num_prompts} must be at least 1")
+    rng = random.Random(seed)
+    prompts = [[rng.randint(0, max_token_id) for _ in range(rng.randint(*input_len))] for _ in range(num_prompts)]
+    return Workload(prompts, [rng.randint(*output_len) for _ in range(num_prompts)])
+
+
+def percentiles(values: list[float], qs: tuple[int, ...] = (50, 90, 99)) -> dict[str, float]:
+    """{"p50": ..., "p90": ..., "p99": ...} with linear interpolation."""
+    import numpy as np
+    if not values:
+        return {f"p{q}": float("nan") for q in qs}
+    return {f"p{q}": float(np.percentile(np.asarray(values, dtype=np.float64), q)) for q in qs}
+
+
+# ---- ember runs ---------------------------------------------------------------------------------------------------
+def startup_times(llm) -> dict[str, float]:
+    """Seconds the engine spent loading, compiling and capturing CUDA graphs at start-up."""
+    t = llm.engine.runner.times
+    return {"load_s": t.load_s, "compile_s": t.compile_s, "capture_s": t.capture_s}
+
+
+def model_bytes(llm) -> tuple[int, int]:
+    """(weight bytes read per step, KV bytes per token) of the loaded model."""
+    runner = llm.engine.runner
+    return decode_weight_bytes(runner.model, runner.hf_config), kv_bytes_per_token(runner.hf_config, runner.dtype)
+
+
+def run_throughput(llm, workload: Workload, temperature: float = 0.6, warmup: bool = True) -> dict:
+    """Generate the whole workload in one `generate` call; returns rates, step count and elapsed time."""
+    from ember import SamplingParams
+    device = llm.engine.runner.device
+    if warmup:
+        # shorter than a block, so that it leaves nothing in the prefix cache
+        llm.generate([{"prompt_token_ids": list(range(1, 9))}], SamplingParams(max_tokens=4, ignore_eos=True),
+                     use_tqdm=False)
+    params = [SamplingParams(temperature=temperature, ignore_eos=True, max_tokens=n) for n in workload.output_lens]
+    steps_before = llm.engine.stats.num_steps
+    device_sync(device)
+    start = time.perf_counter()
+    outputs = llm.generate([{"prompt_token_ids": p} for p in workload.prompts], params, use_tqdm=False)
+    device_sync(device)
+    elapsed = time.perf_counter() - start
+    produced = sum(len(o.outputs[0].token_ids) for o in outputs)
+    total = workload.input_tokens + produced
+    return {"num_prompts": len(workload.prompts), "input_tokens": workload.input_tokens, "output_tokens": produced,
+            "elapsed_s": elapsed, "output_tok_s": produced / elapsed, "total_tok_s": total / elapsed,
+            "requests_s": len(workload.prompts) / elapsed, "num_steps": llm.engine.stats.num_steps - steps_before}
+
+
+def _latency_iteration(engine, prompts: list[list[int]], params) -> tuple[list[float], list[float], float]:
+    """One batch from arrival to its last token: (TTFT of each request, duration of each decode step, total)."""
+    device = engine.runner.device
+    device_sync(device)
+    start = time.perf_counter()
+    ids = {engine.add_request(p, params) for p in prompts}
+    first: dict[str, float] = {}
+    decode_steps: list[float] = []
+    last = start
+    while engine.has_unfinished():
+        outputs = engine.step()
+        device_sync(device)
+        now = time.perf_counter()
+        if len(first) == len(ids):   # every request had its first token before this step: a pure decode step
+            decode_steps.append(now - last)
+        for out in outputs:
+            first.setdefault(out.request_id, now - start)
+        last = now
+    return [first[i] for i in ids], decode_steps, last - start
+
+
+def run_latency(llm, batch_size: int, input_len: int, output_len: int, num_iters: int = 5, seed: int = 0,
+                max_token_id: int = MAX_PROMPT_TOKEN_ID) -> dict:
+    """Step the engine over `num_iters` fresh batches (after one warm-up batch) timing every step: TTFT and
+    TPOT (decode step time) percentiles in ms, and the decode rate."""
+    from ember import SamplingParams
+    if output_len < 2:
+        raise ValueError(f"output_len {output_len} must be at least 2 to time a decode step")
+    if batch_size < 1 or input_len < 1 or num_iters < 1:
+        raise ValueError(f"batch_size {batch_size}, input_len {input_len} and num_iters {num_iters} must each be "
+                         f"at least 1")
+    engine = llm.engine
+    rng = random.Random(seed)
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=output_len)
+    ttfts, tpots, totals = [], [], []
+    for it in range(num_iters + 1):
+        # fresh prompts every iteration so that the prefix cache never shortens a prefill
+        prompts = [[rng.randint(0, max_token_id) for _ in range(input_len)] for _ in range(batch_size)]
+        ttft, steps, total = _latency_iteration(engine, prompts, params)
+        if it > 0:
+            ttfts += ttft
+            tpots += steps
+            totals.append(total)
+    decode_s = sum(tpots)
+    return {"batch_size": batch_size, "input_len": input_len, "output_len": output_len, "num_iters": num_iters,
+            "ttft_ms": {k: v * 1e3 for k, v in percentiles(ttfts).items()},
+            "tpot_ms": {k: v * 1e3 for k, v in percentiles(tpots).items()},
+            "latency_s": percentiles(totals), "mean_tpot_s": decode_s / len(tpots),
+            "decode_tok_s": batch_size * len(tpots) / decode_s}
+
+
+# ---- transformers peer --------------------------------------------------------------------------------------------
+def _hf_model(hf_config, dtype: torch.dtype, device: torch.device):
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(0)
+    with torch.device(device):   # random init straight on the device: no host copy of an 8B model
+        return AutoModelForCausalLM.from_config(hf_config, dtype=dtype).eval()
+
+
+class _TokenTimes:
+    """A generate() streamer that records when each step's tokens reach the host (the first put is the prompt)."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def put(self, value) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def _hf_generate(model, prompts: list[list[int]], num_new: int, temperature: float, streamer=None,
+                 cache_implementation: str | None = None):
+    """Left-padded batched generate of exactly `num_new` tokens per row."""
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)                 # [batch, width], 0 as padding
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p):] = torch.tensor(p)
+        mask[row, width - len(p):] = 1
+    sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else \
+        dict(do_sample=False)
+    extra = {"cache_implementation": cache_implementation} if cache_implementation else {}
+    with torch.inference_mode():
+        return model.generate(ids.to(model.device), attention_mask=mask.to(model.device), max_new_tokens=num_new,
+                              min_new_tokens=num_new, pad_token_id=0, streamer=streamer, **sampling, **extra)
+
+
+def hf_throughput(hf_config, dtype: torch.dtype, device: torch.device, workload: Workload, batch_size: int,
+                  temperature: float = 0.6) -> dict:
+    """transformers `generate` over the workload in padded batches; rates count only the asked-for tokens."""
+    model = _hf_model(hf_config, dtype, device)
+    _hf_generate(model, [workload.prompts[0][:8]], 4, temperature)   # warm-up
+    device_sync(device)
+    start = time.perf_counter()
+    for i in range(0, len(workload.prompts), batch_size):
+        _hf_generate(model, workload.prompts[i:i + batch_size], max(workload.output_lens[i:i + batch_size]),
+                     temperature)
+    device_sync(device)
+    elapsed = time.perf_counter() - start
+    del model
+    return {"num_prompts": len(workload.prompts), "batch_size": batch_size, "elapsed_s": elapsed,
+            "output_tok_s": workload.output_tokens / elapsed,
+            "total_tok_s": (workload.input_tokens + workload.output_tokens) / elapsed}
+
+
+def hf_latency(hf_config, dtype: torch.dtype, device: torch.device, batch_size: int, input_len: int,
+               output_len: int, num_iters: int = 3, seed: int = 0, max_token_id: int = MAX_PROMPT_TOKEN_ID) -> dict:
+    """transformers greedy generate, timed per token through a streamer; on CUDA with a static cache, which
+    transformers compiles (gpt-fast style)."""
+    model = _hf_model(hf_config, dtype, device)
+    cache = "static" if device.type == "cuda" else None
+    rng = random.Random(seed)
+    ttfts, tpots = [], []
+    for it in range(num_iters + 2):      # two warm-ups: the first compiles, the second records graphs
+        prompts = [[rng.randint(0, max_token_id) for _ in range(input_len)] for _ in range(batch_size)]
+        timer = _TokenTimes()
+        device_sync(device)
+        start = time.perf_counter()
+        _hf_generate(model, prompts, output_len, 0.0, timer, cache)
+        if it >= 2:
+            stamps = timer.times[1:]     # drop the prompt's put
+            ttfts.append(stamps[0] - start)
+            tpots += [b - a for a, b in zip(stamps, stamps[1:])]
+    del model
+    return {"cache": cache or "dynamic", "ttft_ms": {k: v * 1e3 for k, v in percentiles(ttfts).items()},
+            "tpot_ms": {k: v * 1e3 for k, v in percentiles(tpots).items()},
+            "decode_tok_s": batch_size * len(tpots) / sum(tpots)}
+
+
+def release_engine(llm) -> None:
+    """Drop the engine and give its memory (KV cache included) back before another model is built."""
+    del llm.engine
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def try_peer(fn, *args, **kwargs) -> tuple[dict | None, str | None]:
+    """(the transformers figures, None) or (None, why there are none): a failing peer must not hide ember's."""
+    try:
+        return fn(*args, **kwargs), None
+    except Exception as exc:   # noqa: BLE001 - whatever breaks in the peer is reported beside ember's numbers
+        return None, f"{type(exc).__name__}: {exc}"
+
+
+# ---- the command line ---------------------------------------------------------------------------------------------
+def _build_llm(args):
+    from ember import LLM
+    from ember.cli import engine_kwargs
+    if args.config and args.model:
+        raise ValueError(f"give --model {args.model!r} or --config {args.config!r}, not both")
+    if args.config:
+        return LLM(args.config, load_format="dummy", **engine_kwargs(args))
+    return LLM(args.model, load_format=args.load_format, **engine_kwargs(args))
+
+
+def _device(args) -> torch.device:
+    if args.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(args.device)
+
+
+def _max_token_id(llm) -> int:
+    return min(MAX_PROMPT_TOKEN_ID, llm.engine.vocab_size - 1)
+
+
+def _header(llm, args) -> dict:
+    runner = llm.engine.runner
+    return {"model": args.config or args.model or "default", "device": str(runner.device), "dtype": str(runner.dtype),
+            "startup": startup_times(llm)}
+
+
+def _print_report(result: dict, rows: list[tuple[str, str]]) -> None:
+    head = f"{result['command']}  {result['model']}  {result['device']} {result['dtype'].replace('torch.', '')}"
+    print(head)
+    s = result["startup"]
+    rows = rows + [("start-up", f"load {s['load_s']:.1f} s, compile {s['compile_s']:.1f} s, "
+                                f"capture {s['capture_s']:.1f} s")]
+    for name, value in rows:
+        print(f"  {name:<14s}{value}")
+
+
+def _write_json(path: str | None, result: dict) -> None:
+    if path:
+        Path(path).write_text(json.dumps(result, indent=2) + "\n")
+
+
+def _throughput(args) -> int:
+    workload_args = (args.num_prompts, parse_range(args.input_len), parse_range(args.output_len))
+    device = _device(args)
+    bandwidth = measure_copy_bandwidth(device)        # before the KV cache takes the free memory
+    llm = _build_llm(args)
+    workload = random_workload(*workload_args, seed=args.seed, max_token_id=_max_token_id(llm))
+    result = {"command": "throughput", **_header(llm, args), **run_throughput(llm, workload, args.temperature)}
+    weight_bytes, kv_token_bytes = model_bytes(llm)
+    roof = run_roofline(weight_bytes, kv_token_bytes, result["num_steps"], [len(p) for p in workload.prompts],
+                        workload.output_lens, bandwidth, result["elapsed_s"])
+    result["roofline"] = roof.as_dict()
+    rows = [("prompts", f"{result['num_prompts']}: {result['input_tokens']:,} input + "
+                        f"{result['output_tokens']:,} output tokens in {result['num_steps']:,} steps"),
+            ("elapsed", f"{result['elapsed_s']:.2f} s"),
+            ("output", f"{result['output_tok_s']:,.1f} tok/s   ({roof.describe()})"),
+            ("total", f"{result['total_tok_s']:,.1f} tok/s"),
+            ("requests", f"{result['requests_s']:,.2f} req/s")]
+    if args.compare_hf:
+        runner = llm.engine.runner
+        hf_config, dtype = runner.hf_config, runner.dtype
+        release_engine(llm)
+        n = min(args.hf_num_prompts, len(workload.prompts))
+        subset = Workload(workload.prompts[:n], workload.output_lens[:n])
+        hf, error = try_peer(hf_throughput, hf_config, dtype, device, subset, args.hf_batch_size, args.temperature)
+        result.update(hf=hf, hf_error=error, ember_vs_hf=result["output_tok_s"] / hf["output_tok_s"] if hf else None)
+        rows.append(("transformers", f"{hf['output_tok_s']:,.1f} output tok/s ({n} prompts, padded batches of "
+                                     f"{args.hf_batch_size}); ember/transformers {result['ember_vs_hf']:.2f}x"
+                     if hf else f"failed: {error}"))
+    _print_report(result, rows)
+    _write_json(args.json, result)
+    return 0
+
+
+def _latency(args) -> int:
+    device = _device(args)
+    bandwidth = measure_copy_bandwidth(device)
+    llm = _build_llm(args)
+    max_id = _max_token_id(llm)
+    lat = run_latency(llm, args.batch_size, args.input_len, args.output_len, args.num_iters, args.seed, max_id)
+    result = {"command": "latency", **_header(llm, args), **lat}
+    weight_bytes, kv_token_bytes = model_bytes(llm)
+    roof = decode_roofline(weight_bytes, kv_token_bytes, args.batch_size, args.input_len, args.output_len,
+                           bandwidth, lat["mean_tpot_s"])
+    result["roofline"] = roof.as_dict()
+    pct = lambda d: " / ".join(f"{d[k]:.2f}" for k in ("p50", "p90", "p99"))   # noqa: E731
+    rows = [("shape", f"batch {args.batch_size}, input {args.input_len}, output {args.output_len}, "
+                      f"{args.num_iters} iterations"),
+            ("TTFT", f"{pct(lat['ttft_ms'])} ms (p50 / p90 / p99)"),
+            ("TPOT", f"{pct(lat['tpot_ms'])} ms (p50 / p90 / p99)"),
+            ("decode", f"{lat['decode_tok_s']:,.1f} tok/s   ({roof.describe()})")]
+    if args.compare_hf:
+        runner = llm.engine.runner
+        hf_config, dtype = runner.hf_config, runner.dtype
+        release_engine(llm)
+        hf, error = try_peer(hf_latency, hf_config, dtype, device, args.batch_size, args.input_len, args.output_len,
+                             args.hf_num_iters, args.seed, max_id)
+        result.update(hf=hf, hf_error=error, ember_vs_hf=lat["decode_tok_s"] / hf["decode_tok_s"] if hf else None)
+        rows.append(("transformers", f"{hf['decode_tok_s']:,.1f} decode tok/s, TTFT p50 {hf['ttft_ms']['p50']:.2f} "
+                                     f"ms ({hf['cache']} cache); ember/transformers {result['ember_vs_hf']:.2f}x"
+                     if hf else f"failed: {error}"))
+    _print_report(result, rows)
+    _write_json(args.json, result)
+    return 0
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default=None,
+                   help="a bundled model config (qwen3-0.6b, llama-3.2-1b, llama-3.1-8b) with random weights")
+    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                   help="'dummy' gives --model's architecture random weights")
+    p.add_argument("--json", default=None, metavar="PATH", help="write every number to this JSON file")
+    p.add_argument("--compare-hf", action="store_true",
+                   help="also run transformers on the same shapes (random weights from the same config)")
+
+
+def add_bench_parser(subparsers, add_engine_args) -> None:
+    """Add `bench throughput` and `bench latency` to the `ember` command line."""
+    bench = subparsers.add_parser("bench", help="benchmark throughput or latency against the memory roofline")
+    kinds = bench.add_subparsers(dest="bench_command", required=True)
+
+    t = kinds.add_parser("throughput", help="random-token prompts, all at once (nano-vllm's workload)")
+    add_engine_args(t)
+    _add_common(t)
+    t.add_argument("--num-prompts", type=int, default=256)
+    t.add_argument("--input-len", default="100:1024", help="prompt length, N or LOW:HIGH (inclusive)")
+    t.add_argument("--output-len", default="100:1024", help="output length, N or LOW:HIGH (inclusive)")
+    t.add_argument("--temperature", type=float, default=0.6)
+    t.add_argument("--hf-num-prompts", type=int, default=32, help="prompts transformers runs (bounds its time)")
+    t.add_argument("--hf-batch-size", type=int, default=32)
+    t.set_defaults(func=_throughput)
+
+    lat = kinds.add_parser("latency", help="TTFT and TPOT percentiles of one batch, stepping the engine")
+    add_engine_args(lat)
+    _add_common(lat)
+    lat.add_argument("--batch-size", type=int, default=1)
+    lat.add_argument("--input-len", type=int, default=32)
+    lat.add_argument("--output-len", type=int, default=256)
+    lat.add_argument("--num-iters", type=int, default=5)
+    lat.add_argument("--hf-num-iters", type=int, default=3)
+    lat.set_defaults(func=_latency)

@@ -1,0 +1,130 @@
+"""`ember bench`: the standard workload draw, the roofline arithmetic, and both sub-commands end to end on CPU."""
+
+import json
+
+import pytest
+import torch
+from transformers import LlamaConfig, Qwen3Config
+
+from ember.bench import parse_range, percentiles, random_workload
+from ember.bench_roofline import (Roofline, context_tokens_read, decode_roofline, decode_weight_bytes,
+                                  kv_bytes_per_token, run_roofline, step_bytes)
+from ember.cli import main
+from ember.models.bundled import bundled_config
+from ember.models.loader import build_on_meta
+
+
+def test_standard_workload_matches_nano_vllm():
+    w = random_workload(256, (100, 1024), (100, 1024), seed=0)
+    assert w.output_tokens == 133_966
+    assert w.input_tokens == 142_827
+    assert all(100 <= len(p) <= 1024 for p in w.prompts) and all(0 <= t <= 10_000 for p in w.prompts for t in p)
+    assert random_workload(256, (100, 1024), (100, 1024), seed=1).output_tokens != 133_966
+
+
+def test_parse_range_and_percentiles():
+    assert parse_range("100:1024") == (100, 1024) and parse_range("32") == (32, 32)
+    for bad in ("0:4", "9:3", "a:b"):
+        with pytest.raises(ValueError, match="range"):
+            parse_range(bad)
+    assert percentiles([1.0, 2.0, 3.0, 4.0, 5.0]) == {"p50": 3.0, "p90": 4.6, "p99": pytest.approx(4.96)}
+
+
+def test_qwen3_roofline_arithmetic():
+    cfg = bundled_config("qwen3-0.6b")
+    # 28 layers x 8 KV heads x 128 x 2 (K, V) x 2 bytes
+    assert kv_bytes_per_token(cfg, torch.bfloat16) == 114_688
+    assert kv_bytes_per_token(cfg, torch.float32) == 229_376
+    # 596,049,920 parameters, the tied embedding counted once (it is read as the LM head)
+    weight_bytes = decode_weight_bytes(build_on_meta(cfg, torch.bfloat16), cfg)
+    assert weight_bytes == 2 * 596_049_920
+    # untied: 2 layers x (q 4096 + k 2048 + v 2048 + o 4096 + MLP 24,576 + norms 128) + final norm 64 + LM head
+    # 20,480 = 94,528 parameters read; the 20,480-entry input embedding is only gathered from
+    untied = LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+                         architectures=["LlamaForCausalLM"])
+    assert decode_weight_bytes(build_on_meta(untied, torch.float32), untied) == 4 * 94_528
+
+    # one request, prompt 100, output 3: contexts 100, 101, 102
+    assert context_tokens_read(100, 3) == 303
+    run = run_roofline(weight_bytes, 114_688, num_steps=3, prompt_lens=[100], output_lens=[3], bandwidth=2e12,
+                       measured_s=0.01)
+    assert run.bytes_moved == 3 * weight_bytes + 303 * 114_688
+    assert run.time_s == pytest.approx(run.bytes_moved / 2e12)
+    assert run.tok_s == pytest.approx(3 / run.time_s)
+    assert run.pct == pytest.approx(100 * run.time_s / 0.01)
+    step = decode_roofline(weight_bytes, 114_688, batch_size=4, prompt_len=32, output_len=256, bandwidth=3e12,
+                           measured_step_s=1e-3)
+    assert step.bytes_moved == step_bytes(weight_bytes, 114_688, [160] * 4) == weight_bytes + 640 * 114_688
+    assert step.tok_s == pytest.approx(4 * 3e12 / step.bytes_moved)
+    assert Roofline(10, None, 1, 1.0).tok_s is None and "n/a" in Roofline(10, None, 1, 1.0).describe()
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_bench")
+    Qwen3Config(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=8, max_position_embeddings=512,
+                tie_word_embeddings=True, architectures=["Qwen3ForCausalLM"]).save_pretrained(path)
+    return str(path)
+
+
+ENGINE = ["--device", "cpu", "--load-format", "dummy", "--max-model-len", "128", "--max-num-seqs", "8"]
+
+
+def test_cli_throughput_writes_json(tiny_model, tmp_path, capsys):
+    out = tmp_path / "throughput.json"
+    rc = main(["bench", "throughput", "--model", tiny_model, *ENGINE, "--num-prompts", "6", "--input-len", "4:20",
+               "--output-len", "3:9", "--seed", "0", "--json", str(out), "--compare-hf", "--hf-num-prompts", "4",
+               "--hf-batch-size", "2"])
+    assert rc == 0
+    result = json.loads(out.read_text())
+    expected = random_workload(6, (4, 20), (3, 9), seed=0, max_token_id=511)
+    assert result["num_prompts"] == 6
+    assert result["input_tokens"] == expected.input_tokens
+    assert result["output_tokens"] == expected.output_tokens
+    # at most 8 running at once: at least one step per output token of the longest request
+    assert max(expected.output_lens) <= result["num_steps"] <= expected.output_tokens
+    for key in ("elapsed_s", "output_tok_s", "total_tok_s", "requests_s"):
+        assert result[key] > 0
+    assert result["total_tok_s"] == pytest.approx(result["output_tok_s"] * (expected.input_tokens +
+                                                                             expected.output_tokens)
+                                                  / expected.output_tokens)
+    assert set(result["startup"]) == {"load_s", "compile_s", "capture_s"} and result["startup"]["load_s"] > 0
+    assert result["roofline"]["bandwidth_bytes_s"] is None and result["roofline"]["bytes_moved"] > 0
+    assert result["hf_error"] is None and result["hf"]["output_tok_s"] > 0 and result["ember_vs_hf"] > 0
+    printed = capsys.readouterr().out
+    assert "roofline n/a" in printed and "ember/transformers" in printed
+
+
+def test_cli_latency_writes_json(tiny_model, tmp_path):
+    out = tmp_path / "latency.json"
+    rc = main(["bench", "latency", "--model", tiny_model, *ENGINE, "--batch-size", "2", "--input-len", "8",
+               "--output-len", "5", "--num-iters", "2", "--json", str(out), "--compare-hf", "--hf-num-iters", "1"])
+    assert rc == 0
+    result = json.loads(out.read_text())
+    assert (result["batch_size"], result["input_len"], result["output_len"]) == (2, 8, 5)
+    for key in ("ttft_ms", "tpot_ms"):
+        p = result[key]
+        assert 0 < p["p50"] <= p["p90"] <= p["p99"]
+    assert result["decode_tok_s"] == pytest.approx(2 / result["mean_tpot_s"])
+    assert result["roofline"]["tokens"] == 2 and result["roofline"]["tok_s"] is None
+    assert result["hf_error"] is None and result["hf"]["decode_tok_s"] > 0 and result["hf"]["cache"] == "dynamic"
+
+
+def test_cli_rejects_model_and_config_together(tiny_model, capsys):
+    rc = main(["bench", "latency", "--model", tiny_model, "--config", "qwen3-0.6b", "--device", "cpu"])
+    assert rc == 2 and "not both" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_cli_latency_on_bundled_config(tmp_path):
+    out = tmp_path / "latency.json"
+    rc = main(["bench", "latency", "--config", "qwen3-0.6b", "--device", "cpu", "--batch-size", "1", "--input-len",
+               "8", "--output-len", "3", "--num-iters", "1", "--max-model-len", "128", "--max-num-seqs", "4",
+               "--json", str(out)])
+    assert rc == 0
+    result = json.loads(out.read_text())
+    assert result["model"] == "qwen3-0.6b" and result["dtype"] == "torch.float32"
+    # float32 on CPU: 596,049,920 parameters x 4 bytes, plus the mean context (8 + 3 // 2 = 9) x 229,376 bytes
+    assert result["roofline"]["bytes_moved"] == 4 * 596_049_920 + 9 * 229_376
