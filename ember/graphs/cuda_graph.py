@@ -1,0 +1,206 @@
+"""CUDA-graph capture and replay per `BatchDescriptor`, all graphs sharing one memory pool.
+
+API:
+    manager = CUDAGraphManager(device, debug_check_addresses=False)
+    manager.wrap_piece(fn, name) -> CUDAGraphWrapper   (compile.py wraps each compiled piece when given a manager)
+    manager.wrap_full(forward) -> CUDAGraphWrapper     the whole forward, attention included
+    manager.capture_all(run_step, captures, num_warmups=1) -> CaptureReport
+    manager.graphs_captured[mode] / manager.num_descriptors(mode)           counters
+    wrapper.entries (descriptor -> captured graph), wrapper.num_replays
+
+A wrapper reads the forward context (`ember.attention_backends.op`): when its runtime mode equals the context's
+`cudagraph_runtime_mode` and a `batch_descriptor` is set, it captures a graph on first sight of that descriptor
+(then replays it once, so the capturing call returns real results) and replays it afterwards; otherwise it calls
+`fn` directly. So a PIECEWISE wrapper passes through inside a FULL capture, and both pass through in NONE steps.
+
+Static inputs. Nothing is copied on replay: every tensor a graph reads must sit at the address it had at capture.
+For FULL, the runner passes views of its persistent `input_ids` / `positions` buffers. For PIECEWISE, a piece's
+inputs are the parameters, those buffers, and outputs of the previous piece's graph, including the attention `out`
+tensor that the previous piece allocated and the eager attention op filled in place; a replayed graph writes its
+outputs to the addresses it had at capture, so the chain is stable. `debug_check_addresses=True` verifies this on
+every replay and raises on the first moved input.
+
+Outputs. A wrapper keeps only non-owning aliases of its captured outputs, so that after a capturing forward ends,
+its activations return to the shared pool and the next (smaller) capture reuses them. Replays therefore must run
+one forward at a time, in any order, and a forward's output is valid until the next replay: consume the hidden
+states (logits) before the next step. Capture the largest descriptor first (`capture_all` does), between steps.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from ember.attention_backends.op import get_forward_context
+from ember.graphs.modes import BatchDescriptor, CUDAGraphMode
+
+logger = logging.getLogger("ember")
+
+
+def _weak_alias(t: torch.Tensor) -> torch.Tensor:
+    """A tensor over `t`'s memory that does not keep it allocated (the graph pool owns that memory)."""
+    storage = t.untyped_storage()
+    # a storage over the same bytes with no deleter (the construction torch's own cudagraph trees use)
+    alias_storage = torch._C._construct_storage_from_data_pointer(storage.data_ptr(), t.device, storage.nbytes())
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(alias_storage, t.storage_offset(), t.size(), t.stride())
+
+
+def _weak_outputs(output: Any) -> Any:
+    return pytree.tree_map(lambda x: _weak_alias(x) if isinstance(x, torch.Tensor) and x.is_cuda else x, output)
+
+
+def _input_signature(args: Sequence[Any]) -> tuple:
+    """Tensor addresses and plain values of a call's arguments, for the debug check."""
+    return tuple(("tensor", a.data_ptr()) if isinstance(a, torch.Tensor) else ("value", a) for a in args)
+
+
+@dataclass
+class _Entry:
+    graph: torch.cuda.CUDAGraph
+    output: Any                       # non-owning aliases of the captured outputs
+    signature: tuple | None           # argument addresses at capture (debug only)
+
+
+class CUDAGraphWrapper:
+    """Captures `fn` once per descriptor under its runtime mode, replays it afterwards; passes through otherwise."""
+
+    def __init__(self, fn: Callable, runtime_mode: CUDAGraphMode, manager: "CUDAGraphManager", name: str):
+        if runtime_mode not in (CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL):
+            raise ValueError(f"a graph wrapper's runtime mode must be PIECEWISE or FULL, not {runtime_mode.name}")
+        self.fn = fn
+        self.runtime_mode = runtime_mode
+        self.manager = manager
+        self.name = name
+        self.entries: dict[BatchDescriptor, _Entry] = {}
+        self.num_replays = 0
+
+    def __call__(self, *args):
+        try:
+            ctx = get_forward_context()
+        except RuntimeError:
+            return self.fn(*args)
+        desc = ctx.batch_descriptor
+        if ctx.cudagraph_runtime_mode != self.runtime_mode or desc is None:
+            return self.fn(*args)
+        entry = self.entries.get(desc)
+        if entry is None:
+            return self._capture(desc, args)
+        if entry.signature is not None:
+            self._check_addresses(desc, entry.signature, args)
+        entry.graph.replay()
+        self.num_replays += 1
+        return entry.output
+
+    def _capture(self, desc: BatchDescriptor, args: tuple) -> Any:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"{self.name}: nested CUDA-graph capture for {desc}; a {self.runtime_mode.name} graph "
+                               f"cannot be captured inside another graph")
+        mgr = self.manager
+        graph = torch.cuda.CUDAGraph()
+        stream = mgr.capture_stream
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            graph.capture_begin(pool=mgr.pool)
+            try:
+                output = self.fn(*args)
+            finally:
+                graph.capture_end()
+        torch.cuda.current_stream().wait_stream(stream)
+        # capture records work without running it: replay once so this call returns real results
+        graph.replay()
+        signature = _input_signature(args) if mgr.debug_check_addresses else None
+        self.entries[desc] = _Entry(graph, _weak_outputs(output), signature)
+        mgr._record(self.runtime_mode, desc)
+        return output
+
+    def _check_addresses(self, desc: BatchDescriptor, expected: tuple, args: tuple) -> None:
+        got = _input_signature(args)
+        for i, (want, have) in enumerate(zip(expected, got)):
+            if want != have:
+                raise RuntimeError(f"{self.name} replay for {desc}: argument {i} is {have}, but was {want} at capture; "
+                                   f"graph inputs must stay in the buffers they were captured with")
+        if len(expected) != len(got):
+            raise RuntimeError(f"{self.name} replay for {desc}: {len(got)} arguments, {len(expected)} at capture")
+
+
+@dataclass(frozen=True)
+class CaptureReport:
+    """What `capture_all` did: descriptors captured, torch CUDA graphs made per mode, seconds and pool bytes."""
+    num_descriptors: int
+    graphs: dict[str, int]
+    seconds: float
+    memory_bytes: int
+
+
+class CUDAGraphManager:
+    """Owns the memory pool all graphs share, the capture stream and the capture counters."""
+
+    def __init__(self, device: torch.device | str | None = None, debug_check_addresses: bool = False):
+        self.device = torch.device(device if device is not None else "cuda")
+        self.debug_check_addresses = debug_check_addresses
+        self.graphs_captured: Counter[CUDAGraphMode] = Counter()    # torch CUDA graphs, per runtime mode
+        self._descriptors: dict[CUDAGraphMode, set[BatchDescriptor]] = {}
+        self._pool = None
+        self._stream: torch.cuda.Stream | None = None
+
+    @property
+    def pool(self):
+        """The one memory pool every graph is captured into (created on first use)."""
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        return self._pool
+
+    @property
+    def capture_stream(self) -> torch.cuda.Stream:
+        """A side stream for capture (capturing on the default stream is not allowed)."""
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+        return self._stream
+
+    def wrap_piece(self, fn: Callable, name: str) -> CUDAGraphWrapper:
+        """A PIECEWISE wrapper for one compiled piece."""
+        return CUDAGraphWrapper(fn, CUDAGraphMode.PIECEWISE, self, name)
+
+    def wrap_full(self, forward: Callable) -> CUDAGraphWrapper:
+        """A FULL wrapper for the whole forward (compiled or eager), attention included."""
+        return CUDAGraphWrapper(forward, CUDAGraphMode.FULL, self, "forward")
+
+    def num_descriptors(self, mode: CUDAGraphMode) -> int:
+        """How many distinct descriptors have a graph under `mode` (PIECEWISE: one per bucket, for all pieces)."""
+        return len(self._descriptors.get(mode, ()))
+
+    def _record(self, mode: CUDAGraphMode, desc: BatchDescriptor) -> None:
+        self.graphs_captured[mode] += 1
+        self._descriptors.setdefault(mode, set()).add(desc)
+
+    def capture_all(self, run_step: Callable[[CUDAGraphMode, BatchDescriptor], Any],
+                    captures: Sequence[tuple[CUDAGraphMode, BatchDescriptor]], num_warmups: int = 1) -> CaptureReport:
+        """Capture every (mode, descriptor), largest first.
+
+        `run_step(mode, desc)` must run one forward on a dummy batch padded to `desc` with the forward context's
+        runtime mode and descriptor set; it is called `num_warmups` times with NONE (so lazy initialisation and
+        kernel autotuning happen outside the capture) and then once with `mode`, which captures.
+        """
+        ordered = sorted(captures, key=lambda md: -md[1].num_tokens)
+        before = Counter(self.graphs_captured)
+        torch.cuda.synchronize(self.device)
+        free_before = torch.cuda.mem_get_info(self.device)[0]
+        start = time.perf_counter()
+        for mode, desc in ordered:
+            for _ in range(num_warmups):
+                run_step(CUDAGraphMode.NONE, desc)
+            run_step(mode, desc)
+        torch.cuda.synchronize(self.device)
+        seconds = time.perf_counter() - start
+        memory = free_before - torch.cuda.mem_get_info(self.device)[0]
+        graphs = {m.name: n - before.get(m, 0) for m, n in self.graphs_captured.items() if n - before.get(m, 0)}
+        logger.info("captured %d CUDA-graph descriptors (%s graphs) in %.2f s, graph memory %.1f MiB",
+                    len(ordered), ", ".join(f"{k} {v}" for k, v in graphs.items()) or "no", seconds, memory / 2**20)
+        return CaptureReport(len(ordered), graphs, seconds, memory)

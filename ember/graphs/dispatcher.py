@@ -1,0 +1,171 @@
+"""The one place that decides how a step runs: (batch stats, backends' CUDA-graph support) -> (mode, descriptor).
+
+API:
+    resolve_modes(compile_config, device, backends) -> ResolvedModes     once at start-up; logs every downgrade
+    ResolvedModes(compile_mode, cudagraph_mode, support, reasons)
+    CudaGraphDispatcher(cudagraph_mode, capture_sizes, max_num_seqs, support=CudaGraphSupport.ALWAYS)
+    dispatcher.dispatch(num_tokens, num_reqs, uniform_decode) -> (CUDAGraphMode, BatchDescriptor)
+    dispatcher.capture_list() -> list[(CUDAGraphMode, BatchDescriptor)]  what to capture, largest first
+
+Resolution (requested mode x backend support), after CPU / enforce_eager (both: NONE, and enforce_eager also
+turns compilation off):
+    NEVER:                        FULL, FULL_AND_PIECEWISE -> PIECEWISE;  FULL_DECODE_ONLY -> NONE
+    UNIFORM_SINGLE_TOKEN_DECODE,
+    UNIFORM_BATCH:                FULL -> FULL_AND_PIECEWISE  (full graphs only for uniform decode)
+    ALWAYS:                       FULL_AND_PIECEWISE -> FULL  (every bucketed batch gets a full graph)
+Without compiled pieces (compile_mode "none") a mode with PIECEWISE cannot run: an explicitly requested PIECEWISE
+or FULL_AND_PIECEWISE raises ValueError; one reached from "auto" or by a downgrade becomes FULL_DECODE_ONLY (when
+the backends allow it) or NONE, with the reason logged. There is no speculative decoding, so UNIFORM_BATCH and
+UNIFORM_SINGLE_TOKEN_DECODE behave alike: uniform batches are single-token decodes.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ember.attention_backends.base import AttentionBackend, CudaGraphSupport
+from ember.graphs.buckets import decode_capture_sizes, pad_to_bucket, validate_capture_sizes
+from ember.graphs.compile import resolve_compile_mode
+from ember.graphs.modes import BatchDescriptor, CUDAGraphMode
+
+logger = logging.getLogger("ember")
+
+M = CUDAGraphMode
+
+
+@dataclass(frozen=True)
+class ResolvedModes:
+    """What start-up settled on: the compile mode, the CUDA-graph mode, the support level it assumed, and why."""
+    compile_mode: str                 # "none" | "default"
+    cudagraph_mode: CUDAGraphMode
+    support: CudaGraphSupport         # the minimum over the KV-cache groups' backends
+    reasons: tuple[str, ...] = ()     # one line per downgrade, in order
+
+
+def min_support(backends: Sequence[type[AttentionBackend]]) -> tuple[CudaGraphSupport, str]:
+    """The weakest CUDA-graph support among the backends, and the name of a backend that has it."""
+    if not backends:
+        return CudaGraphSupport.ALWAYS, "no attention"
+    weakest = min(backends, key=lambda b: b.cudagraph_support)
+    return CudaGraphSupport(weakest.cudagraph_support), weakest.name
+
+
+def _downgrade_for_support(mode: CUDAGraphMode, support: CudaGraphSupport, who: str) -> tuple[CUDAGraphMode, str]:
+    why = f"{who} supports CUDA graphs {support.name}"
+    if support == CudaGraphSupport.NEVER:
+        target = {M.FULL: M.PIECEWISE, M.FULL_AND_PIECEWISE: M.PIECEWISE, M.FULL_DECODE_ONLY: M.NONE}.get(mode, mode)
+    elif support == CudaGraphSupport.ALWAYS:
+        target = M.FULL if mode == M.FULL_AND_PIECEWISE else mode
+        why = f"{who} supports CUDA graphs ALWAYS, so every bucketed batch runs a full graph"
+    else:
+        target = M.FULL_AND_PIECEWISE if mode == M.FULL else mode
+    return target, (f"{why}: {mode.name} -> {target.name}" if target != mode else "")
+
+
+def resolve_modes(compile_config, device: torch.device | str,
+                  backends: Sequence[type[AttentionBackend]]) -> ResolvedModes:
+    """Settle compile and CUDA-graph modes from an `ember.config.CompileConfig`, the device and the backends.
+
+    Logs the outcome and every downgrade with its reason (e.g. "torch_ref supports CUDA graphs NEVER:
+    FULL_AND_PIECEWISE -> PIECEWISE").
+    """
+    device = torch.device(device)
+    support, who = min_support(backends)
+    compile_mode = resolve_compile_mode(compile_config.compile_mode, device, compile_config.enforce_eager)
+    requested_name = str(compile_config.cudagraph_mode.value if isinstance(compile_config.cudagraph_mode, M)
+                         else compile_config.cudagraph_mode).lower()
+    explicit = requested_name != "auto"
+    requested = M.parse(compile_config.cudagraph_mode)
+    reasons: list[str] = []
+
+    if compile_config.enforce_eager:
+        mode = M.NONE
+        if requested != M.NONE:
+            reasons.append(f"enforce_eager: {requested.name} -> NONE, no compilation")
+    elif device.type != "cuda":
+        mode = M.NONE
+        if requested != M.NONE:
+            reasons.append(f"CUDA graphs need a CUDA device, not {device.type}: {requested.name} -> NONE")
+    else:
+        mode, why = _downgrade_for_support(requested, support, who)
+        if why:
+            reasons.append(why)
+        if compile_mode == "none" and mode.has_piecewise:
+            if explicit and requested.has_piecewise:
+                raise ValueError(f"cudagraph_mode {requested.name} needs the piecewise-compiled model, but "
+                                 f"compile_mode is 'none'; set compile_mode to 'default' or choose FULL_DECODE_ONLY, "
+                                 f"FULL or NONE")
+            target = M.FULL_DECODE_ONLY if (mode == M.FULL_AND_PIECEWISE
+                                            and support >= CudaGraphSupport.UNIFORM_SINGLE_TOKEN_DECODE) else M.NONE
+            reasons.append(f"compile_mode 'none' has no compiled pieces to capture: {mode.name} -> {target.name}")
+            mode = target
+
+    for line in reasons:
+        logger.info("cudagraph mode: %s", line)
+    logger.info("compile mode %s, cudagraph mode %s (attention CUDA-graph support %s via %s)",
+                compile_mode, mode.name, support.name, who)
+    return ResolvedModes(compile_mode, mode, support, tuple(reasons))
+
+
+class CudaGraphDispatcher:
+    """Maps a step to (runtime mode, descriptor); the descriptor's sizes are what the runner pads the batch to.
+
+    Runtime modes: FULL (replay the whole forward; pad tokens and requests to the descriptor), PIECEWISE (replay
+    each compiled piece; pad tokens only, attention runs on the live requests), NONE (run as is, no padding).
+    """
+
+    def __init__(self, cudagraph_mode: CUDAGraphMode, capture_sizes: Sequence[int], max_num_seqs: int,
+                 support: CudaGraphSupport = CudaGraphSupport.ALWAYS):
+        self.mode = CUDAGraphMode.parse(cudagraph_mode)
+        self.support = CudaGraphSupport(support)
+        self.max_num_seqs = max_num_seqs
+        if self.mode == M.NONE:
+            self.sizes: tuple[int, ...] = ()
+        else:
+            # the upper bound (max_num_batched_tokens) was checked by resolve_capture_sizes
+            self.sizes = validate_capture_sizes(capture_sizes, max(capture_sizes, default=1))
+        self.decode_sizes = decode_capture_sizes(self.sizes, max_num_seqs) if self.sizes else ()
+        if self.mode == M.FULL and self.support != CudaGraphSupport.ALWAYS:
+            raise ValueError(f"cudagraph mode FULL needs attention CUDA-graph support ALWAYS, not {self.support.name}; "
+                             f"resolve the mode with resolve_modes() first")
+        if self.mode.has_full and self.support == CudaGraphSupport.NEVER:
+            raise ValueError(f"cudagraph mode {self.mode.name} captures attention, but its CUDA-graph support is "
+                             f"NEVER; resolve the mode with resolve_modes() first")
+        # uniform-decode batches take a FULL graph in every mode that has one
+        self._full_decode = self.mode.has_full
+        self._full_mixed = self.mode == M.FULL
+        self._piecewise_mixed = self.mode.has_piecewise
+
+    def _full_desc(self, bucket: int, uniform_decode: bool) -> BatchDescriptor:
+        # a bucket of T tokens holds at most T requests, and never more than the request rows that exist
+        return BatchDescriptor(bucket, min(bucket, self.max_num_seqs), uniform_decode)
+
+    def dispatch(self, num_tokens: int, num_reqs: int, uniform_decode: bool) -> tuple[CUDAGraphMode, BatchDescriptor]:
+        """The runtime mode and padded descriptor for a step of `num_tokens` tokens over `num_reqs` requests."""
+        if self._full_decode and uniform_decode and num_tokens == num_reqs:
+            bucket = pad_to_bucket(num_tokens, self.decode_sizes) if self.decode_sizes else None
+            if bucket is not None:
+                return M.FULL, self._full_desc(bucket, True)
+        if self._full_mixed or self._piecewise_mixed:
+            bucket = pad_to_bucket(num_tokens, self.sizes)
+            if bucket is not None:
+                if self._full_mixed:
+                    return M.FULL, self._full_desc(bucket, False)
+                return M.PIECEWISE, BatchDescriptor(bucket)
+        return M.NONE, BatchDescriptor(num_tokens, None, uniform_decode)
+
+    def capture_list(self) -> list[tuple[CUDAGraphMode, BatchDescriptor]]:
+        """Every (runtime mode, descriptor) the dispatcher can return with a graph, largest first (so smaller graphs
+        reuse the shared pool's memory)."""
+        out: list[tuple[CUDAGraphMode, BatchDescriptor]] = []
+        if self._full_decode:
+            out += [(M.FULL, self._full_desc(s, True)) for s in self.decode_sizes]
+        if self._full_mixed:
+            out += [(M.FULL, self._full_desc(s, False)) for s in self.sizes]
+        elif self._piecewise_mixed:
+            out += [(M.PIECEWISE, BatchDescriptor(s)) for s in self.sizes]
+        return sorted(out, key=lambda md: (-md[1].num_tokens, md[0].value, md[1].uniform_decode))
