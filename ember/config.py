@@ -75,6 +75,8 @@ class EngineConfig:
     compile: CompileConfig = field(default_factory=CompileConfig)
     device: str = "auto"
     attention_backend: str = "auto"
+    # backend-specific switches handed to every metadata builder, e.g. (("split_launch", True),)
+    attention_backend_options: tuple[tuple[str, object], ...] = ()
 
     def resolve(self) -> "EngineConfig":
         """Return a copy with device and dtype made concrete and every limit validated."""

@@ -32,7 +32,7 @@ class LLM:
                  enable_prefix_caching: bool = True, attention_backend: str = "auto", seed: int = 0,
                  compile_mode: str = "auto", cudagraph_mode: str = "auto",
                  cudagraph_capture_sizes: Sequence[int] | None = None, enforce_eager: bool = False,
-                 load_format: str = "auto", tokenizer=None):
+                 attention_backend_options: dict | None = None, load_format: str = "auto", tokenizer=None):
         if load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format {load_format!r} is not supported; use 'auto' or 'dummy' (random weights)")
         hf_config = None
@@ -51,6 +51,7 @@ class LLM:
                                   tuple(cudagraph_capture_sizes) if cudagraph_capture_sizes else None,
                                   enforce_eager),
             device=device, attention_backend=attention_backend,
+            attention_backend_options=tuple(sorted(dict(attention_backend_options or {}).items())),
         ).resolve()
         self.config = config
         if tokenizer is None and hf_config is None:

@@ -21,6 +21,34 @@ class PreparedBatch:
     common: CommonAttentionMetadata
 
 
+class _DummyRequest:
+    """Stands in for a request in warm-up batches: token 0 everywhere."""
+
+    def token_at(self, i: int) -> int:
+        return 0
+
+    @property
+    def all_token_ids(self) -> "_Zeros":
+        return _Zeros()
+
+
+class _Zeros:
+    def __getitem__(self, item: slice) -> list[int]:
+        return [0] * len(range(*item.indices(item.stop)))
+
+
+@dataclass(frozen=True)
+class _DummyScheduled:
+    num_new_tokens: int
+    num_groups: int
+    num_computed_tokens: int = 0
+    request: _DummyRequest = _DummyRequest()
+
+    @property
+    def block_ids(self) -> tuple[None, ...]:
+        return (None,) * self.num_groups
+
+
 class _Buffer:
     """A device tensor with a host mirror (pinned on CUDA) and a numpy view of the mirror."""
 
@@ -54,6 +82,17 @@ class InputBatch:
         self.slot_mappings = [_Buffer((max_num_tokens,), torch.int64, device, fill=-1)
                               for _ in range(num_groups)]                              # [T]
 
+    def prepare_dummy(self, num_tokens: int, num_reqs: int, uniform_decode: bool,
+                      num_reqs_padded: int | None = None) -> PreparedBatch:
+        """A batch of the given shape that touches only the null block (for warm-up, profiling and capture):
+        tokens split evenly over `num_reqs` requests, every slot -1, every block-table entry 0."""
+        num_reqs = max(1, min(num_reqs, num_tokens))
+        per_req, extra = divmod(num_tokens, num_reqs)
+        query_lens = [per_req + (r < extra) for r in range(num_reqs)]
+        fake = [_DummyScheduled(n, len(self.slot_mappings)) for n in query_lens]
+        out = SchedulerOutput(tuple(fake), sum(1 for n in query_lens if n == 1))
+        return self.prepare(out, num_tokens, num_reqs_padded or num_reqs, uniform_decode)
+
     def prepare(self, out: SchedulerOutput, num_tokens_padded: int | None = None,
                 num_reqs_padded: int | None = None, uniform_decode: bool | None = None) -> PreparedBatch:
         """Fill the buffers for this step; rows past the live batch (up to the padded sizes) are padding."""
@@ -80,6 +119,10 @@ class InputBatch:
             positions = np.arange(start, start + n)
             pos[t:t + n] = positions
             for g, blocks in enumerate(s.block_ids):
+                if blocks is None:      # a dummy request: null block, no writes
+                    self.block_tables[g].np[r, :] = 0
+                    self.slot_mappings[g].np[t:t + n] = -1
+                    continue
                 table = np.asarray(blocks, dtype=np.int64)
                 self.block_tables[g].np[r, :len(blocks)] = table
                 self.slot_mappings[g].np[t:t + n] = table[positions // bs] * bs + positions % bs

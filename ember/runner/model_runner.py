@@ -1,5 +1,5 @@
-"""Coordinates one device: load the model, size and allocate the KV cache, compile and capture, and run
-`execute(SchedulerOutput) -> ModelRunnerOutput` with one device-to-host copy per step."""
+"""Coordinates one device: load the model, compile it, profile memory, allocate the KV cache, capture CUDA graphs,
+and run `execute(SchedulerOutput) -> ModelRunnerOutput` with one device-to-host copy per step."""
 
 from __future__ import annotations
 
@@ -11,9 +11,15 @@ import torch
 
 from ember.attention_backends.op import ForwardContext, forward_context
 from ember.config import EngineConfig, parse_dtype
+from ember.graphs.buckets import resolve_capture_sizes
+from ember.graphs.compile import compile_cache_key, compile_model
+from ember.graphs.cuda_graph import CUDAGraphManager
+from ember.graphs.dispatcher import CudaGraphDispatcher, resolve_modes
+from ember.graphs.modes import BatchDescriptor, CUDAGraphMode
 from ember.models.loader import load_config, load_model, random_model
-from ember.runner.input_batch import InputBatch
+from ember.runner.input_batch import InputBatch, PreparedBatch
 from ember.runner.kv_cache_setup import allocate_kv_caches, make_builders, select_backends
+from ember.runner.request import SamplingParams
 from ember.runner.sampler import Sampler, SamplingMetadata
 from ember.runner.scheduler import SchedulerOutput
 
@@ -36,10 +42,12 @@ class StartupTimes:
     load_s: float = 0.0
     compile_s: float = 0.0
     capture_s: float = 0.0
+    compile_cache_hit: bool = False
+    graph_memory_bytes: int = 0
 
 
 class ModelRunner:
-    """Owns the model, the KV cache, the persistent input buffers and the sampler on one device."""
+    """Owns the model, the KV cache, the persistent input buffers, the compiled forward and its CUDA graphs."""
 
     def __init__(self, config: EngineConfig, model_path: str, hf_config=None, load_format: str = "auto"):
         self.config = config
@@ -56,18 +64,32 @@ class ModelRunner:
         self.times.load_s = time.perf_counter() - t0
 
         cc, sc = config.cache, config.scheduler
+        self.max_num_tokens, self.max_num_reqs = sc.max_num_batched_tokens, sc.max_num_seqs
         self.attn = select_backends(self.model, cc.block_size, self.dtype, self.device, config.attention_backend)
-        self.max_num_tokens = sc.max_num_batched_tokens
-        self.max_num_reqs = sc.max_num_seqs
+        self.modes = resolve_modes(config.compile, self.device, self.attn.backends)
+        self.capture_sizes = (resolve_capture_sizes(config.compile.cudagraph_capture_sizes, self.max_num_tokens)
+                              if self.modes.cudagraph_mode != CUDAGraphMode.NONE else ())
+        self.dispatcher = CudaGraphDispatcher(self.modes.cudagraph_mode, self.capture_sizes, self.max_num_reqs,
+                                              self.modes.support)
+        # buffers are sized for the longest context the model allows; the KV cache may cap it lower below
+        upper_len = config.model.max_model_len or self.model_max_len()
+        self.input_batch = InputBatch(len(self.attn.groups), cc.block_size, self.max_num_reqs, self.max_num_tokens,
+                                      upper_len, self.device)
+        self.builders = make_builders(self.attn, self.dtype, self.device, self.max_num_reqs, self.max_num_tokens,
+                                      upper_len, self.capture_sizes, config.attention_backend_options)
         self.sampler = Sampler()
-        self.num_blocks = self._num_kv_blocks()
+        self.graphs = CUDAGraphManager(self.device) if self.modes.cudagraph_mode != CUDAGraphMode.NONE else None
+        self.forward_fn = self._build_forward()
+
+        # a full-size step against a two-block cache: compiles the model and measures the activation peak
+        self.layer_states = allocate_kv_caches(self.attn, 2, self.device)
+        needs_warmup = self.device.type == "cuda" or self.modes.compile_mode != "none"
+        peak = self._profile_run() if needs_warmup else 0
+        self.num_blocks = self._num_kv_blocks(peak)
         self.max_model_len = self._resolve_max_model_len()
         self.layer_states = allocate_kv_caches(self.attn, self.num_blocks, self.device)
-        self.input_batch = InputBatch(len(self.attn.groups), cc.block_size, self.max_num_reqs, self.max_num_tokens,
-                                      self.max_model_len, self.device)
-        self.builders = make_builders(self.attn, self.dtype, self.device, self.max_num_reqs, self.max_num_tokens,
-                                      self.max_model_len, ())
-        self.forward_fn = self.model
+        if self.graphs is not None:
+            self._capture()
 
     # ---- start-up -------------------------------------------------------------------------------------------
     def _resolve_dtype(self, dtype) -> torch.dtype:
@@ -82,7 +104,53 @@ class ModelRunner:
     def model_max_len(self) -> int:
         return int(getattr(self.hf_config, "max_position_embeddings", 0) or 1 << 20)
 
-    def _num_kv_blocks(self) -> int:
+    def _build_forward(self):
+        mode = self.modes.compile_mode
+        key = compile_cache_key(self.hf_config.to_dict(), self.dtype) if mode != "none" else None
+        piecewise = self.graphs if self.modes.cudagraph_mode.has_piecewise else None
+        forward = compile_model(self.model, mode, cache_key=key, graph_manager=piecewise)
+        if self.modes.cudagraph_mode.has_full:
+            forward = self.graphs.wrap_full(forward)
+        return forward
+
+    def _run(self, batch: PreparedBatch, mode: CUDAGraphMode = CUDAGraphMode.NONE,
+             desc: BatchDescriptor | None = None) -> torch.Tensor:
+        metadata = tuple(b.build(batch.common) for b in self.builders)
+        with forward_context(ForwardContext(self.layer_states, metadata, desc, mode)):
+            return self.forward_fn(batch.input_ids, batch.positions)
+
+    @torch.inference_mode()
+    def _profile_run(self) -> int:
+        """One dummy step of max_num_batched_tokens tokens spread over max_num_seqs requests, plus sampling a
+        full batch; compiles the model (the first call) and returns the peak memory in bytes (0 on CPU)."""
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(self.device)
+        t0 = time.perf_counter()
+        # on the CPU there is no memory to measure: a small step suffices to compile
+        num_tokens = self.max_num_tokens if cuda else min(self.max_num_tokens, 64)
+        batch = self.input_batch.prepare_dummy(num_tokens, self.max_num_reqs, uniform_decode=False)
+        hidden = self._run(batch)
+        stats = getattr(self.forward_fn, "stats", None) or getattr(getattr(self.forward_fn, "fn", None), "stats", None)
+        if stats is not None:
+            self.times.compile_s = stats.seconds
+            self.times.compile_cache_hit = stats.cache_counters.get("fxgraph_cache_hit", 0) > 0
+        rows = torch.arange(self.max_num_reqs, device=self.device) % hidden.shape[0]
+        logits = self.model.compute_logits(hidden[rows])
+        n = logits.shape[0]
+        meta = SamplingMetadata.build([SamplingParams(temperature=1.0, top_p=0.9, top_k=50)] * n, [0] * n,
+                                      [[]] * n, [[0]] * n, [()] * n, self.vocab_size, self.device)
+        self.sampler(logits, meta)
+        del hidden, logits
+        if not cuda:
+            return 0
+        torch.cuda.synchronize(self.device)
+        logger.info("profile run of %d tokens in %.1f s", self.max_num_tokens, time.perf_counter() - t0)
+        return torch.cuda.max_memory_allocated(self.device)
+
+    def _num_kv_blocks(self, peak: int) -> int:
         cc = self.config.cache
         per_block = self.attn.bytes_per_block()
         if cc.num_kv_blocks is not None:
@@ -91,29 +159,14 @@ class ModelRunner:
         if self.device.type == "cpu":
             cap = -(-wanted_len // cc.block_size) * self.max_num_reqs + 1
             return max(2, min(cap, CPU_KV_CACHE_BYTES // per_block))
-        free = self._profile_free_memory()
-        if free < 2 * per_block:
-            raise ValueError(f"only {free / 2**30:.2f} GiB of GPU memory is left for the KV cache after loading the "
-                             f"model and a profile run; raise gpu_memory_utilization ({cc.gpu_memory_utilization}) "
-                             f"or lower max_num_batched_tokens ({self.max_num_tokens})")
-        return int(free // per_block)
-
-    def _profile_free_memory(self) -> int:
-        """Bytes the KV cache may take: the utilisation target minus weights and the peak of a full-size step."""
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        n = self.max_num_tokens
-        with torch.inference_mode():
-            # the logits of a full batch of requests are the largest single activation
-            logits = self.model.compute_logits(torch.zeros(self.max_num_reqs, self.hf_config.hidden_size,
-                                                           dtype=self.dtype, device=self.device))
-            del logits
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device)
         total = torch.cuda.get_device_properties(self.device).total_memory
-        # activations of a full step: a generous bound of 16 hidden-sized and 4 intermediate-sized fp32 rows per token
-        act = n * (16 * self.hf_config.hidden_size + 4 * getattr(self.hf_config, "intermediate_size", 0)) * 4
-        return int(total * self.config.cache.gpu_memory_utilization - peak - act)
+        free = int(total * cc.gpu_memory_utilization) - peak
+        if free < 2 * per_block:
+            raise ValueError(f"only {max(free, 0) / 2**30:.2f} GiB of GPU memory is left for the KV cache after the "
+                             f"weights and a full-size step ({peak / 2**30:.2f} GiB); raise gpu_memory_utilization "
+                             f"({cc.gpu_memory_utilization}) or lower max_num_batched_tokens ({self.max_num_tokens})")
+        logger.info("KV cache: %.2f GiB, %d blocks of %d tokens", free / 2**30, free // per_block, cc.block_size)
+        return int(free // per_block)
 
     def _resolve_max_model_len(self) -> int:
         asked = self.config.model.max_model_len
@@ -131,13 +184,27 @@ class ModelRunner:
                            model_len, capacity)
         return min(model_len, capacity)
 
+    @torch.inference_mode()
+    def _capture(self) -> None:
+        def run_step(mode: CUDAGraphMode, desc: BatchDescriptor) -> None:
+            num_reqs = desc.num_reqs if desc.uniform_decode else 1
+            batch = self.input_batch.prepare_dummy(desc.num_tokens, num_reqs, desc.uniform_decode,
+                                                   desc.padded_num_reqs(num_reqs))
+            self._run(batch, mode, desc)
+
+        captures = self.dispatcher.capture_list()
+        report = self.graphs.capture_all(run_step, captures)
+        self.times.capture_s = report.seconds
+        self.times.graph_memory_bytes = report.memory_bytes
+
     # ---- the step -------------------------------------------------------------------------------------------
-    def _forward(self, out: SchedulerOutput):
-        batch = self.input_batch.prepare(out)
-        metadata = tuple(b.build(batch.common) for b in self.builders)
-        with forward_context(ForwardContext(self.layer_states, metadata)):
-            hidden = self.forward_fn(batch.input_ids, batch.positions)
-        return batch, hidden
+    def _forward(self, out: SchedulerOutput) -> tuple[PreparedBatch, torch.Tensor]:
+        num_reqs = len(out.scheduled)
+        uniform = out.num_decodes == num_reqs
+        mode, desc = self.dispatcher.dispatch(out.total_num_tokens, num_reqs, uniform)
+        batch = self.input_batch.prepare(out, desc.num_tokens, desc.padded_num_reqs(num_reqs),
+                                         desc.uniform_decode if mode == CUDAGraphMode.FULL else uniform)
+        return batch, self._run(batch, mode, desc)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
@@ -147,8 +214,7 @@ class ModelRunner:
         meta = SamplingMetadata.build(
             [r.sampling_params for r in reqs], [r.sampling_seed for r in reqs], [r.output_token_ids for r in reqs],
             [r.prompt_token_ids for r in reqs], [r.eos_token_ids for r in reqs], self.vocab_size, self.device)
-        result = self.sampler(logits, meta)
-        return self._to_host(result)
+        return self._to_host(self.sampler(logits, meta))
 
     @torch.inference_mode()
     def all_logits(self, out: SchedulerOutput) -> torch.Tensor:
