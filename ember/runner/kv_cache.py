@@ -103,7 +103,7 @@ class KVCacheManager:
             while len(hashes) < num_tokens // bs:
                 i = len(hashes)
                 hashes.append(hash_block(hashes[-1] if hashes else None, tokens[i * bs:(i + 1) * bs]))
-        return hashes
+        return hashes[:num_tokens // bs]
 
     def find_cached_prefix(self, request: Request) -> list[int]:
         """Blocks already holding the longest cached prefix of the request. At least one token is always left

@@ -26,6 +26,7 @@ from ember.runner.scheduler import SchedulerOutput
 logger = logging.getLogger("ember")
 
 CPU_KV_CACHE_BYTES = 4 << 30   # default KV budget on the CPU, where there is no free-memory probe
+GRAPH_RESERVE_BYTES = 512 << 20  # left free for CUDA-graph pools and allocator slack
 
 
 @dataclass
@@ -128,6 +129,7 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(self.device)
+            before = torch.cuda.memory_allocated(self.device)
         t0 = time.perf_counter()
         # on the CPU there is no memory to measure: a small step suffices to compile
         num_tokens = self.max_num_tokens if cuda else min(self.max_num_tokens, 64)
@@ -148,9 +150,9 @@ class ModelRunner:
             return 0
         torch.cuda.synchronize(self.device)
         logger.info("profile run of %d tokens in %.1f s", self.max_num_tokens, time.perf_counter() - t0)
-        return torch.cuda.max_memory_allocated(self.device)
+        return torch.cuda.max_memory_allocated(self.device) - before
 
-    def _num_kv_blocks(self, peak: int) -> int:
+    def _num_kv_blocks(self, activation_peak: int) -> int:
         cc = self.config.cache
         per_block = self.attn.bytes_per_block()
         if cc.num_kv_blocks is not None:
@@ -159,11 +161,16 @@ class ModelRunner:
         if self.device.type == "cpu":
             cap = -(-wanted_len // cc.block_size) * self.max_num_reqs + 1
             return max(2, min(cap, CPU_KV_CACHE_BYTES // per_block))
+        # this engine may use gpu_memory_utilization of the device for weights, activations and KV cache, and
+        # never more than is actually free (other engines or processes may hold the rest)
         total = torch.cuda.get_device_properties(self.device).total_memory
-        free = int(total * cc.gpu_memory_utilization) - peak
+        weights = sum(t.numel() * t.element_size() for t in (*self.model.parameters(), *self.model.buffers()))
+        free_now = torch.cuda.mem_get_info(self.device)[0]
+        free = min(int(total * cc.gpu_memory_utilization) - weights, free_now) - activation_peak - GRAPH_RESERVE_BYTES
         if free < 2 * per_block:
             raise ValueError(f"only {max(free, 0) / 2**30:.2f} GiB of GPU memory is left for the KV cache after the "
-                             f"weights and a full-size step ({peak / 2**30:.2f} GiB); raise gpu_memory_utilization "
+                             f"weights ({weights / 2**30:.2f} GiB) and a full-size step ({activation_peak / 2**30:.2f} "
+                             f"GiB) with {free_now / 2**30:.2f} GiB free; raise gpu_memory_utilization "
                              f"({cc.gpu_memory_utilization}) or lower max_num_batched_tokens ({self.max_num_tokens})")
         logger.info("KV cache: %.2f GiB, %d blocks of %d tokens", free / 2**30, free // per_block, cc.block_size)
         return int(free // per_block)

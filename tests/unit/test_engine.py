@@ -136,3 +136,26 @@ def test_logprobs_are_returned(tiny_llama):
     assert abs(first[c.token_ids[0]].logprob - ref[c.token_ids[0]].item()) < 1e-4
     assert first[c.token_ids[0]].rank == 1
     assert abs(c.cumulative_logprob - sum(lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids))) < 1e-6
+
+
+def test_chunked_prefill_with_prefix_caching(tiny_llama):
+    path, _ = tiny_llama
+    shared = list(range(40, 90))                         # 50 tokens: 3 full blocks of 16
+    prompts = [shared + [1, 2, 3], shared + [9, 8, 7, 6]]
+    expected = generate(LLM(path, device="cpu", enable_prefix_caching=False), prompts)
+    llm = LLM(path, device="cpu", max_num_batched_tokens=20, enable_prefix_caching=True)
+    assert [generate(llm, [p])[0] for p in prompts] == expected
+    assert llm.engine.stats.num_prefix_cache_hits == 3 * 16
+
+
+def test_triton_backend_through_the_engine_matches_reference(tiny_qwen3, monkeypatch):
+    """The whole engine through the Triton kernels (interpreted on the CPU) gives the reference backend's tokens,
+    with chunked prefill and decodes mixed in one step."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    path, _ = tiny_qwen3
+    prompts = [[1, 5, 9, 33, 7], list(range(3, 40)), [200]]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    ref = generate(LLM(path, device="cpu", attention_backend="torch_ref", max_num_batched_tokens=16), prompts, params)
+    llm = LLM(path, device="cpu", attention_backend="triton_unified", max_num_batched_tokens=16)
+    assert llm.engine.runner.attn.backends[0].name == "triton_unified"
+    assert generate(llm, prompts, params) == ref

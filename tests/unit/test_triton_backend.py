@@ -2,35 +2,16 @@
 support reasons, and the bucket-only kernel plan."""
 
 import dataclasses
-import os
-import sys
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")   # before the kernels are imported; see test_triton_kernels.py
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-needs_interpreter = pytest.mark.skipif(not INTERPRETED, reason="needs TRITON_INTERPRET=1 (set when no GPU)")
-
-
-def _import_interpreted_backend():
-    """The backend module, re-imported if its kernels were decorated before the interpreter was switched on."""
-    import ember.attention_backends.triton_unified.kernels.unified_attention as ua
-    if INTERPRETED and type(ua.unified_attention_kernel).__name__ != "InterpretedFunction":
-        for name in [n for n in sys.modules if n.startswith("ember.attention_backends.triton_unified")]:
-            del sys.modules[name]
-    import ember.attention_backends.triton_unified.backend as backend
-    return backend
-
-
-B = _import_interpreted_backend()
-from ember.attention_backends.base import AttentionLayerOptions, BuilderContext, CudaGraphSupport  # noqa: E402
-from ember.attention_backends.torch_ref import TorchRefBackend  # noqa: E402
-from ember.attention_backends.triton_unified import plan as P  # noqa: E402
-from ember.attention_backends.triton_unified.testing import (BatchShape, common_metadata,  # noqa: E402
-                                                             make_paged_batch, tolerance)
-from ember.runner.kv_cache_spec import KVCacheGroup, KVCacheSpec  # noqa: E402
+from ember.attention_backends.base import AttentionLayerOptions, BuilderContext, CudaGraphSupport
+from ember.attention_backends.torch_ref import TorchRefBackend
+from ember.attention_backends.triton_unified import backend as B
+from ember.attention_backends.triton_unified import plan as P
+from ember.attention_backends.triton_unified.testing import BatchShape, common_metadata, make_paged_batch, tolerance
+from ember.runner.kv_cache_spec import KVCacheGroup, KVCacheSpec
 
 Backend = B.TritonUnifiedBackend
 
@@ -75,7 +56,6 @@ CASES = {
 }
 
 
-@needs_interpreter
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_backend_matches_torch_ref(case, dtype):
@@ -93,7 +73,6 @@ def test_backend_matches_torch_ref(case, dtype):
     assert err <= tolerance(dtype), f"{case}: max abs error {err:.3g}"
 
 
-@needs_interpreter
 def test_kv_sharing_layer_writes_nothing():
     shape = BatchShape("shared", (1, 6), (12, 6))
     batch, out, cache, ref_out, _ = _run_both(shape, torch.float32, share=True)
@@ -101,7 +80,6 @@ def test_kv_sharing_layer_writes_nothing():
     assert (out[:batch.num_tokens] - ref_out[:batch.num_tokens]).abs().max().item() <= tolerance(torch.float32)
 
 
-@needs_interpreter
 def test_builder_fills_decode_count_in_place_and_sizes_scratch():
     shape = BatchShape("b", (1, 1, 5), (9, 3, 5))
     builder = Backend.builder_cls(_context(shape, torch.float32, num_sms=4, split_launch=True))

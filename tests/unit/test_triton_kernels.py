@@ -2,33 +2,13 @@
 named table of small batch shapes (the interpreter is slow). float16/float32 only: the interpreter's tl.dot is
 wrong for bfloat16 (bfloat16 runs in tests/gpu)."""
 
-import os
-import sys
-
 import pytest
 import torch
 
-# Kernels must be decorated with the interpreter switched on, so set it before they are imported. With a GPU the
-# interpreter is not wanted (it would also turn later-imported kernels into interpreted ones): skip instead.
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-pytestmark = pytest.mark.skipif(not INTERPRETED, reason="needs TRITON_INTERPRET=1 (set when no GPU is present)")
-
-
-def _import_interpreted_kernels():
-    """The kernel package, re-imported if something imported it before the interpreter was switched on."""
-    import ember.attention_backends.triton_unified.kernels.unified_attention as ua
-    if INTERPRETED and type(ua.unified_attention_kernel).__name__ != "InterpretedFunction":
-        for name in [n for n in sys.modules if n.startswith("ember.attention_backends.triton_unified")]:
-            del sys.modules[name]
-    import ember.attention_backends.triton_unified.kernels as kernels
-    return kernels
-
-
-K = _import_interpreted_kernels()
-from ember.attention_backends.triton_unified.testing import (BatchShape, make_paged_batch,  # noqa: E402
-                                                             reference_output, tolerance)
+# CPU tensors run the kernels in Triton's interpreter whatever TRITON_INTERPRET says at import time (the kernel
+# package keeps interpreted copies for them), so this module needs no environment set-up.
+import ember.attention_backends.triton_unified.kernels as K
+from ember.attention_backends.triton_unified.testing import BatchShape, make_paged_batch, reference_output, tolerance
 
 SHAPES = [
     BatchShape("small_decode", (1, 1, 1), (5, 17, 33)),
@@ -184,3 +164,26 @@ def test_launchers_reject_bad_arguments():
         tiny = torch.empty(1)
         K.unified_attention_3d(*args, num_seqs=1, scale=1.0, config=TILE, num_segments=2,
                                scratch_out=tiny, scratch_max=tiny, scratch_sum=tiny)
+
+
+@pytest.mark.parametrize("shape", [s for s in SHAPES if s.name in ("long_prefill", "chunked_prefill_with_context",
+                                                                   "sliding_window", "all_options", "odd_lengths")],
+                         ids=lambda s: s.name)
+def test_unmasked_middle_loops_match_reference(shape):
+    """The three-loop variant (masks only on edge tiles) against the reference, 2D and 3D."""
+    dtype = torch.float32
+    batch = _batch(shape, dtype)
+    out = torch.full_like(batch.query, float("nan"))
+    layout = (batch.query, batch.kv_cache[0], batch.kv_cache[1], out, batch.block_table, batch.query_start_loc,
+              batch.seq_lens)
+    num_decodes = torch.tensor([shape.num_decodes], dtype=torch.int32)
+    n_out, n_rows = K.segment_scratch_numel(batch.num_reqs_padded, shape.num_heads, shape.head_size, 4)
+    scratch = [torch.full((n,), float("nan")) for n in (n_out, n_rows, n_rows)]
+    tile = K.TileConfig(16, 16, unmasked_middle=True)
+    K.unified_attention_3d(*layout, num_seqs=batch.num_reqs_padded, config=tile, num_segments=4,
+                           scratch_out=scratch[0], scratch_max=scratch[1], scratch_sum=scratch[2],
+                           num_decodes=num_decodes, **_kwargs(batch))
+    K.unified_attention_2d(*layout, num_seqs=batch.num_reqs_padded, num_tokens=batch.num_tokens_padded,
+                           config=tile, mode=K.MODE_PREFILLS,
+                           num_decodes=num_decodes, **_kwargs(batch))
+    _assert_matches(out, batch, dtype)

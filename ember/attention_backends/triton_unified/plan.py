@@ -52,8 +52,9 @@ def prefill_tile(num_queries_per_kv: int, head_size: int, block_m: int | None = 
     largest = 128 if head_size <= 128 else 64
     block_m = min(block_m or largest, largest)
     block_m = max(block_m, 16, triton.next_power_of_2(num_queries_per_kv))
+    # 8 warps from 128 rows, or for head 256 (4 warps spill its 64 x 256 fp32 accumulator heavily)
     return TileConfig(block_m=block_m, tile_n=64 if head_size <= 128 else 32,
-                      num_warps=8 if block_m >= 128 else 4, num_stages=2)
+                      num_warps=8 if block_m >= 128 or (head_size > 128 and block_m >= 64) else 4, num_stages=2)
 
 
 def num_split_segments(num_decode_seqs: int, num_kv_heads: int, num_queries_per_kv: int, num_sms: int) -> int:

@@ -145,3 +145,17 @@ def reference_output(batch: PagedBatch) -> torch.Tensor:
 def tolerance(dtype: torch.dtype) -> float:
     """Absolute tolerance on outputs (weighted means of unit-normal values, so |out| <= ~3)."""
     return {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 2.5e-2}[dtype]
+
+
+def common_metadata(batch: PagedBatch, uniform_decode: bool | None = None):
+    """A `CommonAttentionMetadata` over the batch (one KV-cache group), as the runner would build it."""
+    from ember.attention_backends.common import CommonAttentionMetadata
+    s = batch.shape
+    live = s.num_decodes == len(s.query_lens)
+    return CommonAttentionMetadata(
+        query_start_loc=batch.query_start_loc, seq_lens=batch.seq_lens,
+        query_start_loc_cpu=batch.query_start_loc.cpu(), seq_lens_cpu=batch.seq_lens.cpu(),
+        block_tables=(batch.block_table,), slot_mappings=(batch.slot_mapping,), num_reqs=batch.num_reqs,
+        num_actual_tokens=batch.num_tokens, num_reqs_padded=batch.num_reqs_padded,
+        num_tokens_padded=batch.num_tokens_padded, max_query_len=max(s.query_lens), max_seq_len=max(s.seq_lens),
+        num_decodes=s.num_decodes, uniform_decode=live if uniform_decode is None else uniform_decode)

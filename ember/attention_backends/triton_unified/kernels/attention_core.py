@@ -19,6 +19,24 @@ MODE_DECODES = 1    # the leading single-token requests only; program i is reque
 MODE_PREFILLS = 2   # the requests after the leading decodes; like MODE_ALL but starting at the first prefill
 
 
+# Not tl.cdiv, tl.zeros, tl.max or tl.sum: those are @triton.jit library functions, compiled-only unless
+# TRITON_INTERPRET was set before `import triton`, and the CPU path must work whatever the import order. tl.reduce
+# with Triton's own combine functions compiles to the same code and the interpreter runs it with numpy.
+@triton.jit
+def cdiv(a, b):
+    return (a + b - 1) // b
+
+
+@triton.jit
+def reduce_max(x, axis: tl.constexpr):
+    return tl.reduce(x, axis, tl.standard._elementwise_max)
+
+
+@triton.jit
+def reduce_sum(x, axis: tl.constexpr):
+    return tl.reduce(x, axis, tl.standard._sum_combine)
+
+
 @triton.jit
 def _tanh(x):
     # 1 - 2 / (e^{2x} + 1): overflow gives 1, underflow -1, and it only needs exp (portable to the interpreter).
@@ -66,13 +84,13 @@ def kv_tile_bounds(min_q_pos, max_q_pos, window, TILE_N: tl.constexpr, USE_WINDO
     hi stops at the last tile the latest query can see, so fully masked tails are never loaded; with a sliding
     window lo starts at the first tile the earliest query can see (HF semantics: key j visible to query i iff
     i - window < j <= i)."""
-    hi = tl.cdiv(max_q_pos + 1, TILE_N)
+    hi = cdiv(max_q_pos + 1, TILE_N)
     lo = min_q_pos * 0
     a = lo
     if USE_WINDOW:
         lo = tl.maximum(min_q_pos - window + 1, 0) // TILE_N
         all_see_from = tl.maximum(max_q_pos - window + 1, 0)  # first key inside every query's window
-        a = tl.minimum(tl.maximum(tl.cdiv(all_see_from, TILE_N), lo), hi)
+        a = tl.minimum(tl.maximum(cdiv(all_see_from, TILE_N), lo), hi)
     b = tl.minimum(tl.maximum((min_q_pos + 1) // TILE_N, a), hi)
     return lo, a, b, hi
 
@@ -126,14 +144,14 @@ def attend_tiles(acc, m_i, l_i, q, k_base, v_base, block_table_row, tile_lo, til
             if USE_WINDOW:
                 visible = visible & ((q_pos[:, None] - keys[None, :]) < window)
             s = tl.where(visible, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_new = tl.maximum(m_i, reduce_max(s, 1))
             m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet stays at 0
         else:
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_new = tl.maximum(m_i, reduce_max(s, 1))
             m_ref = m_new
         p = tl.exp2(s - m_ref[:, None])
         alpha = tl.exp2(m_i - m_ref)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        l_i = l_i * alpha + reduce_sum(p, 1)
         if IEEE:
             pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
         else:

@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .device_kernels import kernel_for
+
 
 @triton.jit
 def _kv_cache_write_kernel(
@@ -50,7 +52,8 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tens
         key = key.contiguous()
     if value.stride(2) != 1:
         value = value.contiguous()
-    _kv_cache_write_kernel[(num_tokens,)](
+    kernel = kernel_for(key.device, "kv_cache_write", "_kv_cache_write_kernel", _kv_cache_write_kernel)
+    kernel[(num_tokens,)](
         key, value, key_cache, value_cache, slot_mapping,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),

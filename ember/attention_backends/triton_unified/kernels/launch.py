@@ -9,6 +9,7 @@ import torch
 import triton
 
 from .attention_core import MODE_ALL, MODE_DECODES, MODE_PREFILLS
+from .device_kernels import kernel_for
 from .unified_attention import reduce_segments_kernel, unified_attention_kernel
 
 __all__ = ["TileConfig", "MODE_ALL", "MODE_DECODES", "MODE_PREFILLS", "unified_attention_2d",
@@ -23,6 +24,7 @@ class TileConfig:
     tile_n: int = 64
     num_warps: int = 4
     num_stages: int = 2
+    unmasked_middle: bool = False   # separate loops so fully visible tiles skip the mask (more registers)
 
     def block_q(self, num_queries_per_kv: int) -> int:
         """Query tokens per program."""
@@ -87,10 +89,12 @@ def unified_attention_2d(query: torch.Tensor, key_cache: torch.Tensor, value_cac
     args, flags = _common_args(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, num_decodes,
                                sinks, alibi_slopes, num_seqs, scale, sliding_window, soft_cap,
                                (out.stride(0), out.stride(1)))
-    unified_attention_kernel[(programs, num_kv_heads)](
+    kernel = kernel_for(query.device, "unified_attention", "unified_attention_kernel", unified_attention_kernel)
+    kernel[(programs, num_kv_heads)](
         out, out, out, out, *args,
         NUM_QUERIES_PER_KV=group, HEAD_SIZE=head_size, HEAD_PAD=max(16, triton.next_power_of_2(head_size)),
         BLOCK_M=config.block_m, BLOCK_Q=block_q, TILE_N=config.tile_n, NUM_SEGMENTS=1, MODE=mode,
+        UNMASKED_MIDDLE=config.unmasked_middle,
         LIMIT_DECODES=num_decodes is not None and mode == MODE_DECODES, **flags,
         num_warps=config.num_warps, num_stages=config.num_stages)
 
@@ -126,12 +130,15 @@ def unified_attention_3d(query: torch.Tensor, key_cache: torch.Tensor, value_cac
                                sinks, alibi_slopes, num_seqs, scale, sliding_window, soft_cap, (0, 0))
     head_pad = max(16, triton.next_power_of_2(head_size))
     limit = num_decodes is not None
-    unified_attention_kernel[(num_seqs, num_kv_heads, num_segments)](
+    kernel = kernel_for(query.device, "unified_attention", "unified_attention_kernel", unified_attention_kernel)
+    kernel[(num_seqs, num_kv_heads, num_segments)](
         out, scratch_out, scratch_max, scratch_sum, *args,
         NUM_QUERIES_PER_KV=group, HEAD_SIZE=head_size, HEAD_PAD=head_pad, BLOCK_M=config.block_m, BLOCK_Q=1,
         TILE_N=config.tile_n, NUM_SEGMENTS=num_segments, MODE=MODE_DECODES, LIMIT_DECODES=limit, **flags,
+        UNMASKED_MIDDLE=config.unmasked_middle,
         num_warps=config.num_warps, num_stages=config.num_stages)
-    reduce_segments_kernel[(num_seqs, num_heads)](
+    reduce = kernel_for(query.device, "unified_attention", "reduce_segments_kernel", reduce_segments_kernel)
+    reduce[(num_seqs, num_heads)](
         out, scratch_out, scratch_max, scratch_sum, query_start_loc, seq_lens,
         num_decodes if limit else query_start_loc, sinks if sinks is not None else query_start_loc,
         num_seqs, int(sliding_window or 0), out.stride(0), out.stride(1),

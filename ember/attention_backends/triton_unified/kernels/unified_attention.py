@@ -15,7 +15,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .attention_core import LOG2E, attend_tiles, kv_tile_bounds, locate_query_block
+from .attention_core import LOG2E, attend_tiles, cdiv, kv_tile_bounds, locate_query_block, reduce_max, reduce_sum
 
 
 @triton.jit
@@ -29,7 +29,7 @@ def unified_attention_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
     NUM_SEGMENTS: tl.constexpr, MODE: tl.constexpr, LIMIT_DECODES: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_SINKS: tl.constexpr, USE_ALIBI: tl.constexpr,
-    IEEE: tl.constexpr,
+    IEEE: tl.constexpr, UNMASKED_MIDDLE: tl.constexpr,
 ):
     kv_head = tl.program_id(1)
     seq, q_block, valid = locate_query_block(tl.program_id(0), query_start_loc_ptr, num_decodes_ptr, num_seqs,
@@ -60,10 +60,10 @@ def unified_attention_kernel(
     if USE_ALIBI:
         slopes = tl.load(alibi_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * LOG2E
     else:
-        slopes = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
+        slopes = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
+    acc = tl.full([BLOCK_M, HEAD_PAD], 0.0, dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
     if USE_SINKS and NUM_SEGMENTS == 1:
         # The sink is one more logit in the denominator: start the running max at it with a running sum of 1.
         # (The 3D path adds it in the reduce instead, once per row rather than once per segment.)
@@ -74,7 +74,7 @@ def unified_attention_kernel(
     seg_lo = lo
     seg_hi = hi
     if NUM_SEGMENTS > 1:
-        tiles_per_segment = tl.cdiv(hi - lo, NUM_SEGMENTS)
+        tiles_per_segment = cdiv(hi - lo, NUM_SEGMENTS)
         seg_lo = lo + tl.program_id(2) * tiles_per_segment
         if seg_lo >= hi:  # segment past the sequence's end
             return
@@ -83,18 +83,25 @@ def unified_attention_kernel(
     block_table_row = block_table_ptr + seq.to(tl.int64) * stride_bt
     k_base = k_cache_ptr + kv_head.to(tl.int64) * stride_ch
     v_base = v_cache_ptr + kv_head.to(tl.int64) * stride_ch
-    acc, m_i, l_i = attend_tiles(acc, m_i, l_i, q, k_base, v_base, block_table_row,
-                                 tl.maximum(lo, seg_lo), tl.minimum(a, seg_hi), q_pos, seq_len, slopes,
-                                 qk_scale, softcap, window, stride_cb, stride_ct, HEAD_SIZE, HEAD_PAD, BLOCK_SIZE,
-                                 TILE_N, True, USE_WINDOW, USE_SOFTCAP, USE_ALIBI, IEEE)
-    acc, m_i, l_i = attend_tiles(acc, m_i, l_i, q, k_base, v_base, block_table_row,
-                                 tl.maximum(a, seg_lo), tl.minimum(b, seg_hi), q_pos, seq_len, slopes,
-                                 qk_scale, softcap, window, stride_cb, stride_ct, HEAD_SIZE, HEAD_PAD, BLOCK_SIZE,
-                                 TILE_N, False, USE_WINDOW, USE_SOFTCAP, USE_ALIBI, IEEE)
-    acc, m_i, l_i = attend_tiles(acc, m_i, l_i, q, k_base, v_base, block_table_row,
-                                 tl.maximum(b, seg_lo), tl.minimum(hi, seg_hi), q_pos, seq_len, slopes,
-                                 qk_scale, softcap, window, stride_cb, stride_ct, HEAD_SIZE, HEAD_PAD, BLOCK_SIZE,
-                                 TILE_N, True, USE_WINDOW, USE_SOFTCAP, USE_ALIBI, IEEE)
+    if UNMASKED_MIDDLE:
+        # three loops: masks only on the window edge and the causal diagonal (less ALU per tile, but three
+        # inlined loops raise register pressure; TileConfig.unmasked_middle picks per launch)
+        acc, m_i, l_i = attend_tiles(acc, m_i, l_i, q, k_base, v_base, block_table_row,
+                                     tl.maximum(lo, seg_lo), tl.minimum(a, seg_hi), q_pos, seq_len, slopes,
+                                     qk_scale, softcap, window, stride_cb, stride_ct, HEAD_SIZE, HEAD_PAD, BLOCK_SIZE,
+                                     TILE_N, True, USE_WINDOW, USE_SOFTCAP, USE_ALIBI, IEEE)
+        acc, m_i, l_i = attend_tiles(acc, m_i, l_i, q, k_base, v_base, block_table_row,
+                                     tl.maximum(a, seg_lo), tl.minimum(b, seg_hi), q_pos, seq_len, slopes,
+                                     qk_scale, softcap, window, stride_cb, stride_ct, HEAD_SIZE, HEAD_PAD, BLOCK_SIZE,
+                                     TILE_N, False, USE_WINDOW, USE_SOFTCAP, USE_ALIBI, IEEE)
+        acc, m_i, l_i = attend_tiles(acc, m_i, l_i, q, k_base, v_base, block_table_row,
+                                     tl.maximum(b, seg_lo), tl.minimum(hi, seg_hi), q_pos, seq_len, slopes,
+                                     qk_scale, softcap, window, stride_cb, stride_ct, HEAD_SIZE, HEAD_PAD, BLOCK_SIZE,
+                                     TILE_N, True, USE_WINDOW, USE_SOFTCAP, USE_ALIBI, IEEE)
+    else:
+        acc, m_i, l_i = attend_tiles(acc, m_i, l_i, q, k_base, v_base, block_table_row, seg_lo, seg_hi, q_pos,
+                                     seq_len, slopes, qk_scale, softcap, window, stride_cb, stride_ct, HEAD_SIZE,
+                                     HEAD_PAD, BLOCK_SIZE, TILE_N, True, USE_WINDOW, USE_SOFTCAP, USE_ALIBI, IEEE)
 
     if NUM_SEGMENTS == 1:
         l_i = tl.where(l_i == 0.0, 1.0, l_i)
@@ -131,25 +138,25 @@ def reduce_segments_kernel(
     q_pos = tl.load(seq_lens_ptr + seq) - 1
     # the segments the attention kernel wrote: same split as there, so stale scratch is never read
     lo, a, b, hi = kv_tile_bounds(q_pos, q_pos, window, TILE_N, USE_WINDOW)
-    tiles_per_segment = tl.cdiv(hi - lo, NUM_SEGMENTS)
-    num_written = tl.cdiv(hi - lo, tiles_per_segment)
+    tiles_per_segment = cdiv(hi - lo, NUM_SEGMENTS)
+    num_written = cdiv(hi - lo, tiles_per_segment)
     segs = tl.arange(0, NUM_SEGMENTS)
     seg_ok = segs < num_written
     row = (seq.to(tl.int64) * tl.num_programs(1) + head) * NUM_SEGMENTS + segs   # [NUM_SEGMENTS]
     m = tl.load(part_max_ptr + row, mask=seg_ok, other=float("-inf"))
     l = tl.load(part_sum_ptr + row, mask=seg_ok, other=0.0)
-    m_all = tl.max(m, axis=0)
+    m_all = reduce_max(m, 0)
     if USE_SINKS:
         sink = tl.load(sinks_ptr + head).to(tl.float32) * LOG2E
         m_all = tl.maximum(m_all, sink)
     m_ref = tl.where(m_all == float("-inf"), 0.0, m_all)
     w = tl.where(seg_ok, tl.exp2(m - m_ref), 0.0)                                   # [NUM_SEGMENTS]
-    denom = tl.sum(l * w, axis=0)
+    denom = reduce_sum(l * w, 0)
     if USE_SINKS:
         denom += tl.exp2(sink - m_ref)
     denom = tl.where(denom == 0.0, 1.0, denom)
     offs_d = tl.arange(0, HEAD_PAD)
     acc = tl.load(part_out_ptr + row[:, None] * HEAD_PAD + offs_d[None, :], mask=seg_ok[:, None], other=0.0)
-    o = tl.sum(acc * w[:, None], axis=0) / denom                                    # [HEAD_PAD]
+    o = reduce_sum(acc * w[:, None], 0) / denom                                    # [HEAD_PAD]
     tl.store(out_ptr + q_start.to(tl.int64) * stride_ot + head * stride_oh + offs_d,
              o.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_SIZE)

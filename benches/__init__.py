@@ -1,0 +1,1 @@
+"""ember benchmarks (pytest-benchmark suites)."""

@@ -1,0 +1,142 @@
+"""Every CUDA-graph mode against eager, through the whole engine, on random weights of real configs (trimmed to a
+few layers): float32 greedy tokens equal; bf16 teacher-forced logits within tolerance with top-1 agreement >= 98%;
+a FULL replay bitwise equal to the same compiled forward run without graphs at the same padded size."""
+
+import gc
+
+import pytest
+import torch
+from bf16_check import bf16_report
+
+from ember import LLM, SamplingParams
+from ember.graphs.modes import CUDAGraphMode
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+CAPTURE = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+MODES = {
+    "piecewise": dict(cudagraph_mode="piecewise"),
+    "full": dict(cudagraph_mode="full"),
+    "full_and_piecewise": dict(cudagraph_mode="full_and_piecewise"),
+    "full_decode_only": dict(cudagraph_mode="full_decode_only"),
+    "full_split": dict(cudagraph_mode="full", attention_backend_options={"split_launch": True}),
+}
+BF16_ERR_RATIO = 1.25   # a mode's bf16 error vs float32 eager, over eager bf16's error vs float32 eager
+
+
+def workload():
+    """Prompts whose lengths put steps on and between buckets, chunked by a 512-token budget."""
+    g = torch.Generator().manual_seed(3)
+    lens = [3, 7, 8, 9, 31, 33, 64, 100, 300, 700, 5, 17, 1]
+    return [torch.randint(0, 10000, (n,), generator=g).tolist() for n in lens]
+
+
+@pytest.fixture
+def no_tf32():
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+def _tokens(llm, prompts, n=24):
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def eager_fp32_tokens():
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    llm = LLM("qwen3-0.6b", load_format="dummy", dtype="float32", max_model_len=1024, max_num_seqs=64,
+              max_num_batched_tokens=512, enforce_eager=True, gpu_memory_utilization=0.4)
+    toks = _tokens(llm, workload())
+    torch.backends.cuda.matmul.allow_tf32 = saved
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+    return toks
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_float32_modes_match_eager(mode, eager_fp32_tokens, no_tf32):
+    llm = LLM("qwen3-0.6b", load_format="dummy", dtype="float32", max_model_len=1024, max_num_seqs=64,
+              max_num_batched_tokens=512, cudagraph_capture_sizes=CAPTURE, gpu_memory_utilization=0.4,
+              **MODES[mode])
+    runner = llm.engine.runner
+    expected = len(runner.dispatcher.capture_list())
+    assert expected > 0
+    captured = sum(runner.graphs.num_descriptors(m) for m in (CUDAGraphMode.FULL, CUDAGraphMode.PIECEWISE))
+    assert captured == expected
+    assert _tokens(llm, workload()) == eager_fp32_tokens
+    print(f"{mode}: {captured} descriptors captured in {runner.times.capture_s:.1f} s, compile "
+          f"{runner.times.compile_s:.1f} s (cache hit {runner.times.compile_cache_hit})")
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def _scores(dtype, **kwargs):
+    llm = LLM("llama-3.2-1b", load_format="dummy", dtype=dtype, max_model_len=1024, max_num_seqs=64,
+              max_num_batched_tokens=1024, gpu_memory_utilization=0.3, **kwargs)
+    out = torch.cat([llm.engine.score(s).float() for s in workload() if len(s) >= 64])
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out
+
+
+@pytest.fixture(scope="module")
+def eager_scores():
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    fp32 = _scores("float32", enforce_eager=True)
+    torch.backends.cuda.matmul.allow_tf32 = saved
+    return _scores("bfloat16", enforce_eager=True), fp32
+
+
+@pytest.mark.parametrize("mode", ["piecewise", "full", "full_split"])
+def test_bfloat16_modes_close_to_eager(mode, eager_scores):
+    eager16, eager32 = eager_scores
+    got = _scores("bfloat16", cudagraph_capture_sizes=CAPTURE, **MODES[mode])
+    r = bf16_report(got, eager16, eager32)
+    print(f"bf16 {mode} vs eager: {r}")
+    assert r["rel_err_vs_fp32"] <= BF16_ERR_RATIO * r["ref_rel_err_vs_fp32"]
+    assert r["num_decided"] >= 64 and r["top1_decided"] >= 0.98
+
+
+def test_full_replay_bitwise_equals_compiled_without_graphs():
+    llm = LLM("qwen3-0.6b", load_format="dummy", dtype="bfloat16", max_model_len=1024, max_num_seqs=64,
+              max_num_batched_tokens=512, cudagraph_capture_sizes=CAPTURE, gpu_memory_utilization=0.4,
+              cudagraph_mode="full")
+    engine, runner = llm.engine, llm.engine.runner
+    for p in workload()[:5]:                  # 3 + 7 + 8 + 9 + 31 = 58 prompt tokens: bucket 64
+        engine.add_request(p, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    seen = set()
+    for _ in range(2):                        # the prefill step (mixed), then a decode step (uniform, 5 of 8)
+        out = engine.scheduler.schedule()
+        n, t = len(out.scheduled), out.total_num_tokens
+        uniform = out.num_decodes == n
+        mode, desc = runner.dispatcher.dispatch(t, n, uniform)
+        assert mode == CUDAGraphMode.FULL and desc.num_tokens > t      # live batch smaller than its bucket
+        with torch.inference_mode():
+            batch = runner.input_batch.prepare(out, desc.num_tokens, desc.padded_num_reqs(n), desc.uniform_decode)
+            no_graph = runner._run(batch, CUDAGraphMode.NONE, None)[:t].clone()
+            replay = runner._run(batch, CUDAGraphMode.FULL, desc)[:t].clone()
+        assert torch.equal(no_graph, replay)
+        seen.add(uniform)
+        result = runner._to_host(runner.sampler(runner.model.compute_logits(replay[batch.logits_indices]),
+                                                _greedy_meta(runner, out)))
+        sampled = {s.request.request_id: tok for s, tok in zip(out.scheduled, result.sampled_token_ids)}
+        engine.scheduler.update(out, sampled)
+    assert seen == {False, True}
+    assert runner.graphs.num_descriptors(CUDAGraphMode.FULL) == len(runner.dispatcher.capture_list())
+
+
+def _greedy_meta(runner, out):
+    from ember.runner.sampler import SamplingMetadata
+    reqs = [s.request for s in out.scheduled]
+    return SamplingMetadata.build([r.sampling_params for r in reqs], [0] * len(reqs), [[]] * len(reqs),
+                                  [r.prompt_token_ids for r in reqs], [()] * len(reqs), runner.vocab_size,
+                                  runner.device)
