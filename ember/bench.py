@@ -112,7 +112,7 @@ def _latency_iteration(engine, prompts: list[list[int]], params) -> tuple[list[f
     decode_steps: list[float] = []
     last = start
     while engine.has_unfinished():
-        outputs = engine.step()
+        outputs = engine.step(stream=True)
         device_sync(device)
         now = time.perf_counter()
         if len(first) == len(ids):   # every request had its first token before this step: a pure decode step

@@ -119,7 +119,7 @@ class LLM:
         rid = self.engine.add_request(ids, sampling_params or SamplingParams(), text)
         try:
             while self.engine.has_unfinished():
-                for out in self.engine.step():
+                for out in self.engine.step(stream=True):
                     if out.request_id == rid:
                         yield out
                         if out.finished:

@@ -105,8 +105,9 @@ class Engine:
         return self.scheduler.has_unfinished()
 
     # ---- the step ---------------------------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        """Run one step; returns the outputs of requests that got a new token (finished ones included)."""
+    def step(self, stream: bool = False) -> list[RequestOutput]:
+        """Run one step; returns the outputs of requests that finished in it, or with `stream` of every request
+        that got a new token (building an output copies its tokens, so batch generation asks only for finished)."""
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
@@ -119,7 +120,8 @@ class Engine:
             t = self._tracked[req.request_id]
             self._record_logprobs(t, result, row_of[req.request_id])
             self._check_stop(t)
-            outputs.append(self._output(t))
+            if stream or t.finish_reason is not None:
+                outputs.append(self._output(t))
             if t.finish_reason is not None:
                 del self._tracked[req.request_id]
         return outputs

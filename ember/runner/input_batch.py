@@ -81,6 +81,12 @@ class InputBatch:
                              for _ in range(num_groups)]                               # [R, max_blocks]
         self.slot_mappings = [_Buffer((max_num_tokens,), torch.int64, device, fill=-1)
                               for _ in range(num_groups)]                              # [T]
+        # the host buffers are rewritten each step, so the last step's asynchronous copies out of them must have
+        # finished first; the engine's per-step sync usually guarantees it, this event makes it explicit
+        self._copies_done = torch.cuda.Event() if device.type == "cuda" else None
+        # per group and row: the block list written there last step and how much of it (see _write_row)
+        self._row_lists: list[list] = [[None] * max_num_reqs for _ in range(num_groups)]
+        self._row_lens: list[list[int]] = [[0] * max_num_reqs for _ in range(num_groups)]
 
     def prepare_dummy(self, num_tokens: int, num_reqs: int, uniform_decode: bool,
                       num_reqs_padded: int | None = None) -> PreparedBatch:
@@ -93,9 +99,46 @@ class InputBatch:
         out = SchedulerOutput(tuple(fake), sum(1 for n in query_lens if n == 1))
         return self.prepare(out, num_tokens, num_reqs_padded or num_reqs, uniform_decode)
 
+    def _write_row(self, g: int, r: int, blocks: list[int] | tuple[int, ...]) -> None:
+        """Put a request's block ids in row r of group g's table, writing only what changed since last step
+        (in steady decoding a row gains one block every block_size steps)."""
+        known = self._row_lists[g][r]
+        start = self._row_lens[g][r] if known is blocks else 0
+        if start < len(blocks):
+            self.block_tables[g].np[r, start:len(blocks)] = blocks[start:]
+        self._row_lists[g][r] = blocks
+        self._row_lens[g][r] = len(blocks)
+
+    def _prepare_decodes(self, decodes) -> int:
+        """Single-token queries, vectorised: rows [0, D) hold tokens [0, D). Returns D."""
+        d = len(decodes)
+        if d == 0:
+            return 0
+        bs = self.block_size
+        starts = np.fromiter((s.num_computed_tokens for s in decodes), dtype=np.int64, count=d)
+        self.input_ids.np[:d] = [s.request.token_at(s.num_computed_tokens) for s in decodes]
+        self.positions.np[:d] = starts
+        rows = np.arange(d)
+        self.query_start_loc.np[1:d + 1] = rows + 1
+        self.seq_lens.np[:d] = starts + 1
+        self.logits_indices.np[:d] = rows
+        for g in range(len(self.block_tables)):
+            if decodes[0].block_ids[g] is None:    # dummy batches are dummy throughout: null block, no writes
+                self.block_tables[g].np[:d] = 0
+                self._row_lists[g][:d] = [None] * d
+                self.slot_mappings[g].np[:d] = -1
+                continue
+            for r, s in enumerate(decodes):
+                self._write_row(g, r, s.block_ids[g])
+            table = self.block_tables[g].np
+            self.slot_mappings[g].np[:d] = table[rows, starts // bs] * bs + starts % bs
+        return d
+
     def prepare(self, out: SchedulerOutput, num_tokens_padded: int | None = None,
                 num_reqs_padded: int | None = None, uniform_decode: bool | None = None) -> PreparedBatch:
         """Fill the buffers for this step; rows past the live batch (up to the padded sizes) are padding."""
+        if self._copies_done is not None:
+            self._copies_done.synchronize()
         num_reqs = len(out.scheduled)
         num_tokens = out.total_num_tokens
         num_tokens_padded = num_tokens_padded or num_tokens
@@ -107,24 +150,24 @@ class InputBatch:
         ids, pos, qsl, lens, logit_idx = (self.input_ids.np, self.positions.np, self.query_start_loc.np,
                                           self.seq_lens.np, self.logits_indices.np)
         qsl[0] = 0
-        t = 0
-        max_query_len = max_seq_len = 0
-        for r, s in enumerate(out.scheduled):
+        num_decodes = out.num_decodes
+        t = self._prepare_decodes(out.scheduled[:num_decodes])
+        max_query_len = 1 if num_decodes else 0
+        max_seq_len = int(lens[:num_decodes].max()) if num_decodes else 0
+        for r in range(num_decodes, num_reqs):
+            s = out.scheduled[r]
             n, start = s.num_new_tokens, s.num_computed_tokens
-            req = s.request
-            if n == 1:
-                ids[t] = req.token_at(start)
-            else:
-                ids[t:t + n] = req.all_token_ids[start:start + n]
+            ids[t:t + n] = s.request.all_token_ids[start:start + n]
             positions = np.arange(start, start + n)
             pos[t:t + n] = positions
             for g, blocks in enumerate(s.block_ids):
                 if blocks is None:      # a dummy request: null block, no writes
                     self.block_tables[g].np[r, :] = 0
+                    self._row_lists[g][r] = None
                     self.slot_mappings[g].np[t:t + n] = -1
                     continue
-                table = np.asarray(blocks, dtype=np.int64)
-                self.block_tables[g].np[r, :len(blocks)] = table
+                self._write_row(g, r, blocks)
+                table = self.block_tables[g].np[r]
                 self.slot_mappings[g].np[t:t + n] = table[positions // bs] * bs + positions % bs
             t += n
             qsl[r + 1] = t
@@ -152,5 +195,8 @@ class InputBatch:
             max_query_len=max_query_len, max_seq_len=max_seq_len, num_decodes=out.num_decodes,
             uniform_decode=(out.num_decodes == num_reqs) if uniform_decode is None else uniform_decode,
         )
-        return PreparedBatch(self.input_ids.copy(num_tokens_padded), self.positions.copy(num_tokens_padded),
-                             self.logits_indices.copy(num_reqs), common)
+        batch = PreparedBatch(self.input_ids.copy(num_tokens_padded), self.positions.copy(num_tokens_padded),
+                              self.logits_indices.copy(num_reqs), common)
+        if self._copies_done is not None:
+            self._copies_done.record()
+        return batch

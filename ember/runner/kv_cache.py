@@ -93,6 +93,7 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
         self.req_blocks: dict[str, list[int]] = {}
         self.req_hashes: dict[str, list[int]] = {}
+        self.req_num_published: dict[str, int] = {}   # full blocks already handed to the pool's prefix map
 
     def _hashes(self, request: Request, num_tokens: int) -> list[int]:
         """Chained hashes of the request's full blocks among its first `num_tokens` tokens (memoised)."""
@@ -133,15 +134,20 @@ class KVCacheManager:
 
     def cache_full_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Publish the request's blocks that are full after this step, so other requests can reuse them."""
-        if not self.pool.enable_prefix_caching:
+        rid = request.request_id
+        done = self.req_num_published.get(rid, 0)
+        if not self.pool.enable_prefix_caching or num_computed_tokens // self.block_size <= done:
             return
-        blocks = self.req_blocks[request.request_id]
-        for i, h in enumerate(self._hashes(request, num_computed_tokens)):
-            self.pool.cache(blocks[i], h)
+        blocks = self.req_blocks[rid]
+        hashes = self._hashes(request, num_computed_tokens)
+        for i in range(done, len(hashes)):
+            self.pool.cache(blocks[i], hashes[i])
+        self.req_num_published[rid] = len(hashes)
 
     def free(self, request: Request) -> None:
         self.pool.release(self.req_blocks.pop(request.request_id, []))
         self.req_hashes.pop(request.request_id, None)
+        self.req_num_published.pop(request.request_id, None)
 
 
 class KVCacheCoordinator:
@@ -163,6 +169,10 @@ class KVCacheCoordinator:
     def try_allocate(self, request: Request, num_total_tokens: int,
                      cached_blocks: Sequence[Sequence[int]] | None = None) -> bool:
         """Allocate in every group, or in none if any group lacks free blocks."""
+        if not cached_blocks:
+            rid = request.request_id
+            if all(len(m.req_blocks.get(rid, ())) * self.block_size >= num_total_tokens for m in self.managers):
+                return True     # the common decode step: the last block still has room
         cached_blocks = cached_blocks or [()] * len(self.managers)
         for m, cached in zip(self.managers, cached_blocks):
             # cached blocks that sit in the free list are taken out of it by touch(), so count them as used
@@ -177,8 +187,9 @@ class KVCacheCoordinator:
         for m in self.managers:
             m.cache_full_blocks(request, num_computed_tokens)
 
-    def block_ids(self, request: Request) -> tuple[tuple[int, ...], ...]:
-        return tuple(tuple(m.req_blocks.get(request.request_id, ())) for m in self.managers)
+    def block_ids(self, request: Request) -> tuple[list[int], ...]:
+        """Per group, the request's live block list (not a copy: read it within the step)."""
+        return tuple(m.req_blocks.get(request.request_id, []) for m in self.managers)
 
     def free(self, request: Request) -> None:
         for m in self.managers:

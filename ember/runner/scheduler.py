@@ -18,7 +18,7 @@ class ScheduledRequest:
     request: Request
     num_computed_tokens: int
     num_new_tokens: int
-    block_ids: tuple[tuple[int, ...], ...]   # per KV-cache group, all blocks the request holds
+    block_ids: tuple[list[int], ...]   # per KV-cache group, all blocks the request holds (live lists)
 
     @property
     def samples(self) -> bool:

@@ -38,7 +38,7 @@ def test_prefix_hits_share_blocks_across_groups_and_keep_one_token_to_compute():
     b = make("b", 10)                             # same 10 tokens
     cached = kv.find_cached_prefix(b)
     assert [len(c) for c in cached] == [2, 2]
-    assert tuple(cached[0]) == kv.block_ids(a)[0][:2]
+    assert cached[0] == kv.block_ids(a)[0][:2]
     c = make("c", 8)                              # exactly 2 blocks: the last token must be recomputed
     assert [len(x) for x in kv.find_cached_prefix(c)] == [1, 1]
     d = make("d", 10, start=1)                    # different first block: no hit, chained hashes
@@ -55,7 +55,7 @@ def test_prefix_hits_share_blocks_across_groups_and_keep_one_token_to_compute():
 def test_all_or_nothing_allocation():
     kv = KVCacheCoordinator(GROUPS, num_blocks=4, enable_prefix_caching=False)   # 3 usable blocks
     assert not kv.try_allocate(make("a", 13), 13)                                 # needs 4
-    assert kv.num_free_blocks == 3 and kv.block_ids(make("a", 13)) == ((), ())
+    assert kv.num_free_blocks == 3 and kv.block_ids(make("a", 13)) == ([], [])
 
 
 def run_steps(sched, steps=100):
