@@ -73,7 +73,6 @@ def test_safetensors_equal_gguf_dequantised(converted):
     assert kinds == {"Q8_0", "Q4_1", "F32"}
 
 
-@pytest.mark.slow
 def test_logits_equal_transformers_gguf_load(converted):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
