@@ -59,8 +59,8 @@ def _backends(args) -> int:
     for name in available_backends():
         try:
             b = get_backend(name)
-            print(f"{name:16s} priority {b.priority:3d}  cudagraph {b.cudagraph_support.name:28s} {b.__doc__ or ''}"
-                  .rstrip())
+            summary = " ".join((b.__doc__ or "").split())
+            print(f"{name:16s} priority {b.priority:3d}  cudagraph {b.cudagraph_support.name:28s} {summary}".rstrip())
         except Exception as exc:   # a plug-in that fails to import is listed with the reason
             print(f"{name:16s} unavailable: {exc}")
     return 0
