@@ -37,10 +37,11 @@ def engine_kwargs(args) -> dict:
 
 def _generate(args) -> int:
     from ember import LLM, SamplingParams
-    llm = LLM(args.model, **engine_kwargs(args))
+    # sampling arguments are checked before the model loads
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
                             max_tokens=args.max_tokens, seed=args.sample_seed, ignore_eos=args.ignore_eos,
                             stop=args.stop or None)
+    llm = LLM(args.model, **engine_kwargs(args))
     prompt = args.prompt
     if args.chat:
         prompt = {"prompt_token_ids": llm.chat_prompt_ids([{"role": "user", "content": args.prompt}])}

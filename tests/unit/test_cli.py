@@ -1,0 +1,34 @@
+"""The command line: `ember generate` streams the same text as the Python API; `ember backends` lists both
+built-in backends; bad arguments exit with a clear message."""
+
+import subprocess
+import sys
+
+from ember import LLM, SamplingParams
+from ember.cli import main
+
+
+def test_generate_streams_the_api_text(converted, capsys):
+    folder = str(converted["folder"])
+    code = main(["generate", "--model", folder, "--device", "cpu", "--prompt", "The capital of France is",
+                 "--max-tokens", "12", "--ignore-eos"])
+    assert code == 0
+    printed = capsys.readouterr().out
+    llm = LLM(folder, device="cpu")
+    expected = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                            use_tqdm=False)[0].outputs[0].text
+    assert expected and printed == expected + "\n"
+
+
+def test_bad_argument_is_reported(converted, capsys):
+    code = main(["generate", "--model", str(converted["folder"]), "--device", "cpu", "--prompt", "x",
+                 "--top-p", "1.5"])
+    assert code == 2
+    assert "top_p 1.5 must be in (0, 1]" in capsys.readouterr().err
+
+
+def test_backends_via_python_m():
+    out = subprocess.run([sys.executable, "-m", "ember", "backends"], capture_output=True, text=True, check=True)
+    names = [line.split()[0] for line in out.stdout.splitlines()]
+    assert names == ["torch_ref", "triton_unified"]
+    assert "cudagraph ALWAYS" in out.stdout and "cudagraph NEVER" in out.stdout
