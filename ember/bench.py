@@ -233,12 +233,16 @@ def hf_latency(hf_config, dtype: torch.dtype, device: torch.device, batch_size: 
             "decode_tok_s": batch_size * len(tpots) / sum(tpots)}
 
 
-def release_engine(llm) -> None:
-    """Drop the engine and give its memory (KV cache included) back before another model is built."""
-    del llm.engine
+def release_engine(llm) -> tuple:
+    """Drop the engine and give its memory (KV cache included) back before another model is built; returns the
+    (hf_config, dtype) a peer needs to build the same model."""
+    runner = llm.engine.runner
+    shape = runner.hf_config, runner.dtype
+    del llm.engine, runner
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+    return shape
 
 
 def try_peer(fn, *args, **kwargs) -> tuple[dict | None, str | None]:
@@ -309,9 +313,7 @@ def _throughput(args) -> int:
             ("total", f"{result['total_tok_s']:,.1f} tok/s"),
             ("requests", f"{result['requests_s']:,.2f} req/s")]
     if args.compare_hf:
-        runner = llm.engine.runner
-        hf_config, dtype = runner.hf_config, runner.dtype
-        release_engine(llm)
+        hf_config, dtype = release_engine(llm)
         n = min(args.hf_num_prompts, len(workload.prompts))
         subset = Workload(workload.prompts[:n], workload.output_lens[:n])
         hf, error = try_peer(hf_throughput, hf_config, dtype, device, subset, args.hf_batch_size, args.temperature)
@@ -342,9 +344,7 @@ def _latency(args) -> int:
             ("TPOT", f"{pct(lat['tpot_ms'])} ms (p50 / p90 / p99)"),
             ("decode", f"{lat['decode_tok_s']:,.1f} tok/s   ({roof.describe()})")]
     if args.compare_hf:
-        runner = llm.engine.runner
-        hf_config, dtype = runner.hf_config, runner.dtype
-        release_engine(llm)
+        hf_config, dtype = release_engine(llm)
         hf, error = try_peer(hf_latency, hf_config, dtype, device, args.batch_size, args.input_len, args.output_len,
                              args.hf_num_iters, args.seed, max_id)
         result.update(hf=hf, hf_error=error, ember_vs_hf=lat["decode_tok_s"] / hf["decode_tok_s"] if hf else None)

@@ -98,7 +98,7 @@ def select_backend(spec: KVCacheSpec, dtype: torch.dtype, device: torch.device,
     """
     def reasons_of(backend: type[AttentionBackend]) -> list[str]:
         reasons = list(backend.supports(spec, dtype, device, None))
-        for opt in {o for o in options}:
+        for opt in set(options):
             reasons += [r for r in backend.supports(spec, dtype, device, opt) if r not in reasons]
         return reasons
 

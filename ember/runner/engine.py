@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ember.config import EngineConfig
 from ember.runner.detokenizer import IncrementalDetokenizer
@@ -28,7 +28,6 @@ class _Tracked:
     cumulative_logprob: float | None
     stop_reason: int | str | None = None
     finish_reason: str | None = None
-    extra: dict = field(default_factory=dict)
 
 
 class Engine:

@@ -110,6 +110,7 @@ class ModelRunner:
         key = compile_cache_key(self.hf_config.to_dict(), self.dtype) if mode != "none" else None
         piecewise = self.graphs if self.modes.cudagraph_mode.has_piecewise else None
         forward = compile_model(self.model, mode, cache_key=key, graph_manager=piecewise)
+        self.compile_stats = getattr(forward, "stats", None)    # None when running eager
         if self.modes.cudagraph_mode.has_full:
             forward = self.graphs.wrap_full(forward)
         return forward
@@ -135,7 +136,7 @@ class ModelRunner:
         num_tokens = self.max_num_tokens if cuda else min(self.max_num_tokens, 64)
         batch = self.input_batch.prepare_dummy(num_tokens, self.max_num_reqs, uniform_decode=False)
         hidden = self._run(batch)
-        stats = getattr(self.forward_fn, "stats", None) or getattr(getattr(self.forward_fn, "fn", None), "stats", None)
+        stats = self.compile_stats
         if stats is not None:
             self.times.compile_s = stats.seconds
             self.times.compile_cache_hit = stats.cache_counters.get("fxgraph_cache_hit", 0) > 0
