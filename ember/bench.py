@@ -112,8 +112,7 @@ def _latency_iteration(engine, prompts: list[list[int]], params) -> tuple[list[f
     decode_steps: list[float] = []
     last = start
     while engine.has_unfinished():
-        outputs = engine.step(stream=True)
-        device_sync(device)
+        outputs = engine.step(stream=True)   # no device sync here: it would undo the engine's overlap
         now = time.perf_counter()
         if len(first) == len(ids):   # every request had its first token before this step: a pure decode step
             decode_steps.append(now - last)
@@ -151,6 +150,22 @@ def run_latency(llm, batch_size: int, input_len: int, output_len: int, num_iters
             "tpot_ms": {k: v * 1e3 for k, v in percentiles(tpots).items()},
             "latency_s": percentiles(totals), "mean_tpot_s": decode_s / len(tpots),
             "decode_tok_s": batch_size * len(tpots) / decode_s}
+
+
+def profile_workload(llm, prompts: list[list[int]], params, num_steps: int, skip_steps: int):
+    """Queue the prompts, step past `skip_steps` (prefills), profile the next `num_steps` steps, abort the rest."""
+    from ember.profiling import profile_steps
+    engine = llm.engine
+    ids = [engine.add_request(p, params[i] if isinstance(params, list) else params) for i, p in enumerate(prompts)]
+    try:
+        for _ in range(skip_steps):
+            if not engine.has_unfinished():
+                break
+            engine.step()
+        return profile_steps(engine, num_steps)
+    finally:
+        for rid in ids:
+            engine.abort(rid)
 
 
 # ---- transformers peer --------------------------------------------------------------------------------------------
@@ -312,6 +327,14 @@ def _throughput(args) -> int:
             ("output", f"{result['output_tok_s']:,.1f} tok/s   ({roof.describe()})"),
             ("total", f"{result['total_tok_s']:,.1f} tok/s"),
             ("requests", f"{result['requests_s']:,.2f} req/s")]
+    if args.profile:
+        from ember import SamplingParams
+        params = [SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=n)
+                  for n in workload.output_lens]
+        # past the prefills: enough steps for every prompt token to have gone through the token budget
+        skip = -(-workload.input_tokens // llm.engine.config.scheduler.max_num_batched_tokens) + 8
+        prof = profile_workload(llm, workload.prompts, params, args.profile, skip)
+        result["profile"] = prof.as_dict()
     if args.compare_hf:
         hf_config, dtype = release_engine(llm)
         n = min(args.hf_num_prompts, len(workload.prompts))
@@ -322,6 +345,8 @@ def _throughput(args) -> int:
                                      f"{args.hf_batch_size}); ember/transformers {result['ember_vs_hf']:.2f}x"
                      if hf else f"failed: {error}"))
     _print_report(result, rows)
+    if args.profile:
+        print(prof.table())
     _write_json(args.json, result)
     return 0
 
@@ -343,6 +368,13 @@ def _latency(args) -> int:
             ("TTFT", f"{pct(lat['ttft_ms'])} ms (p50 / p90 / p99)"),
             ("TPOT", f"{pct(lat['tpot_ms'])} ms (p50 / p90 / p99)"),
             ("decode", f"{lat['decode_tok_s']:,.1f} tok/s   ({roof.describe()})")]
+    if args.profile:
+        from ember import SamplingParams
+        rng = random.Random(args.seed + 1)
+        prompts = [[rng.randint(0, max_id) for _ in range(args.input_len)] for _ in range(args.batch_size)]
+        params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=args.profile + 4)
+        prof = profile_workload(llm, prompts, params, args.profile, 2)
+        result["profile"] = prof.as_dict()
     if args.compare_hf:
         hf_config, dtype = release_engine(llm)
         hf, error = try_peer(hf_latency, hf_config, dtype, device, args.batch_size, args.input_len, args.output_len,
@@ -352,6 +384,8 @@ def _latency(args) -> int:
                                      f"ms ({hf['cache']} cache); ember/transformers {result['ember_vs_hf']:.2f}x"
                      if hf else f"failed: {error}"))
     _print_report(result, rows)
+    if args.profile:
+        print(prof.table())
     _write_json(args.json, result)
     return 0
 
@@ -364,6 +398,8 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default=None, metavar="PATH", help="write every number to this JSON file")
     p.add_argument("--compare-hf", action="store_true",
                    help="also run transformers on the same shapes (random weights from the same config)")
+    p.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                   help="after the timed run, profile this many decode steps and print where their time goes")
 
 
 def add_bench_parser(subparsers, add_engine_args) -> None:

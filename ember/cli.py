@@ -18,6 +18,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--no-async-scheduling", action="store_true",
+                   help="wait for each step's tokens before scheduling the next (no host/device overlap)")
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--compile-mode", default="auto", choices=["auto", "none", "default"])
     p.add_argument("--cudagraph-mode", default="auto")
@@ -32,7 +34,7 @@ def engine_kwargs(args) -> dict:
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 enable_prefix_caching=not args.no_prefix_caching, attention_backend=args.attention_backend,
                 compile_mode=args.compile_mode, cudagraph_mode=args.cudagraph_mode,
-                enforce_eager=args.enforce_eager, seed=args.seed)
+                enforce_eager=args.enforce_eager, seed=args.seed, async_scheduling=not args.no_async_scheduling)
 
 
 def _generate(args) -> int:

@@ -55,6 +55,8 @@ class SchedulerConfig:
     """Continuous-batching limits per step."""
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
+    # schedule and launch step t+1 while step t runs on the device; its tokens reach the host one call later
+    async_scheduling: bool = True
 
 
 @dataclass(frozen=True)

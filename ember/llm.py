@@ -32,7 +32,8 @@ class LLM:
                  enable_prefix_caching: bool = True, attention_backend: str = "auto", seed: int = 0,
                  compile_mode: str = "auto", cudagraph_mode: str = "auto",
                  cudagraph_capture_sizes: Sequence[int] | None = None, enforce_eager: bool = False,
-                 attention_backend_options: dict | None = None, load_format: str = "auto", tokenizer=None):
+                 attention_backend_options: dict | None = None, load_format: str = "auto", tokenizer=None,
+                 async_scheduling: bool = True):
         if load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format {load_format!r} is not supported; use 'auto' or 'dummy' (random weights)")
         hf_config = None
@@ -46,7 +47,7 @@ class LLM:
         config = EngineConfig(
             model=ModelConfig(str(path), dtype, max_model_len, seed),
             cache=CacheConfig(block_size, num_kv_blocks, gpu_memory_utilization, enable_prefix_caching),
-            scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens),
+            scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, async_scheduling),
             compile=CompileConfig(compile_mode, cudagraph_mode,
                                   tuple(cudagraph_capture_sizes) if cudagraph_capture_sizes else None,
                                   enforce_eager),

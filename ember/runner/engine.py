@@ -7,6 +7,8 @@ import logging
 import random
 from dataclasses import dataclass
 
+from torch.profiler import record_function
+
 from ember.config import EngineConfig
 from ember.runner.detokenizer import IncrementalDetokenizer
 from ember.runner.kv_cache import KVCacheCoordinator
@@ -47,6 +49,8 @@ class Engine:
         self._rng = random.Random(config.model.seed)
         self._ids = itertools.count()
         self._tracked: dict[str, _Tracked] = {}
+        self._in_flight = None              # (SchedulerOutput, AsyncModelRunnerOutput) of the launched step
+        self._in_flight_blocks_overlap = False
 
     def _eos_ids(self) -> tuple[int, ...]:
         ids: set[int] = set()
@@ -101,16 +105,45 @@ class Engine:
         return found
 
     def has_unfinished(self) -> bool:
+        # a step in flight holds only running requests, which the scheduler counts; once they are all finished or
+        # aborted its tokens are of no use, and the next step drops them
         return self.scheduler.has_unfinished()
 
     # ---- the step ---------------------------------------------------------------------------------------------
     def step(self, stream: bool = False) -> list[RequestOutput]:
-        """Run one step; returns the outputs of requests that finished in it, or with `stream` of every request
-        that got a new token (building an output copies its tokens, so batch generation asks only for finished)."""
-        out = self.scheduler.schedule()
+        """Advance every unfinished request by one step; returns the outputs of requests that finished, or with
+        `stream` of every request that got a new token (building an output copies its tokens, so batch generation
+        asks only for finished ones).
+
+        With async scheduling the next step is scheduled and launched while the previous one still runs on the
+        device, and the previous one's tokens are processed after: a call returns what the step before it
+        produced. A request that stops (EOS, stop string) has then run one extra step, whose token is dropped."""
+        outputs = []
+        if self._in_flight is not None and self._in_flight_blocks_overlap:
+            outputs = self._resolve(stream)
+        with record_function("ember.schedule"):
+            out = self.scheduler.schedule()
         if out.is_empty:
-            return []
-        result = self.runner.execute(out)
+            return outputs + (self._resolve(stream) if self._in_flight is not None else [])
+        launched = self.runner.execute_async(out)
+        if self._in_flight is not None:
+            outputs += self._resolve(stream)
+        self._in_flight = (out, launched)
+        # penalties read every output token on the device, so the next step must wait for this one's
+        self._in_flight_blocks_overlap = any(s.request.sampling_params.uses_penalties for s in out.scheduled)
+        if not self.config.scheduler.async_scheduling:
+            outputs += self._resolve(stream)
+        return outputs
+
+    def _resolve(self, stream: bool) -> list[RequestOutput]:
+        """Wait for the step in flight and process its tokens."""
+        out, launched = self._in_flight
+        self._in_flight = None
+        result = launched.result()
+        with record_function("ember.update"):
+            return self._update(out, result, stream)
+
+    def _update(self, out: SchedulerOutput, result: ModelRunnerOutput, stream: bool) -> list[RequestOutput]:
         sampled = {s.request.request_id: tok for s, tok in zip(out.scheduled, result.sampled_token_ids) if s.samples}
         updated = self.scheduler.update(out, sampled)
         row_of = {s.request.request_id: i for i, s in enumerate(out.scheduled)}
@@ -176,7 +209,7 @@ class Engine:
         if not self.kv.try_allocate(req, len(token_ids)):
             raise ValueError(f"{len(token_ids)} tokens do not fit in the KV cache")
         try:
-            sched = ScheduledRequest(req, 0, len(token_ids), self.kv.block_ids(req))
+            sched = ScheduledRequest(req, 0, len(token_ids), self.kv.block_ids(req), samples=True)
             return self.runner.all_logits(SchedulerOutput((sched,), 1 if len(token_ids) == 1 else 0))
         finally:
             self.kv.free(req)

@@ -23,6 +23,8 @@ class PreparedBatch:
 
 class _DummyRequest:
     """Stands in for a request in warm-up batches: token 0 everywhere."""
+    request_id = "__dummy__"
+    num_tokens = 1 << 62       # every position is known on the host
 
     def token_at(self, i: int) -> int:
         return 0
@@ -81,6 +83,9 @@ class InputBatch:
                              for _ in range(num_groups)]                               # [R, max_blocks]
         self.slot_mappings = [_Buffer((max_num_tokens,), torch.int64, device, fill=-1)
                               for _ in range(num_groups)]                              # [T]
+        # decode inputs still on the device (sampled by the step in flight): rows here <- rows there
+        self.pending_dst = _Buffer((max_num_reqs,), torch.int64, device)               # [R]
+        self.pending_src = _Buffer((max_num_reqs,), torch.int64, device)               # [R]
         # the host buffers are rewritten each step, so the last step's asynchronous copies out of them must have
         # finished first; the engine's per-step sync usually guarantees it, this event makes it explicit
         self._copies_done = torch.cuda.Event() if device.type == "cuda" else None
@@ -109,14 +114,29 @@ class InputBatch:
         self._row_lists[g][r] = blocks
         self._row_lens[g][r] = len(blocks)
 
-    def _prepare_decodes(self, decodes) -> int:
-        """Single-token queries, vectorised: rows [0, D) hold tokens [0, D). Returns D."""
+    def _prepare_decodes(self, decodes, prev_rows: dict[str, int] | None) -> tuple[int, int]:
+        """Single-token queries, vectorised: rows [0, D) hold tokens [0, D). Returns D and how many of their
+        input tokens are still on the device (written to the pending buffers as (row, row in prev step))."""
         d = len(decodes)
         if d == 0:
-            return 0
+            return 0, 0
         bs = self.block_size
         starts = np.fromiter((s.num_computed_tokens for s in decodes), dtype=np.int64, count=d)
-        self.input_ids.np[:d] = [s.request.token_at(s.num_computed_tokens) for s in decodes]
+        ids = self.input_ids.np
+        num_pending = 0
+        for r, s in enumerate(decodes):
+            req, i = s.request, s.num_computed_tokens
+            if i < req.num_tokens:
+                ids[r] = req.token_at(i)
+                continue
+            # sampled by the step in flight: copied on the device from that step's output
+            if prev_rows is None or req.request_id not in prev_rows:
+                raise RuntimeError(f"request {req.request_id!r} needs its token at position {i}, which no step "
+                                   f"in flight produces")
+            ids[r] = 0
+            self.pending_dst.np[num_pending] = r
+            self.pending_src.np[num_pending] = prev_rows[req.request_id]
+            num_pending += 1
         self.positions.np[:d] = starts
         rows = np.arange(d)
         self.query_start_loc.np[1:d + 1] = rows + 1
@@ -132,11 +152,15 @@ class InputBatch:
                 self._write_row(g, r, s.block_ids[g])
             table = self.block_tables[g].np
             self.slot_mappings[g].np[:d] = table[rows, starts // bs] * bs + starts % bs
-        return d
+        return d, num_pending
 
     def prepare(self, out: SchedulerOutput, num_tokens_padded: int | None = None,
-                num_reqs_padded: int | None = None, uniform_decode: bool | None = None) -> PreparedBatch:
-        """Fill the buffers for this step; rows past the live batch (up to the padded sizes) are padding."""
+                num_reqs_padded: int | None = None, uniform_decode: bool | None = None,
+                prev_sampled: torch.Tensor | None = None, prev_rows: dict[str, int] | None = None) -> PreparedBatch:
+        """Fill the buffers for this step; rows past the live batch (up to the padded sizes) are padding.
+
+        A decode whose input token was sampled by the step still in flight takes it on the device from
+        `prev_sampled` [prev num_reqs] int64, at the row `prev_rows[request_id]` names."""
         if self._copies_done is not None:
             self._copies_done.synchronize()
         num_reqs = len(out.scheduled)
@@ -151,7 +175,7 @@ class InputBatch:
                                           self.seq_lens.np, self.logits_indices.np)
         qsl[0] = 0
         num_decodes = out.num_decodes
-        t = self._prepare_decodes(out.scheduled[:num_decodes])
+        t, num_pending = self._prepare_decodes(out.scheduled[:num_decodes], prev_rows)
         max_query_len = 1 if num_decodes else 0
         max_seq_len = int(lens[:num_decodes].max()) if num_decodes else 0
         for r in range(num_decodes, num_reqs):
@@ -195,8 +219,12 @@ class InputBatch:
             max_query_len=max_query_len, max_seq_len=max_seq_len, num_decodes=out.num_decodes,
             uniform_decode=(out.num_decodes == num_reqs) if uniform_decode is None else uniform_decode,
         )
-        batch = PreparedBatch(self.input_ids.copy(num_tokens_padded), self.positions.copy(num_tokens_padded),
-                              self.logits_indices.copy(num_reqs), common)
+        input_ids = self.input_ids.copy(num_tokens_padded)
+        if num_pending:
+            dst, src = self.pending_dst.copy(num_pending), self.pending_src.copy(num_pending)
+            input_ids.index_copy_(0, dst, prev_sampled.index_select(0, src))
+        batch = PreparedBatch(input_ids, self.positions.copy(num_tokens_padded), self.logits_indices.copy(num_reqs),
+                              common)
         if self._copies_done is not None:
             self._copies_done.record()
         return batch

@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+from torch.profiler import record_function
 
 from ember.attention_backends.op import ForwardContext, forward_context
 from ember.config import EngineConfig, parse_dtype
@@ -79,6 +80,9 @@ class ModelRunner:
         self.builders = make_builders(self.attn, self.dtype, self.device, self.max_num_reqs, self.max_num_tokens,
                                       upper_len, self.capture_sizes, config.attention_backend_options)
         self.sampler = Sampler()
+        # the last launched step's sampled tokens on the device, and each sampling request's row in them
+        self._prev_sampled: torch.Tensor | None = None
+        self._prev_rows: dict[str, int] | None = None
         self.graphs = CUDAGraphManager(self.device) if self.modes.cudagraph_mode != CUDAGraphMode.NONE else None
         self.forward_fn = self._build_forward()
 
@@ -210,19 +214,37 @@ class ModelRunner:
         num_reqs = len(out.scheduled)
         uniform = out.num_decodes == num_reqs
         mode, desc = self.dispatcher.dispatch(out.total_num_tokens, num_reqs, uniform)
-        batch = self.input_batch.prepare(out, desc.num_tokens, desc.padded_num_reqs(num_reqs),
-                                         desc.uniform_decode if mode == CUDAGraphMode.FULL else uniform)
-        return batch, self._run(batch, mode, desc)
+        with record_function("ember.prepare"):
+            batch = self.input_batch.prepare(out, desc.num_tokens, desc.padded_num_reqs(num_reqs),
+                                             desc.uniform_decode if mode == CUDAGraphMode.FULL else uniform,
+                                             self._prev_sampled, self._prev_rows)
+        with record_function("ember.forward"):
+            return batch, self._run(batch, mode, desc)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step and wait for its tokens."""
+        return self.execute_async(out).result()
+
+    @torch.inference_mode()
+    def execute_async(self, out: SchedulerOutput) -> "AsyncModelRunnerOutput":
+        """Launch one step (forward, sampling, the copy of its tokens to the host) without waiting for the device.
+        Decodes whose input token the previous step sampled read it on the device, so this may run while that
+        step is still in flight."""
         batch, hidden = self._forward(out)
-        logits = self.model.compute_logits(hidden[batch.logits_indices])
-        reqs = [s.request for s in out.scheduled]
-        meta = SamplingMetadata.build(
-            [r.sampling_params for r in reqs], [r.sampling_seed for r in reqs], [r.output_token_ids for r in reqs],
-            [r.prompt_token_ids for r in reqs], [r.eos_token_ids for r in reqs], self.vocab_size, self.device)
-        return self._to_host(self.sampler(logits, meta))
+        with record_function("ember.sample"):
+            logits = self.model.compute_logits(hidden[batch.logits_indices])
+            reqs = [s.request for s in out.scheduled]
+            meta = SamplingMetadata.build(
+                [r.sampling_params for r in reqs], [r.sampling_seed for r in reqs], [r.output_token_ids for r in reqs],
+                [r.prompt_token_ids for r in reqs], [r.eos_token_ids for r in reqs], self.vocab_size, self.device,
+                # tokens still in flight before this step's own: they advance the noise counter
+                num_pending=[s.request.num_pending - s.samples for s in out.scheduled])
+            sampled = self.sampler(logits, meta)
+        self._prev_sampled = sampled.sampled_token_ids
+        self._prev_rows = {s.request.request_id: i for i, s in enumerate(out.scheduled) if s.samples}
+        with record_function("ember.to_host"):
+            return AsyncModelRunnerOutput(sampled, self.device)
 
     @torch.inference_mode()
     def all_logits(self, out: SchedulerOutput) -> torch.Tensor:
@@ -230,12 +252,33 @@ class ModelRunner:
         batch, hidden = self._forward(out)
         return self.model.compute_logits(hidden[:batch.common.num_actual_tokens])
 
-    def _to_host(self, result) -> ModelRunnerOutput:
-        # the step's single device-to-host transfer (token ids, and logprobs only when some request asked)
-        if result.logprobs is None:
-            return ModelRunnerOutput(result.sampled_token_ids.cpu().tolist())
-        packed = torch.cat([result.sampled_token_ids[:, None].double(), result.ranks[:, None].double(),
-                            result.logprob_token_ids.double(), result.logprobs.double()], dim=1).cpu()
-        k = result.logprobs.shape[1]
+
+class AsyncModelRunnerOutput:
+    """A launched step's sampled tokens (and logprobs) on their way to the host: the step's single device-to-host
+    transfer, into pinned memory, with an event to wait on. `result()` blocks until they are there."""
+
+    def __init__(self, sampled, device: torch.device):
+        if sampled.logprobs is None:
+            packed, self._k = sampled.sampled_token_ids, None
+        else:
+            self._k = sampled.logprobs.shape[1]
+            packed = torch.cat([sampled.sampled_token_ids[:, None].double(), sampled.ranks[:, None].double(),
+                                sampled.logprob_token_ids.double(), sampled.logprobs.double()], dim=1)
+        self._event = None
+        if device.type == "cuda":
+            host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            host.copy_(packed, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+            packed = host
+        self._packed = packed
+
+    def result(self) -> ModelRunnerOutput:
+        if self._event is not None:
+            with record_function("ember.wait"):
+                self._event.synchronize()
+        packed, k = self._packed, self._k
+        if k is None:
+            return ModelRunnerOutput(packed.tolist())
         return ModelRunnerOutput(packed[:, 0].long().tolist(), packed[:, 2:2 + k].long().tolist(),
                                  packed[:, 2 + k:].tolist(), packed[:, 1].long().tolist())

@@ -106,7 +106,8 @@ class Request:
     eos_token_ids: tuple[int, ...] = ()
     arrival_index: int = 0
     output_token_ids: list[int] = field(default_factory=list)
-    num_computed_tokens: int = 0
+    num_computed_tokens: int = 0          # tokens whose KV is written or being written by a step in flight
+    num_pending: int = 0                  # tokens sampled by a step in flight, not yet in output_token_ids
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0
     num_cached_prompt_tokens: int = 0     # prefix-cache hits at the last admission

@@ -44,9 +44,16 @@ class SamplingMetadata:
     @classmethod
     def build(cls, params: list[SamplingParams], seeds: list[int], output_token_ids: list[list[int]],
               prompt_token_ids: list[list[int]], eos_token_ids: list[tuple[int, ...]], vocab_size: int,
-              device: torch.device) -> "SamplingMetadata":
-        """Build the metadata for one step; only the tensors some request needs are made."""
+              device: torch.device, num_pending: list[int] | None = None) -> "SamplingMetadata":
+        """Build the metadata for one step; only the tensors some request needs are made.
+
+        `num_pending` counts, per request, output tokens sampled by a step still in flight: they are not in
+        `output_token_ids` yet but advance the noise counter and min_tokens (penalties need their values, so
+        a request with penalties must have none)."""
         n = len(params)
+        num_pending = num_pending if num_pending is not None else [0] * n
+        if len(num_pending) != n:
+            raise ValueError(f"num_pending has {len(num_pending)} entries but there are {n} requests")
         for name, values in (("seeds", seeds), ("output_token_ids", output_token_ids),
                              ("prompt_token_ids", prompt_token_ids), ("eos_token_ids", eos_token_ids)):
             if len(values) != n:
@@ -92,9 +99,13 @@ class SamplingMetadata:
         use_freq = any(v != 0.0 for v in freq)
         use_penalties = use_rep or use_pres or use_freq
 
+        if use_penalties and any(num_pending):
+            raise ValueError("penalties need every output token on the host; a request with penalties has tokens "
+                             "still in flight")
+        out_lens = [len(out) + k for out, k in zip(output_token_ids, num_pending)]
         blocked = [
-            (tuple(eos) + tuple(p.stop_token_ids)) if len(out) < p.min_tokens else ()
-            for p, out, eos in zip(params, output_token_ids, eos_token_ids)
+            (tuple(eos) + tuple(p.stop_token_ids)) if n_out < p.min_tokens else ()
+            for p, n_out, eos in zip(params, out_lens, eos_token_ids)
         ]
         for row in blocked:
             for t in row:
@@ -114,7 +125,7 @@ class SamplingMetadata:
             top_p=top_p,
             min_p=min_p,
             seeds=vec(seeds, torch.int64),
-            output_lens=vec([len(out) for out in output_token_ids], torch.int64),
+            output_lens=vec(out_lens, torch.int64),
             prompt_token_ids=_padded(prompt_token_ids, vocab_size, device) if use_rep else None,
             output_token_ids=_padded(output_token_ids, vocab_size, device) if use_penalties else None,
             repetition_penalty=vec(rep, torch.float32) if use_rep else None,

@@ -19,11 +19,14 @@ class ScheduledRequest:
     num_computed_tokens: int
     num_new_tokens: int
     block_ids: tuple[list[int], ...]   # per KV-cache group, all blocks the request holds (live lists)
+    # whether the step reaches the end of the request's tokens (a token still in flight counts), so that its
+    # logits give the next token; fixed when the step is scheduled
+    samples: bool | None = None
 
-    @property
-    def samples(self) -> bool:
-        """Whether this step reaches the end of the request's known tokens, so its logits give the next token."""
-        return self.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+    def __post_init__(self):
+        if self.samples is None:
+            end = self.request.num_tokens + self.request.num_pending
+            object.__setattr__(self, "samples", self.num_computed_tokens + self.num_new_tokens == end)
 
 
 @dataclass(frozen=True)
@@ -80,7 +83,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_new = min(req.num_tokens + req.num_pending - req.num_computed_tokens, budget)
+            if num_new <= 0 or self._last_token_in_flight(req):
+                i += 1       # its token in flight is its last (or it has nothing to run): it finishes on arrival
+                continue
             while not self.kv.try_allocate(req, req.num_computed_tokens + num_new):
                 victim = self.running.pop()     # the newest running request
                 self._preempt(victim)
@@ -117,27 +123,40 @@ class Scheduler:
         self.stats.num_steps += 1
         return SchedulerOutput(tuple(decodes + prefills), len(decodes), tuple(preempted))
 
+    def _last_token_in_flight(self, req: Request) -> bool:
+        """Whether the token a step in flight samples for `req` reaches its max_tokens or max_model_len."""
+        return req.num_pending > 0 and (len(req.output_token_ids) + req.num_pending >= req.max_tokens
+                                        or req.num_tokens + req.num_pending >= self.max_model_len)
+
     def _schedule(self, req: Request, num_new: int) -> ScheduledRequest:
-        return ScheduledRequest(req, req.num_computed_tokens, num_new, self.kv.block_ids(req))
+        """The request's share of this step; its computed count advances now, so that the next step can be
+        scheduled before this one's tokens reach the host (a sampled token stays pending until `update`)."""
+        s = ScheduledRequest(req, req.num_computed_tokens, num_new, self.kv.block_ids(req))
+        req.num_computed_tokens += num_new
+        if s.samples:
+            req.num_pending += 1
+        return s
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
         req.num_computed_tokens = 0
+        req.num_pending = 0      # a token in flight is dropped; recomputation samples it again (same seed, counter)
         req.num_preemptions += 1
         req.status = RequestStatus.PREEMPTED
         self.stats.num_preemptions += 1
         self.waiting.appendleft(req)
 
     def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Advance computed counts and append sampled tokens; returns requests that received a token."""
+        """Append a step's sampled tokens and publish its full blocks; returns requests that received a token."""
         got_token = []
         for s in output.scheduled:
             req = s.request
             if req.status is not RequestStatus.RUNNING:
-                continue   # aborted while the step ran
-            req.num_computed_tokens = s.num_computed_tokens + s.num_new_tokens
-            self.kv.cache_full_blocks(req, req.num_computed_tokens)
+                continue   # finished, aborted or preempted while the step ran: its token is dropped
+            # every token before this step's end is known on the host now, so the blocks can be hashed
+            self.kv.cache_full_blocks(req, s.num_computed_tokens + s.num_new_tokens)
             if s.samples:
+                req.num_pending -= 1
                 req.output_token_ids.append(sampled[req.request_id])
                 got_token.append(req)
         return got_token

@@ -128,3 +128,27 @@ def test_cli_latency_on_bundled_config(tmp_path):
     assert result["model"] == "qwen3-0.6b" and result["dtype"] == "torch.float32"
     # float32 on CPU: 596,049,920 parameters x 4 bytes, plus the mean context (8 + 3 // 2 = 9) x 229,376 bytes
     assert result["roofline"]["bytes_moved"] == 4 * 596_049_920 + 9 * 229_376
+
+
+def test_cli_profile_reports_phases_and_leaves_engine_idle(tiny_model, tmp_path, capsys):
+    out = tmp_path / "profile.json"
+    rc = main(["bench", "latency", "--model", tiny_model, *ENGINE, "--batch-size", "2", "--input-len", "8",
+               "--output-len", "3", "--num-iters", "1", "--profile", "5", "--json", str(out)])
+    assert rc == 0
+    prof = json.loads(out.read_text())["profile"]
+    assert prof["num_steps"] == 5 and prof["wall_ms"] > 0
+    # every phase of a step is marked, and on the CPU there are no device kernels
+    assert {"ember.schedule", "ember.prepare", "ember.forward", "ember.sample", "ember.to_host",
+            "ember.update"} <= set(prof["phases_ms"])
+    assert prof["device_ms"] == 0 and prof["kernels"] == []
+    assert "ember.forward" in capsys.readouterr().out
+
+
+def test_profile_steps_needs_queued_requests(tiny_model):
+    from ember import LLM
+    from ember.profiling import profile_steps
+    llm = LLM(tiny_model, load_format="dummy", device="cpu", max_model_len=128, max_num_seqs=8)
+    with pytest.raises(ValueError, match="no request was in flight"):
+        profile_steps(llm.engine, 3)
+    with pytest.raises(ValueError, match="num_steps 0"):
+        profile_steps(llm.engine, 0)

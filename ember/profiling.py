@@ -1,0 +1,96 @@
+"""Where a step's time goes: engine steps under `torch.profiler`, summarised per step.
+
+The engine marks its phases with `record_function` ranges named "ember.*" (schedule, prepare, forward, sample,
+to_host, update); this module reports their host time per step beside the device kernels' time per step, so one
+table says whether a step is bound by the host (phases add up to the wall time while the device idles) or by the
+device (kernel time close to the wall time), and which kernels dominate.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+PHASE_PREFIX = "ember."
+
+
+@dataclass
+class StepProfile:
+    """Per-step averages over `num_steps` profiled engine steps."""
+    num_steps: int
+    wall_ms: float                                    # wall time per step, profiler overhead included
+    device_ms: float                                  # device kernel time per step (0 off CUDA)
+    launches: float                                   # device kernels per step
+    phases_ms: dict[str, float] = field(default_factory=dict)      # host time per step of each ember.* range
+    kernels: list[tuple[str, float, float]] = field(default_factory=list)  # (name, calls/step, ms/step), top first
+
+    def as_dict(self) -> dict:
+        return {"num_steps": self.num_steps, "wall_ms": self.wall_ms, "device_ms": self.device_ms,
+                "launches": self.launches, "phases_ms": self.phases_ms,
+                "kernels": [{"name": n, "calls": c, "ms": m} for n, c, m in self.kernels]}
+
+    def table(self) -> str:
+        """A short text table: the step, its phases, then the top kernels."""
+        lines = [f"profile over {self.num_steps} steps: wall {self.wall_ms:.3f} ms/step, device kernels "
+                 f"{self.device_ms:.3f} ms/step ({self.launches:.0f} launches/step)"]
+        for name, ms in self.phases_ms.items():
+            lines.append(f"  host  {name:<40s}{ms:9.3f} ms")
+        for name, calls, ms in self.kernels:
+            share = 100.0 * ms / self.device_ms if self.device_ms else 0.0
+            lines.append(f"  dev   {name[:40]:<40s}{ms:9.3f} ms  {calls:6.1f}/step  {share:5.1f}%")
+        return "\n".join(lines)
+
+
+def _device_time_us(evt) -> float:
+    for attr in ("device_time_total", "cuda_time_total"):
+        value = getattr(evt, attr, None)
+        if value is not None:
+            return float(value)
+    return 0.0
+
+
+def profile_steps(engine, num_steps: int, top: int = 15) -> StepProfile:
+    """Run up to `num_steps` engine steps (requests must already be queued) under the profiler."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    if num_steps < 1:
+        raise ValueError(f"num_steps {num_steps} must be at least 1")
+    device = engine.runner.device
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    if cuda:
+        torch.cuda.synchronize(device)
+    steps = 0
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        while steps < num_steps and engine.has_unfinished():
+            engine.step()
+            steps += 1
+        if cuda:
+            torch.cuda.synchronize(device)
+        wall = time.perf_counter() - start
+    if steps == 0:
+        raise ValueError("no request was in flight to profile; add requests before profile_steps")
+
+    # raw events, not key_averages(): with device activity on, each ember.* range also has a device-side twin of
+    # the same name that the averages would merge into it
+    phases: dict[str, float] = {}
+    per_kernel: dict[str, list[float]] = {}
+    for evt in prof.events():
+        if evt.device_type == DeviceType.CPU:
+            if evt.name.startswith(PHASE_PREFIX):
+                phases[evt.name] = phases.get(evt.name, 0.0) + evt.cpu_time_total
+        elif evt.device_type == DeviceType.CUDA and not evt.name.startswith(PHASE_PREFIX):
+            entry = per_kernel.setdefault(evt.name, [0, 0.0])
+            entry[0] += 1
+            entry[1] += _device_time_us(evt)
+    phases = {name: us / 1e3 / steps for name, us in phases.items()}
+    device_us = sum(us for _, us in per_kernel.values())
+    launches = sum(n for n, _ in per_kernel.values())
+    kernels = [(name, n / steps, us / 1e3 / steps) for name, (n, us) in per_kernel.items()]
+    kernels.sort(key=lambda k: -k[2])
+    return StepProfile(steps, wall * 1e3 / steps, device_us / 1e3 / steps, launches / steps,
+                       dict(sorted(phases.items(), key=lambda p: -p[1])), kernels[:top])

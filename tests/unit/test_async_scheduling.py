@@ -1,0 +1,149 @@
+"""Async scheduling: step t+1 is scheduled and launched before step t's tokens reach the host. The outputs must be
+exactly those of the synchronous engine, whatever stops, preempts, aborts or chunks the requests."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from ember import LLM, SamplingParams
+from ember.runner.model_runner import AsyncModelRunnerOutput
+
+PROMPTS = [[1, 5, 9, 33, 7], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19], [200],
+           [17, 250, 31, 64, 99, 12, 5, 8, 201], [7] * 23]
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_llama_async")
+    cfg = LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      tie_word_embeddings=False)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(path)
+    return str(path)
+
+
+def _params(stop_token: int) -> list[SamplingParams]:
+    return [
+        SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
+        SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=17, ignore_eos=True, logprobs=2),
+        SamplingParams(temperature=0.0, max_tokens=30, stop_token_ids=[stop_token], ignore_eos=True),
+        SamplingParams(temperature=1.0, top_k=20, seed=3, max_tokens=9, min_tokens=6, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True),
+    ]
+
+
+def _run(llm, params):
+    """Per request: (tokens, finish reason, stop reason, logprobs as [(token, rank, value)] per position)."""
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    return [(o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].stop_reason,
+             [[(t, lp.rank, lp.logprob) for t, lp in sorted(d.items())] for d in o.outputs[0].logprobs]
+             if o.outputs[0].logprobs else None) for o in outs]
+
+
+def _assert_same(got, expected):
+    """Tokens and reasons exactly; logprobs to float32 rounding (batch shapes differ, so may the matmul order)."""
+    assert [g[:3] for g in got] == [e[:3] for e in expected]
+    for g, e in zip(got, expected):
+        assert (g[3] is None) == (e[3] is None)
+        for gp, ep in zip(g[3] or [], e[3] or []):
+            assert [(t, r) for t, r, _ in gp] == [(t, r) for t, r, _ in ep]
+            assert [v for *_, v in gp] == pytest.approx([v for *_, v in ep], abs=1e-5)
+
+
+class _LaunchLog:
+    """Records the order of step launches and waits for their tokens."""
+
+    def __init__(self, monkeypatch, llm):
+        self.events = []
+        runner = llm.engine.runner
+        launch, result = runner.execute_async, AsyncModelRunnerOutput.result
+
+        def logged_launch(out):
+            self.events.append("launch")
+            return launch(out)
+
+        def logged_result(handle):
+            self.events.append("wait")
+            return result(handle)
+
+        monkeypatch.setattr(runner, "execute_async", logged_launch)
+        monkeypatch.setattr(AsyncModelRunnerOutput, "result", logged_result)
+
+    @property
+    def overlapped_launches(self) -> int:
+        """Launches made while an earlier launch's tokens were still unread."""
+        unread, count = 0, 0
+        for e in self.events:
+            if e == "launch":
+                count += unread > 0
+                unread += 1
+            else:
+                unread -= 1
+        return count
+
+
+@pytest.mark.parametrize("engine_kwargs", [
+    {},
+    {"max_num_batched_tokens": 6, "enable_prefix_caching": False},                       # chunked prefill
+    {"block_size": 8, "num_kv_blocks": 9, "max_model_len": 64, "enable_prefix_caching": False},   # preemption
+], ids=["plain", "chunked", "preempting"])
+def test_async_outputs_equal_sync(tiny_llama, engine_kwargs, monkeypatch):
+    sync = LLM(tiny_llama, device="cpu", async_scheduling=False, **engine_kwargs)
+    greedy = sync.generate({"prompt_token_ids": PROMPTS[2]}, SamplingParams(temperature=0, max_tokens=30,
+                                                                            ignore_eos=True), use_tqdm=False)
+    stop_token = greedy[0].outputs[0].token_ids[11]     # request 2 stops early, while a step is in flight
+    expected = _run(sync, _params(stop_token))
+    assert expected[2][1] == "stop" and len(expected[2][0]) < 30
+
+    llm = LLM(tiny_llama, device="cpu", **engine_kwargs)
+    log = _LaunchLog(monkeypatch, llm)
+    _assert_same(_run(llm, _params(stop_token)), expected)
+    assert log.overlapped_launches > 0
+    if "num_kv_blocks" in engine_kwargs:
+        assert llm.engine.stats.num_preemptions > 0
+    # nothing leaks: every block is back in the pool
+    assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks - 1
+
+
+def test_sync_engine_never_overlaps(tiny_llama, monkeypatch):
+    llm = LLM(tiny_llama, device="cpu", async_scheduling=False)
+    log = _LaunchLog(monkeypatch, llm)
+    _run(llm, _params(0))
+    assert log.overlapped_launches == 0 and log.events.count("launch") == log.events.count("wait")
+
+
+def test_penalties_wait_for_the_previous_step(tiny_llama, monkeypatch):
+    params = SamplingParams(temperature=0.0, max_tokens=12, repetition_penalty=1.3, frequency_penalty=0.5,
+                            ignore_eos=True)
+    expected = _run(LLM(tiny_llama, device="cpu", async_scheduling=False), params)
+    llm = LLM(tiny_llama, device="cpu")
+    log = _LaunchLog(monkeypatch, llm)
+    _assert_same(_run(llm, params), expected)
+    assert log.overlapped_launches == 0    # penalties read every output token on the device
+
+
+def test_abort_while_a_step_is_in_flight(tiny_llama):
+    params = SamplingParams(temperature=0.0, max_tokens=15, ignore_eos=True)
+    alone = LLM(tiny_llama, device="cpu", async_scheduling=False).generate(
+        {"prompt_token_ids": PROMPTS[1]}, params, use_tqdm=False)[0].outputs[0].token_ids
+    llm = LLM(tiny_llama, device="cpu")
+    engine = llm.engine
+    keep = engine.add_request(PROMPTS[1], params)
+    drop = engine.add_request(PROMPTS[3], params)
+    engine.step()
+    engine.step()                       # the second step is in flight when the abort comes
+    assert engine.abort(drop)
+    finished = []
+    while engine.has_unfinished():
+        finished += engine.step()
+    assert [o.request_id for o in finished] == [keep]
+    assert finished[0].outputs[0].token_ids == alone
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks - 1
+
+
+def test_streaming_returns_every_token_once(tiny_llama):
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    llm = LLM(tiny_llama, device="cpu")
+    seen = [len(o.outputs[0].token_ids) for o in llm.generate_stream({"prompt_token_ids": PROMPTS[0]}, params)]
+    assert seen == list(range(1, 11))
