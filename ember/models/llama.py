@@ -60,6 +60,8 @@ class LlamaAttention(nn.Module):
         self.o_proj = Linear(self.num_heads * self.head_size, config.hidden_size, bias=options.o_bias)
         self.q_norm = options.norm_cls(self.head_size, config.rms_norm_eps) if options.qk_norm else None
         self.k_norm = options.norm_cls(self.head_size, config.rms_norm_eps) if options.qk_norm else None
+        # the plain (Llama-form) RMSNorm on q and k can run as one joint norm; other forms run per projection
+        self._joint_qk = options.qk_norm and options.norm_cls is RMSNorm
         self.attn = Attention(layer_name=f"{prefix}model.layers.{layer_idx}.self_attn.attn",
                               num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_size=self.head_size,
                               scale=self.head_size ** -0.5, sliding_window=sliding_window_of(config, layer_idx))
@@ -67,13 +69,26 @@ class LlamaAttention(nn.Module):
     def forward(self, cos: torch.Tensor, sin: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [T, hidden] -> [T, hidden]; cos/sin [T, rotary_dim / 2] for the tokens' positions."""
         q, k, v = self.qkv_proj.forward_split(hidden)
-        q = q.unflatten(-1, (self.num_heads, self.head_size))      # [T, Hq, D]
-        k = k.unflatten(-1, (self.num_kv_heads, self.head_size))   # [T, Hkv, D]
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if self._joint_qk:
+            q, k = self._norm_rotate_qk(cos, sin, q, k)
+        else:
+            q = q.unflatten(-1, (self.num_heads, self.head_size))      # [T, Hq, D]
+            k = k.unflatten(-1, (self.num_kv_heads, self.head_size))   # [T, Hkv, D]
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = self.attn(q.flatten(1), k.flatten(1), v)
         return self.o_proj(out)
+
+    def _norm_rotate_qk(self, cos: torch.Tensor, sin: torch.Tensor, q: torch.Tensor,
+                        k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-head RMSNorm and rotary over q's and k's heads as one [T, Hq + Hkv, D] tensor: the same arithmetic
+        as norming and rotating each, in half the kernels once compiled."""
+        hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_size
+        qk = torch.cat([q, k], dim=-1).unflatten(-1, (hq + hkv, d))           # [T, Hq + Hkv, D]
+        weight = torch.cat([self.q_norm.weight.expand(hq, d), self.k_norm.weight.expand(hkv, d)])   # [Hq+Hkv, D]
+        qk = apply_rotary(weight * self.q_norm._normalise(qk).to(qk.dtype), cos, sin)
+        return qk[:, :hq].contiguous(), qk[:, hq:].contiguous()
 
 
 class LlamaMLP(nn.Module):

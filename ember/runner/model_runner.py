@@ -239,7 +239,8 @@ class ModelRunner:
                 [r.sampling_params for r in reqs], [r.sampling_seed for r in reqs], [r.output_token_ids for r in reqs],
                 [r.prompt_token_ids for r in reqs], [r.eos_token_ids for r in reqs], self.vocab_size, self.device,
                 # tokens still in flight before this step's own: they advance the noise counter
-                num_pending=[s.request.num_pending - s.samples for s in out.scheduled])
+                # (a step built without the scheduler has none counted, hence the floor)
+                num_pending=[max(s.request.num_pending - s.samples, 0) for s in out.scheduled])
             sampled = self.sampler(logits, meta)
         self._prev_sampled = sampled.sampled_token_ids
         self._prev_rows = {s.request.request_id: i for i, s in enumerate(out.scheduled) if s.samples}
