@@ -3,10 +3,17 @@
 Every request of a step is sampled in one pass over the [N, V] logits, with no host sync. Random draws use
 counter-based noise: a splitmix64 hash of (seed, output position, token id) computed in int64 tensor ops, so a
 request's token depends only on its own logits, seed and position, never on its batch mates or its row.
+
+On CUDA the same noise comes from Triton kernels (`sampling_kernels`): without top-k/top-p/min-p one kernel pass
+over the logits samples every row; the torch code here stays the CPU path and the reference.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
+import importlib.util
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -28,7 +35,15 @@ class SamplerOutput:
 
 
 class Sampler(nn.Module):
-    """Samples one token per request from [N, V] logits as described by a `SamplingMetadata`."""
+    """Samples one token per request from [N, V] logits as described by a `SamplingMetadata`.
+
+    use_triton: None picks the Triton kernels for CUDA logits when Triton is installed; True forces them (CPU
+    tensors then run interpreted, for tests); False keeps the torch ops. Both give the same tokens.
+    """
+
+    def __init__(self, use_triton: bool | None = None):
+        super().__init__()
+        self.use_triton = use_triton
 
     def forward(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """Sample the next token of every request; logprobs come from the raw logits, as vLLM does by default."""
@@ -41,21 +56,45 @@ class Sampler(nn.Module):
         if meta.max_num_logprobs is not None:
             raw_logprobs = torch.log_softmax(logits.float(), dim=-1)   # [N, V]
 
-        # a private float32 copy: the steps below work in place and the caller's logits stay untouched
-        logits = logits.to(torch.float32, copy=True)                 # [N, V]
-        logits = apply_penalties(logits, meta)
-        if meta.blocked_token_ids is not None:
-            logits.masked_fill_(_token_mask(meta.blocked_token_ids, meta.vocab_size), float("-inf"))
-        sampled = self._sample(logits, meta)
+        kernels = self._kernels(logits)
+        has_filters = meta.top_k is not None or meta.top_p is not None or meta.min_p is not None
+        one_pass = kernels is not None and not has_filters
+        # the one-pass kernel reads the caller's logits in their own dtype unless something must change them first
+        if (not one_pass or meta.has_penalties or meta.blocked_token_ids is not None
+                or logits.dtype not in _KERNEL_LOGITS_DTYPES):
+            # a private float32 copy: the steps below work in place and the caller's logits stay untouched
+            logits = logits.to(torch.float32, copy=True)                 # [N, V]
+            logits = apply_penalties(logits, meta)
+            if meta.blocked_token_ids is not None:
+                logits.masked_fill_(_token_mask(meta.blocked_token_ids, meta.vocab_size), float("-inf"))
+        if one_pass:
+            sampled = kernels.sample_triton(logits, meta.temperature, meta.seeds, meta.output_lens,
+                                            meta.greedy_mask, meta.all_greedy)
+        else:
+            noise = gumbel_noise if kernels is None else kernels.gumbel_noise_triton
+            sampled = self._sample(logits, meta, noise)
 
         if raw_logprobs is None:
             return SamplerOutput(sampled, None, None, None)
         ids, lps, ranks = gather_logprobs(raw_logprobs, sampled, meta.max_num_logprobs)
         return SamplerOutput(sampled, ids, lps, ranks)
 
+    def _kernels(self, logits: torch.Tensor):
+        """The `sampling_kernels` module when this call uses Triton, else None."""
+        if self.use_triton is False or (self.use_triton is None and not logits.is_cuda):
+            return None
+        if not _triton_installed():
+            if self.use_triton:
+                raise RuntimeError("Sampler(use_triton=True) needs the triton package; install it or pass "
+                                   "use_triton=None to fall back to the torch sampler")
+            return None
+        return importlib.import_module("ember.runner.sampling_kernels")
+
     @staticmethod
-    def _sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        """Greedy rows take the argmax; random rows race counter-based noise over the filtered logits."""
+    def _sample(logits: torch.Tensor, meta: SamplingMetadata,
+                noise: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] | None = None) -> torch.Tensor:
+        """Greedy rows take the argmax; random rows race counter-based noise (default `gumbel_noise`) over the
+        filtered logits."""
         greedy = None if meta.all_random else logits.argmax(dim=-1)   # [N]
         if meta.all_greedy:
             return greedy
@@ -65,11 +104,19 @@ class Sampler(nn.Module):
         if meta.min_p is not None:
             logits = apply_min_p(logits, meta.min_p)
         # Gumbel-max: argmax(l + G) with G = -log(E), E ~ Exp(1), is the exponential race argmax(p / E)
-        logits.add_(gumbel_noise(meta.seeds, meta.output_lens, meta.vocab_size))
+        logits.add_((noise or gumbel_noise)(meta.seeds, meta.output_lens, meta.vocab_size))
         sampled = logits.argmax(dim=-1)                                # [N]
         if greedy is None:
             return sampled
         return torch.where(meta.greedy_mask, greedy, sampled)
+
+
+_KERNEL_LOGITS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)   # what sample_triton reads directly
+
+
+@functools.cache
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
 
 
 def _token_mask(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
