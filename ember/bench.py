@@ -89,7 +89,8 @@ def run_throughput(llm, workload: Workload, temperature: float = 0.6, warmup: bo
         llm.generate([{"prompt_token_ids": list(range(1, 9))}], SamplingParams(max_tokens=4, ignore_eos=True),
                      use_tqdm=False)
     params = [SamplingParams(temperature=temperature, ignore_eos=True, max_tokens=n) for n in workload.output_lens]
-    steps_before = llm.engine.stats.num_steps
+    stats = llm.engine.stats
+    steps_before, host_before, wait_before = stats.num_steps, stats.host_s, stats.device_wait_s
     device_sync(device)
     start = time.perf_counter()
     outputs = llm.generate([{"prompt_token_ids": p} for p in workload.prompts], params, use_tqdm=False)
@@ -99,7 +100,10 @@ def run_throughput(llm, workload: Workload, temperature: float = 0.6, warmup: bo
     total = workload.input_tokens + produced
     return {"num_prompts": len(workload.prompts), "input_tokens": workload.input_tokens, "output_tokens": produced,
             "elapsed_s": elapsed, "output_tok_s": produced / elapsed, "total_tok_s": total / elapsed,
-            "requests_s": len(workload.prompts) / elapsed, "num_steps": llm.engine.stats.num_steps - steps_before}
+            "requests_s": len(workload.prompts) / elapsed, "num_steps": stats.num_steps - steps_before,
+            "host_ms_per_step": (stats.host_s - host_before) * 1e3 / max(stats.num_steps - steps_before, 1),
+            "device_wait_ms_per_step": (stats.device_wait_s - wait_before) * 1e3 / max(stats.num_steps - steps_before,
+                                                                                      1)}
 
 
 def _latency_iteration(engine, prompts: list[list[int]], params) -> tuple[list[float], list[float], float]:
@@ -136,7 +140,10 @@ def run_latency(llm, batch_size: int, input_len: int, output_len: int, num_iters
     rng = random.Random(seed)
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=output_len)
     ttfts, tpots, totals = [], [], []
+    stats = engine.stats
     for it in range(num_iters + 1):
+        if it == 1:   # after the warm-up batch
+            steps0, host0, wait0 = stats.num_steps, stats.host_s, stats.device_wait_s
         # fresh prompts every iteration so that the prefix cache never shortens a prefill
         prompts = [[rng.randint(0, max_token_id) for _ in range(input_len)] for _ in range(batch_size)]
         ttft, steps, total = _latency_iteration(engine, prompts, params)
@@ -145,7 +152,10 @@ def run_latency(llm, batch_size: int, input_len: int, output_len: int, num_iters
             tpots += steps
             totals.append(total)
     decode_s = sum(tpots)
+    steps = max(stats.num_steps - steps0, 1)
     return {"batch_size": batch_size, "input_len": input_len, "output_len": output_len, "num_iters": num_iters,
+            "host_ms_per_step": (stats.host_s - host0) * 1e3 / steps,
+            "device_wait_ms_per_step": (stats.device_wait_s - wait0) * 1e3 / steps,
             "ttft_ms": {k: v * 1e3 for k, v in percentiles(ttfts).items()},
             "tpot_ms": {k: v * 1e3 for k, v in percentiles(tpots).items()},
             "latency_s": percentiles(totals), "mean_tpot_s": decode_s / len(tpots),
@@ -295,6 +305,11 @@ def _header(llm, args) -> dict:
             "startup": startup_times(llm)}
 
 
+def _host_row(result: dict) -> str:
+    return (f"{result['host_ms_per_step']:.3f} ms/step busy, {result['device_wait_ms_per_step']:.3f} ms/step "
+            f"waiting for the device")
+
+
 def _print_report(result: dict, rows: list[tuple[str, str]]) -> None:
     head = f"{result['command']}  {result['model']}  {result['device']} {result['dtype'].replace('torch.', '')}"
     print(head)
@@ -326,7 +341,8 @@ def _throughput(args) -> int:
             ("elapsed", f"{result['elapsed_s']:.2f} s"),
             ("output", f"{result['output_tok_s']:,.1f} tok/s   ({roof.describe()})"),
             ("total", f"{result['total_tok_s']:,.1f} tok/s"),
-            ("requests", f"{result['requests_s']:,.2f} req/s")]
+            ("requests", f"{result['requests_s']:,.2f} req/s"),
+            ("host", _host_row(result))]
     if args.profile:
         from ember import SamplingParams
         params = [SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=n)
@@ -367,7 +383,8 @@ def _latency(args) -> int:
                       f"{args.num_iters} iterations"),
             ("TTFT", f"{pct(lat['ttft_ms'])} ms (p50 / p90 / p99)"),
             ("TPOT", f"{pct(lat['tpot_ms'])} ms (p50 / p90 / p99)"),
-            ("decode", f"{lat['decode_tok_s']:,.1f} tok/s   ({roof.describe()})")]
+            ("decode", f"{lat['decode_tok_s']:,.1f} tok/s   ({roof.describe()})"),
+            ("host", _host_row(lat))]
     if args.profile:
         from ember import SamplingParams
         rng = random.Random(args.seed + 1)

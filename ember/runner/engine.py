@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import random
+import time
 from dataclasses import dataclass
 
 from torch.profiler import record_function
@@ -118,6 +119,14 @@ class Engine:
         With async scheduling the next step is scheduled and launched while the previous one still runs on the
         device, and the previous one's tokens are processed after: a call returns what the step before it
         produced. A request that stops (EOS, stop string) has then run one extra step, whose token is dropped."""
+        start = time.perf_counter()
+        waited_before = self.stats.device_wait_s
+        try:
+            return self._step(stream)
+        finally:
+            self.stats.host_s += time.perf_counter() - start - (self.stats.device_wait_s - waited_before)
+
+    def _step(self, stream: bool) -> list[RequestOutput]:
         outputs = []
         if self._in_flight is not None and self._in_flight_blocks_overlap:
             outputs = self._resolve(stream)
@@ -139,7 +148,9 @@ class Engine:
         """Wait for the step in flight and process its tokens."""
         out, launched = self._in_flight
         self._in_flight = None
+        start = time.perf_counter()
         result = launched.result()
+        self.stats.device_wait_s += time.perf_counter() - start
         with record_function("ember.update"):
             return self._update(out, result, stream)
 

@@ -52,6 +52,8 @@ class SchedulerStats:
     num_prefix_cache_queries: int = 0       # prompt tokens looked up
     num_prefix_cache_hits: int = 0          # of which found cached
     num_steps: int = 0
+    host_s: float = 0.0                     # engine.step() wall time, less the part spent waiting for the device
+    device_wait_s: float = 0.0              # part of engine.step() spent waiting for a step's tokens
 
 
 class Scheduler:

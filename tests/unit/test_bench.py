@@ -85,7 +85,7 @@ def test_cli_throughput_writes_json(tiny_model, tmp_path, capsys):
     assert result["output_tokens"] == expected.output_tokens
     # at most 8 running at once: at least one step per output token of the longest request
     assert max(expected.output_lens) <= result["num_steps"] <= expected.output_tokens
-    for key in ("elapsed_s", "output_tok_s", "total_tok_s", "requests_s"):
+    for key in ("elapsed_s", "output_tok_s", "total_tok_s", "requests_s", "host_ms_per_step"):
         assert result[key] > 0
     assert result["total_tok_s"] == pytest.approx(result["output_tok_s"] * (expected.input_tokens +
                                                                              expected.output_tokens)
@@ -108,6 +108,8 @@ def test_cli_latency_writes_json(tiny_model, tmp_path):
         p = result[key]
         assert 0 < p["p50"] <= p["p90"] <= p["p99"]
     assert result["decode_tok_s"] == pytest.approx(2 / result["mean_tpot_s"])
+    # on the CPU the device work runs inside the launch, so the host is busy and waits for nothing
+    assert result["host_ms_per_step"] > 0 and 0 <= result["device_wait_ms_per_step"] < result["host_ms_per_step"]
     assert result["roofline"]["tokens"] == 2 and result["roofline"]["tok_s"] is None
     assert result["hf_error"] is None and result["hf"]["decode_tok_s"] > 0 and result["hf"]["cache"] == "dynamic"
 
