@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ember.kernels.gemv import linear as gemv_linear
+
 
 def check_shape(param: torch.Tensor, loaded: torch.Tensor, expected: tuple[int, ...] | torch.Size) -> None:
     """Raise a ValueError naming both shapes when a checkpoint tensor does not fit its destination."""
@@ -42,6 +44,9 @@ class Linear(nn.Module):
         self.bias = make_param((out_features,)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            # `ember::linear`: a bandwidth-bound Triton GEMV for decode-sized batches, cuBLAS for the rest
+            return gemv_linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:

@@ -1,0 +1,1 @@
+"""Standalone Triton kernels for the model's dense layers (the attention kernels live with their backend)."""

@@ -1,0 +1,325 @@
+"""Small-M linear layers: y[M, N] = x[M, K] @ W[N, K]^T (+ bias[N]) (+ residual[M, N]) for M <= 16, as a Triton
+kernel that streams W once, and the `ember::linear` custom op that picks it over cuBLAS when it applies.
+
+Decode reads every weight once per step, so these layers are bound by memory bandwidth; cuBLAS's small-M tiles
+(64x8, split-K plus a reduce kernel) reach ~43% of it on an H100 for Qwen3-0.6B's projections at batch 1.
+
+Kernel: each program owns BLOCK_N rows of W (output columns) for all M rows, padded to BLOCK_M, and walks K in
+BLOCK_K steps, loading a tile of W that is contiguous along K (16-byte loads); accumulation is float32 and the
+output, plus bias and residual in float32, is rounded once to x's dtype.
+- M < DOT_MIN_M (1..4 rows, BLOCK_M the next power of two): CUDA-core products. W is loaded as [1, BLOCK_N,
+  BLOCK_K] and x as a stride-0 broadcast [BLOCK_M, BLOCK_N, BLOCK_K], so both arrive in one register layout; a
+  2-D tile broadcast to 3-D afterwards makes Triton move it through shared memory, with barriers, every step.
+  The products are summed along K each step, or, when [BLOCK_M, BLOCK_N, BLOCK_K] fits in ACC_3D_REGS registers a
+  thread, accumulated element-wise and summed once after the loop (no shuffles in the loop).
+- M >= DOT_MIN_M: tl.dot on tensor cores, 16 x 16 a program (padding rows masked), W loaded as its transpose
+  [BLOCK_K, BLOCK_N]; Triton pipelines these loads through shared memory (cp.async, DOT_NUM_STAGES). At 8 rows
+  the CUDA-core multiply-adds alone would take ~40% as long as reading W at full bandwidth.
+
+When N / BLOCK_N gives fewer programs than SMs, K is split over a second grid axis: each split writes float32
+partials [SPLIT_K, M, N] and a small kernel sums them in a fixed order and applies bias/residual and the cast (no
+zero-filled buffer, no atomics, so results are deterministic).
+
+Launch parameters come from `gemv_config`, a pure function of (M, N, K, SMs, element size), not from autotuning:
+nothing is timed at run time, so the first call for a shape (before CUDA-graph capture, as the engine does) only
+compiles, and every process picks the same kernels.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+__all__ = ["GEMV_MAX_M", "gemv", "gemv_applies", "gemv_config", "gemv_enabled", "linear", "set_gemv_enabled"]
+
+GEMV_MAX_M = 16          # rows handled by the kernel; more go to F.linear
+PROGRAMS_PER_SM = 4      # aim: every SM streams W with a few programs resident to hide load latency
+W_TILE_BYTES = 8192      # bytes of W one program loads per K step: 4 x 16-byte loads a thread at 4 warps
+MAX_BLOCK_N = 16
+DOT_MIN_M = 5            # tensor cores from this many rows: at 8 rows CUDA-core multiply-adds cost ~40% of the read
+DOT_BLOCK = 16           # rows and columns of a tensor-core program (tl.dot's smallest portable tile)
+ACC_3D_REGS = 32         # float32 accumulator elements a thread may hold for the deferred K reduction
+PRODUCT_REGS = 64        # float32 products a thread may hold for a per-step K reduction
+MIN_BLOCK_K_BYTES = 512  # one warp of 16-byte loads: K steps are not shrunk below this to divide K
+NUM_WARPS = 4
+DOT_NUM_STAGES = 3
+MAX_SPLIT_K = 16
+REDUCE_BLOCK = 256
+CPU_SMS = 4              # "SMs" under the interpreter: small test shapes still get several programs
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, bias_ptr, residual_ptr, out_ptr,
+                 M, N, K, stride_xm, stride_wn, stride_rm, stride_om, k_per_split,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 USE_DOT: tl.constexpr, ACC_3D: tl.constexpr, EVEN_K: tl.constexpr, PARTIAL: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, DOT_IN_FP32: tl.constexpr,
+                 IEEE_DOT: tl.constexpr):
+    """Program (n block, K split): out[:M, n block] over K range [split * k_per_split, + k_per_split).
+
+    PARTIAL: out_ptr is float32 partials [SPLIT_K, M, N], bias/residual left to the reduce kernel."""
+    pid_n = tl.program_id(0)
+    split = tl.program_id(1)
+    # not tl.sum/tl.zeros/tl.cdiv: those are @triton.jit library functions that the interpreted copy cannot call
+    rows = tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    # columns past N (and, on CUDA cores, padding rows) re-read W row N - 1 / x row M - 1 instead of masking: the
+    # loads stay unpredicated and vectorised, and those results are never stored
+    x_rows = tl.minimum(rows, M - 1)
+    w_rows = tl.minimum(cols, N - 1).to(tl.int64)
+    k_begin = split * k_per_split
+    k_end = tl.minimum(k_begin + k_per_split, K)
+    if USE_DOT:
+        x_ptrs = x_ptr + rows[:, None] * stride_xm + ks[None, :]            # [BLOCK_M, BLOCK_K]
+        w_ptrs = w_ptr + w_rows[None, :] * stride_wn + ks[:, None]          # [BLOCK_K, BLOCK_N]: W^T
+        acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+    else:
+        # x as a [BLOCK_M, BLOCK_N, BLOCK_K] broadcast (column stride 0) gets W's register layout: a smaller x tile
+        # would be moved into it through shared memory, with two barriers, every K step
+        x_ptrs = x_ptr + x_rows[:, None, None] * stride_xm + ks[None, None, :] + w_rows[None, :, None] * 0
+        w_ptrs = w_ptr + w_rows[None, :, None] * stride_wn + ks[None, None, :]   # [1, BLOCK_N, BLOCK_K]
+        if ACC_3D:
+            acc = tl.full((BLOCK_M, BLOCK_N, BLOCK_K), 0.0, tl.float32)
+        else:
+            acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+
+    for k in range(k_begin, k_end, BLOCK_K):
+        if USE_DOT:
+            # padding rows masked, not re-read: at M = 1 they would be 15 of the 16 rows loaded into shared memory
+            if EVEN_K:
+                x = tl.load(x_ptrs + k, mask=(rows < M)[:, None], other=0.0)
+                w = tl.load(w_ptrs + k)
+            else:
+                x = tl.load(x_ptrs + k, mask=(rows < M)[:, None] & ((k + ks)[None, :] < k_end), other=0.0)
+                w = tl.load(w_ptrs + k, mask=(k + ks)[:, None] < k_end, other=0.0)
+        elif EVEN_K:
+            x = tl.load(x_ptrs + k)
+            w = tl.load(w_ptrs + k)
+        else:
+            x = tl.load(x_ptrs + k, mask=(k + ks)[None, None, :] < k_end, other=0.0)
+            w = tl.load(w_ptrs + k, mask=(k + ks)[None, None, :] < k_end, other=0.0)
+        if USE_DOT:
+            if DOT_IN_FP32:
+                # the interpreter's tl.dot multiplies bfloat16 bit patterns as integers
+                x = x.to(tl.float32)
+                w = w.to(tl.float32)
+            if IEEE_DOT:
+                acc = tl.dot(x, w, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(x, w, acc)
+        elif ACC_3D:
+            acc += x.to(tl.float32) * w.to(tl.float32)
+        else:
+            acc += tl.reduce(x.to(tl.float32) * w.to(tl.float32), 2, tl.standard._sum_combine)
+    if ACC_3D:
+        acc = tl.reduce(acc, 2, tl.standard._sum_combine)    # [BLOCK_M, BLOCK_N]
+
+    out_mask = (rows < M)[:, None] & (cols < N)[None, :]
+    if PARTIAL:
+        tl.store(out_ptr + (split * M + rows[:, None]) * N + cols[None, :], acc, mask=out_mask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        if HAS_RESIDUAL:
+            acc += tl.load(residual_ptr + rows[:, None] * stride_rm + cols[None, :], mask=out_mask,
+                           other=0.0).to(tl.float32)
+        tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=out_mask)
+
+
+@triton.jit
+def _split_k_reduce_kernel(partial_ptr, bias_ptr, residual_ptr, out_ptr, M, N, stride_rm, stride_om,
+                           SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                           BLOCK: tl.constexpr):
+    """Program (column block, row): out = sum over splits of partial[:, row, cols] (+ bias) (+ residual)."""
+    row = tl.program_id(1)
+    cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < N
+    acc = tl.full((BLOCK,), 0.0, tl.float32)
+    for split in tl.static_range(SPLIT_K):
+        acc += tl.load(partial_ptr + (split * M + row) * N + cols, mask=ok, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        acc += tl.load(residual_ptr + row * stride_rm + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+# ---- launch parameters ---------------------------------------------------------------------------------------
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def _prev_pow2(n: int) -> int:
+    return 1 << (max(1, n).bit_length() - 1)
+
+
+def gemv_config(M: int, N: int, K: int, num_sms: int, element_size: int = 2,
+                use_dot: bool | None = None) -> dict | None:
+    """Launch parameters for x[M, K] @ W[N, K]^T on `num_sms` SMs, or None when M is outside 1..GEMV_MAX_M.
+
+    Tensor cores from DOT_MIN_M rows (or as `use_dot` says), padded to 16 rows and 16 columns a program. Otherwise
+    BLOCK_N is the largest power of two (<= 16) leaving PROGRAMS_PER_SM programs per SM. BLOCK_K makes a W tile of
+    W_TILE_BYTES (smaller, BLOCK_N first, where the products would not fit in registers), halved while that divides
+    K. K is split only when the column blocks alone leave SMs idle."""
+    if not 1 <= M <= GEMV_MAX_M:
+        return None
+    use_dot = M >= DOT_MIN_M if use_dot is None else use_dot
+    vec = 16 // element_size                       # elements of one 16-byte load
+    tile = W_TILE_BYTES // element_size            # elements of W per program per K step
+    min_block_k = max(vec, MIN_BLOCK_K_BYTES // element_size)
+    threads = 32 * NUM_WARPS
+    if use_dot:
+        block_m, block_n = DOT_BLOCK, DOT_BLOCK
+        block_k = tile // block_n
+    else:
+        block_m = _next_pow2(M)
+        block_n = min(MAX_BLOCK_N, _prev_pow2(N // (PROGRAMS_PER_SM * num_sms)))
+        block_k = tile // block_n
+        if block_m * block_n * block_k > ACC_3D_REGS * threads:
+            # summed every step: the [BLOCK_M, BLOCK_N, BLOCK_K] products must fit; keep the K step long
+            w_elements = PRODUCT_REGS * threads // block_m
+            block_k = min(block_k, max(min_block_k, w_elements // block_n))
+            block_n = max(1, min(block_n, w_elements // block_k))
+    block_k = max(DOT_BLOCK if use_dot else vec, min(block_k, _next_pow2(K)))
+    while K % block_k and block_k // 2 >= min_block_k:
+        block_k //= 2
+    acc_3d = not use_dot and block_m * block_n * block_k <= ACC_3D_REGS * threads
+
+    programs_n = -(-N // block_n)
+    k_steps = -(-K // block_k)
+    split_k = 1
+    if programs_n < num_sms and k_steps > 1:
+        split_k = min(MAX_SPLIT_K, k_steps, -(-PROGRAMS_PER_SM * num_sms // programs_n))
+    steps_per_split = -(-k_steps // split_k)
+    split_k = -(-k_steps // steps_per_split)       # no empty split
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
+                K_PER_SPLIT=steps_per_split * block_k, USE_DOT=use_dot, ACC_3D=acc_3d, num_warps=NUM_WARPS,
+                num_stages=DOT_NUM_STAGES if use_dot else 1)
+
+
+_cached_config = functools.lru_cache(maxsize=None)(gemv_config)   # callers never mutate its dicts
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return CPU_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@functools.cache
+def _interpreted(kernel):
+    """The same kernel run by Triton's interpreter, for CPU tensors. triton.jit fixes compiled vs interpreted at
+    decoration time (TRITON_INTERPRET), so wrap the plain function again rather than depend on import order."""
+    from triton.runtime.interpreter import InterpretedFunction
+    return InterpretedFunction(kernel.fn)
+
+
+def _kernel(kernel, device: torch.device):
+    return _interpreted(kernel) if device.type == "cpu" else kernel
+
+
+# ---- entry points --------------------------------------------------------------------------------------------
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+         residual: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+    """x [M, K] @ weight[N, K]^T (+ bias [N]) (+ residual [M, N]) -> [M, N] in x's dtype, always with the Triton
+    kernel (interpreted for CPU tensors). `config` overrides `gemv_config`'s choice."""
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"gemv needs x [M, K] and weight [N, K], got x {tuple(x.shape)} and weight "
+                         f"{tuple(weight.shape)}")
+    M, K = x.shape
+    N = weight.shape[0]
+    if x.dtype not in DTYPES or weight.dtype != x.dtype:
+        raise ValueError(f"gemv supports bfloat16, float16 and float32 with x and weight of one dtype, got x "
+                         f"{x.dtype} and weight {weight.dtype}")
+    if bias is not None and (bias.shape != (N,) or bias.dtype != x.dtype):
+        raise ValueError(f"bias must be [{N}] {x.dtype}, got {tuple(bias.shape)} {bias.dtype}")
+    if residual is not None and residual.shape != (M, N):
+        raise ValueError(f"residual must be [{M}, {N}], got {tuple(residual.shape)}")
+    if config is None:
+        config = _cached_config(M, N, K, _num_sms(x.device), x.element_size())
+        if config is None:
+            raise ValueError(f"gemv handles 1 to {GEMV_MAX_M} rows, got M={M}; use torch.nn.functional.linear")
+    elif not 1 <= M <= config["BLOCK_M"]:
+        raise ValueError(f"config BLOCK_M {config['BLOCK_M']} cannot hold M={M} rows")
+    x = x if x.stride(1) == 1 else x.contiguous()
+    weight = weight if weight.stride(1) == 1 else weight.contiguous()
+    if residual is not None and residual.stride(1) != 1:
+        residual = residual.contiguous()
+    bias = bias.contiguous() if bias is not None else None
+
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device)       # [M, N]
+    split_k = config["SPLIT_K"]
+    partial = out if split_k == 1 else torch.empty(split_k, M, N, dtype=torch.float32, device=x.device)
+    cpu = x.device.type == "cpu"
+    dummy = out     # pointer for absent bias/residual; never read
+    _kernel(_gemv_kernel, x.device)[(triton.cdiv(N, config["BLOCK_N"]), split_k)](
+        x, weight, bias if bias is not None else dummy, residual if residual is not None else dummy, partial,
+        M, N, K, x.stride(0), weight.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0),
+        config["K_PER_SPLIT"],
+        BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"],
+        USE_DOT=config["USE_DOT"], ACC_3D=config["ACC_3D"],
+        EVEN_K=K % config["BLOCK_K"] == 0 and config["K_PER_SPLIT"] % config["BLOCK_K"] == 0,
+        PARTIAL=split_k > 1, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
+        DOT_IN_FP32=cpu, IEEE_DOT=cpu or x.dtype == torch.float32,
+        num_warps=config["num_warps"], num_stages=config["num_stages"])
+    if split_k > 1:
+        _kernel(_split_k_reduce_kernel, x.device)[(triton.cdiv(N, REDUCE_BLOCK), M)](
+            partial, bias if bias is not None else dummy, residual if residual is not None else dummy, out,
+            M, N, residual.stride(0) if residual is not None else 0, out.stride(0),
+            SPLIT_K=split_k, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, BLOCK=REDUCE_BLOCK)
+    return out
+
+
+_enabled_override: bool | None = None
+
+
+def set_gemv_enabled(enabled: bool | None) -> None:
+    """Force `ember::linear` onto the Triton kernel (True) or F.linear (False); None follows EMBER_GEMV again."""
+    global _enabled_override
+    _enabled_override = enabled
+
+
+def gemv_enabled() -> bool:
+    """Whether `ember::linear` may use the Triton kernel: set_gemv_enabled's value, else EMBER_GEMV != "0"."""
+    if _enabled_override is not None:
+        return _enabled_override
+    return os.environ.get("EMBER_GEMV", "1") != "0"
+
+
+def gemv_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether the Triton kernel is made for these tensors: CUDA, 1..GEMV_MAX_M rows, one supported dtype, K a
+    multiple of 8 and W contiguous along K."""
+    return (x.is_cuda and x.dim() == 2 and 1 <= x.shape[0] <= GEMV_MAX_M and x.dtype in DTYPES
+            and weight.dtype == x.dtype and weight.stride(1) == 1 and x.shape[1] % 8 == 0
+            and (bias is None or bias.dtype == x.dtype))
+
+
+@torch.library.custom_op("ember::linear", mutates_args=())
+def _linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T (+ bias [N]) -> a new [M, N]: the Triton kernel when it is enabled and applies,
+    else F.linear."""
+    if gemv_enabled() and gemv_applies(x, weight, bias):
+        return gemv(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+@_linear_op.register_fake
+def _linear_fake(x, weight, bias):
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear through `ember::linear`: x [..., K] -> [..., N], leading dimensions flattened for the op."""
+    out = torch.ops.ember.linear(x.reshape(-1, x.shape[-1]), weight, bias)
+    return out.reshape(*x.shape[:-1], weight.shape[0])

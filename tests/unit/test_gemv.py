@@ -1,0 +1,272 @@
+"""The small-M linear kernel (ember/kernels/gemv.py) on the CPU, interpreted, against the float32 reference; its
+launch heuristic; and the `ember::linear` op under torch.compile (fullgraph, dynamic M) and its on/off switch.
+
+CPU tensors run an interpreted copy of the kernels whatever TRITON_INTERPRET says at import time, so this module
+needs no environment set-up. Tolerances, relative to the output scale s = max |reference|: float32 within 1e-5 s
+(only the order of the float32 sums differs); bfloat16 within 2**-7 s, one bfloat16 ulp of the largest output: the
+products are exact, the sums float32, and the one rounding is the final cast, which the interpreter does by
+truncation (a GPU rounds to nearest: half that, see tests/gpu/test_gemv_gpu.py)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+triton = pytest.importorskip("triton")
+
+import ember.kernels.gemv as G   # noqa: E402
+
+SHAPES = [(40, 72), (96, 256)]             # (N, K): neither a multiple of the blocks; 72 leaves a masked K tail
+ROWS = [1, 3, 8, 16]
+PATHS = ["heuristic", "cuda_cores_per_step", "tensor_cores"]
+QWEN3_0_6B = {"qkv": (4096, 1024), "gate_up": (6144, 1024), "o_proj": (1024, 2048), "down": (1024, 3072)}
+LLAMA_3_1_8B = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+LM_HEAD = {"lm_head": (151936, 1024)}
+H100_SMS = 132
+
+
+def _tolerance(dtype: torch.dtype, reference: torch.Tensor) -> float:
+    scale = reference.abs().max().item()
+    return {torch.float32: 1e-5, torch.bfloat16: 2.0 ** -7}[dtype] * scale
+
+
+def _inputs(M, N, K, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=g).to(dtype)           # [M, K]
+    weight = torch.randn(N, K, generator=g).to(dtype)      # [N, K]
+    bias = torch.randn(N, generator=g).to(dtype)           # [N]
+    residual = torch.randn(M, N, generator=g).to(dtype)    # [M, N]
+    return x, weight, bias, residual
+
+
+def _config(path: str, M: int, N: int, K: int, element_size: int, split_k: int) -> dict:
+    """The heuristic's config or one forced onto a path; split_k > 1 shrinks BLOCK_K so K spans several splits."""
+    config = dict(G.gemv_config(M, N, K, G.CPU_SMS, element_size, use_dot=None if path == "heuristic"
+                                else path == "tensor_cores"))
+    if path == "cuda_cores_per_step":
+        config["ACC_3D"] = False
+    if split_k > 1:
+        block_k = 16 if config["USE_DOT"] else 32
+        steps = -(-K // block_k)
+        per_split = -(-steps // split_k)
+        config.update(BLOCK_K=block_k, K_PER_SPLIT=per_split * block_k, SPLIT_K=-(-steps // per_split))
+        assert config["SPLIT_K"] > 1
+    return config
+
+
+@pytest.mark.parametrize("split_k", [1, 3], ids=["no_split", "split3"])
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("N,K", SHAPES, ids=[f"n{n}_k{k}" for n, k in SHAPES])
+@pytest.mark.parametrize("M", ROWS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_kernel_matches_reference(dtype, M, N, K, path, split_k):
+    x, weight, bias, _ = _inputs(M, N, K, dtype)
+    config = _config(path, M, N, K, x.element_size(), split_k)
+    out = G.gemv(x, weight, bias, config=config)
+    reference = x.float() @ weight.float().T + bias.float()
+    assert out.shape == (M, N) and out.dtype == dtype
+    err = (out.float() - reference).abs().max().item()
+    assert err <= _tolerance(dtype, reference), f"{config}: max abs error {err:.3g}"
+
+
+@pytest.mark.parametrize("split_k", [1, 3], ids=["no_split", "split3"])
+@pytest.mark.parametrize("path", PATHS)
+def test_residual_without_bias(path, split_k):
+    M, N, K = 3, 40, 72
+    x, weight, _, residual = _inputs(M, N, K, torch.float32, seed=1)
+    out = G.gemv(x, weight, residual=residual, config=_config(path, M, N, K, 4, split_k))
+    reference = x @ weight.T + residual
+    err = (out - reference).abs().max().item()
+    assert err <= _tolerance(torch.float32, reference), f"max abs error {err:.3g}"
+
+
+def test_strided_inputs_and_padding_columns_not_written():
+    # x and residual with row strides of a wider buffer; N = 37 leaves 3 padding columns in the last block
+    M, N, K = 5, 37, 64
+    x_buffer, weight, bias, _ = _inputs(M, N, K + 16, torch.float32, seed=2)
+    weight = weight[:, :K].contiguous()
+    x = x_buffer[:, 8:8 + K]                                   # [M, K], row stride K + 16
+    residual = torch.randn(M, N + 11)[:, :N]                   # [M, N], row stride N + 11
+    out = G.gemv(x, weight, bias, residual)
+    reference = x @ weight.T + bias + residual
+    assert out.shape == (M, N)
+    assert (out - reference).abs().max().item() <= _tolerance(torch.float32, reference)
+
+
+def test_gemv_rejects_bad_inputs_with_the_values():
+    x, weight, _, _ = _inputs(17, 8, 16, torch.float32)
+    with pytest.raises(ValueError, match="got M=17"):
+        G.gemv(x, weight)
+    with pytest.raises(ValueError, match="weight torch.float16"):
+        G.gemv(x[:4], weight.half())
+    with pytest.raises(ValueError, match=r"weight \(8, 16\)"):
+        G.gemv(x[:4, :8], weight)
+
+
+# ---- launch heuristic ------------------------------------------------------------------------------------------
+
+REAL_SHAPES = {**{f"qwen3-0.6b {k}": v for k, v in QWEN3_0_6B.items()},
+               **{f"llama-3.1-8b {k}": v for k, v in LLAMA_3_1_8B.items()}, **LM_HEAD}
+
+
+@pytest.mark.parametrize("name", list(REAL_SHAPES))
+def test_config_fills_the_gpu_with_whole_16_byte_tiles(name):
+    N, K = REAL_SHAPES[name]
+    for M in range(1, G.GEMV_MAX_M + 1):
+        c = G.gemv_config(M, N, K, H100_SMS)
+        assert c["BLOCK_M"] >= M and c["BLOCK_M"] & (c["BLOCK_M"] - 1) == 0
+        for block in ("BLOCK_N", "BLOCK_K"):
+            assert c[block] & (c[block] - 1) == 0, f"M={M}: {block} {c[block]} is not a power of two"
+        assert K % c["BLOCK_K"] == 0, f"M={M}: BLOCK_K {c['BLOCK_K']} leaves a masked K tail of {K}"
+        assert c["BLOCK_K"] * 2 >= 512, f"M={M}: a K step of {c['BLOCK_K']} is under one warp of 16-byte loads"
+        assert c["BLOCK_N"] * c["BLOCK_K"] * 2 <= G.W_TILE_BYTES
+        assert c["K_PER_SPLIT"] % c["BLOCK_K"] == 0
+        assert (c["SPLIT_K"] - 1) * c["K_PER_SPLIT"] < K <= c["SPLIT_K"] * c["K_PER_SPLIT"]   # no empty split
+        programs = -(-N // c["BLOCK_N"]) * c["SPLIT_K"]
+        assert programs >= (1 if c["USE_DOT"] else 2) * H100_SMS, f"M={M}: {programs} programs on {H100_SMS} SMs"
+        assert c["USE_DOT"] == (M >= G.DOT_MIN_M)
+        if c["ACC_3D"]:
+            assert c["BLOCK_M"] * c["BLOCK_N"] * c["BLOCK_K"] <= G.ACC_3D_REGS * 32 * c["num_warps"]
+
+
+def test_config_choices_for_qwen3_0_6b_at_batch_1():
+    chosen = {name: G.gemv_config(1, N, K, H100_SMS) for name, (N, K) in QWEN3_0_6B.items()}
+    picked = {name: (c["BLOCK_N"], c["BLOCK_K"], c["SPLIT_K"], c["ACC_3D"]) for name, c in chosen.items()}
+    assert picked == {"qkv": (4, 1024, 1, True), "gate_up": (8, 512, 1, True), "o_proj": (1, 2048, 1, True),
+                      "down": (1, 1024, 1, True)}
+
+
+def test_config_splits_k_only_when_columns_leave_sms_idle():
+    # tensor cores take 16 columns a program: o_proj's 1024 columns make 64 programs, so K is split
+    c = G.gemv_config(16, 1024, 2048, H100_SMS)
+    assert (c["BLOCK_N"], c["SPLIT_K"]) == (16, 8)
+    assert G.gemv_config(16, 4096, 1024, H100_SMS)["SPLIT_K"] == 1
+    assert G.gemv_config(1, 151936, 1024, H100_SMS)["SPLIT_K"] == 1
+    # a single K step cannot be split
+    assert G.gemv_config(16, 64, 128, H100_SMS)["SPLIT_K"] == 1
+
+
+def test_config_fp32_keeps_16_byte_loads():
+    c = G.gemv_config(1, 4096, 1024, H100_SMS, element_size=4)
+    assert c["BLOCK_N"] * c["BLOCK_K"] * 4 == G.W_TILE_BYTES and c["BLOCK_K"] % 4 == 0
+
+
+@pytest.mark.parametrize("M", [0, 17, 64])
+def test_config_falls_back_outside_1_to_16_rows(M):
+    assert G.gemv_config(M, 4096, 1024, H100_SMS) is None
+
+
+# ---- the ember::linear op --------------------------------------------------------------------------------------
+
+def test_op_on_cpu_is_f_linear():
+    x, weight, bias, _ = _inputs(4, 24, 32, torch.float32)
+    assert torch.equal(torch.ops.ember.linear(x, weight, bias), F.linear(x, weight, bias))
+    assert torch.equal(torch.ops.ember.linear(x, weight, None), F.linear(x, weight))
+    assert not G.gemv_applies(x, weight, bias)       # the kernel is for CUDA tensors
+
+
+def test_linear_flattens_leading_dimensions():
+    x = torch.randn(2, 3, 32)
+    weight = torch.randn(24, 32)
+    out = G.linear(x, weight)
+    assert out.shape == (2, 3, 24)
+    assert torch.equal(out, F.linear(x, weight))
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_op_compiles_fullgraph_with_dynamic_rows(backend):
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
+    graphs = []
+
+    def recording(gm, example_inputs):
+        graphs.append(gm)
+        if backend == "aot_eager":
+            from torch._dynamo.backends.debugging import aot_eager
+            return aot_eager(gm, example_inputs)
+        return gm.forward
+
+    def block(x, weight, bias):
+        return torch.relu(G.linear(x, weight, bias)) + 1.0
+
+    compiled = torch.compile(block, backend=recording, fullgraph=True, dynamic=True)   # raises on a graph break
+    weight, bias = torch.randn(24, 32), torch.randn(24)
+    for M in (2, 5, 16, 40):       # 1 is specialised by dynamo (0/1 specialisation), so start at 2
+        x = torch.randn(M, 32)
+        assert torch.equal(compiled(x, weight, bias), torch.relu(F.linear(x, weight, bias)) + 1.0)
+    assert len(graphs) == 1, f"{len(graphs)} graphs for 4 row counts: M is not dynamic"
+    assert not counters["graph_break"]
+    targets = [n.target for n in graphs[0].graph.nodes if n.op == "call_function"]
+    assert sum(t in (torch.ops.ember.linear, torch.ops.ember.linear.default) for t in targets) == 1, targets
+
+
+def test_switch_routes_the_op(monkeypatch):
+    """EMBER_GEMV=0 or set_gemv_enabled(False) sends the op to F.linear even where the kernel applies."""
+    calls = []
+
+    def spy(x, weight, bias):
+        calls.append(x.shape[0])
+        return F.linear(x, weight, bias)
+
+    monkeypatch.setattr(G, "gemv_applies", lambda x, weight, bias: True)   # as for a CUDA tensor
+    monkeypatch.setattr(G, "gemv", spy)
+    x, weight, bias, _ = _inputs(3, 24, 32, torch.float32)
+
+    def run(env):
+        monkeypatch.setenv("EMBER_GEMV", env)
+        before = len(calls)
+        torch.testing.assert_close(torch.ops.ember.linear(x, weight, bias), F.linear(x, weight, bias))
+        return len(calls) - before
+
+    try:
+        assert run("1") == 1 and G.gemv_enabled()
+        assert run("0") == 0 and not G.gemv_enabled()
+        G.set_gemv_enabled(True)
+        assert run("0") == 1
+        G.set_gemv_enabled(False)
+        assert run("1") == 0
+    finally:
+        G.set_gemv_enabled(None)
+    assert run("1") == 1
+
+
+# ---- compiled code (no GPU needed: Triton compiles for sm_90 on the CPU) ------------------------------------------
+
+def _compile_sm90(M, N, K):
+    """PTX and shared memory of the kernel for an H100, the way a launch would specialise it for these shapes."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    c = G.gemv_config(M, N, K, H100_SMS)
+    names = ["x_ptr", "w_ptr", "bias_ptr", "residual_ptr", "out_ptr", "M", "N", "K", "stride_xm", "stride_wn",
+             "stride_rm", "stride_om", "k_per_split"]
+    values = dict(M=M, N=N, K=K, stride_xm=K, stride_wn=K, stride_rm=N, stride_om=N, k_per_split=c["K_PER_SPLIT"])
+    partial = c["SPLIT_K"] > 1
+    signature = {a: ("*fp32" if a == "out_ptr" and partial else "*bf16") if a.endswith("_ptr") else "i32"
+                 for a in names}
+    constexprs = dict(BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], USE_DOT=c["USE_DOT"],
+                      ACC_3D=c["ACC_3D"], EVEN_K=True, PARTIAL=partial, HAS_BIAS=False, HAS_RESIDUAL=False,
+                      DOT_IN_FP32=False, IEEE_DOT=False)
+    signature.update({name: "constexpr" for name in constexprs})
+    # Triton marks pointers and integers divisible by 16 at launch; these shapes' strides all are
+    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(names)
+             if a.endswith("_ptr") or values[a] % 16 == 0}
+    kernel = triton.runtime.jit.JITFunction(G._gemv_kernel.fn)   # compiled even where TRITON_INTERPRET=1
+    compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs),
+                              target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=c["num_warps"], num_stages=c["num_stages"]))
+    return c, compiled.asm["ptx"], compiled.metadata.shared
+
+
+@pytest.mark.parametrize("M,N,K", [(1, 6144, 1024), (2, 1024, 3072), (8, 4096, 1024)])
+def test_sm90_code_streams_w_with_16_byte_loads(M, N, K):
+    import re
+    config, ptx, shared = _compile_sm90(M, N, K)
+    loads = re.findall(r"(?:ld\.global|cp\.async\.c[ag]\.shared\.global)[^\n;]*", ptx)
+    assert loads, "no global loads found"
+    if config["USE_DOT"]:
+        # every global read is a 16-byte cp.async into the pipelined shared-memory ring
+        assert all(".shared.global" in line and ", 0x10," in line for line in loads), loads
+    else:
+        assert all(".v4." in line for line in loads), f"loads narrower than 16 bytes: {loads}"
+        # W (8 KiB a step) never goes through shared memory: only the final cross-warp sums do
+        assert shared <= 256, f"{shared} bytes of shared memory"
