@@ -10,6 +10,7 @@ from bf16_check import bf16_report
 
 from ember import LLM, SamplingParams
 from ember.graphs.modes import CUDAGraphMode
+from ember.runner.model_runner import AsyncModelRunnerOutput
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -126,8 +127,8 @@ def test_full_replay_bitwise_equals_compiled_without_graphs():
             replay = runner._run(batch, CUDAGraphMode.FULL, desc)[:t].clone()
         assert torch.equal(no_graph, replay)
         seen.add(uniform)
-        result = runner._to_host(runner.sampler(runner.model.compute_logits(replay[batch.logits_indices]),
-                                                _greedy_meta(runner, out)))
+        result = AsyncModelRunnerOutput(runner.sampler(runner.model.compute_logits(replay[batch.logits_indices]),
+                                                       _greedy_meta(runner, out)), runner.device).result()
         sampled = {s.request.request_id: tok for s, tok in zip(out.scheduled, result.sampled_token_ids)}
         engine.scheduler.update(out, sampled)
     assert seen == {False, True}
