@@ -223,26 +223,27 @@ def _check_rows(seeds: torch.Tensor, counters: torch.Tensor, num_rows: int | Non
                          + ("" if num_rows is None else f" with N = {num_rows} rows of logits"))
 
 
-def random_bits_triton(seeds: torch.Tensor, counters: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[N, V] int64, the bits of `sampler.random_bits`; for checking the kernels' hash against the torch one."""
+def _per_token(kernel: str, dtype: torch.dtype, seeds: torch.Tensor, counters: torch.Tensor, vocab_size: int,
+               **constexprs) -> torch.Tensor:
+    """Run a kernel that writes one value per (row, token id) into a new [N, V] tensor."""
     _check_rows(seeds, counters)
     n = seeds.numel()
-    out = torch.empty(n, vocab_size, dtype=torch.int64, device=seeds.device)   # [N, V]
+    out = torch.empty(n, vocab_size, dtype=dtype, device=seeds.device)   # [N, V]
     grid = (n, triton.cdiv(vocab_size, BLOCK_SIZE))
-    _kernel("_random_bits_kernel", seeds.device)[grid](seeds.contiguous(), counters.contiguous(), out, vocab_size,
-                                                        BLOCK=BLOCK_SIZE)
+    _kernel(kernel, seeds.device)[grid](seeds.contiguous(), counters.contiguous(), out, vocab_size,
+                                        BLOCK=BLOCK_SIZE, **constexprs)
     return out
+
+
+def random_bits_triton(seeds: torch.Tensor, counters: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[N, V] int64, the bits of `sampler.random_bits`; for checking the kernels' hash against the torch one."""
+    return _per_token("_random_bits_kernel", torch.int64, seeds, counters, vocab_size)
 
 
 def gumbel_noise_triton(seeds: torch.Tensor, counters: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """[N, V] float32 Gumbel noise equal to `sampler.gumbel_noise`, in one pass that writes it once."""
-    _check_rows(seeds, counters)
-    n = seeds.numel()
-    out = torch.empty(n, vocab_size, dtype=torch.float32, device=seeds.device)   # [N, V]
-    grid = (n, triton.cdiv(vocab_size, BLOCK_SIZE))
-    _kernel("_gumbel_noise_kernel", seeds.device)[grid](seeds.contiguous(), counters.contiguous(), out, vocab_size,
-                                                         BLOCK=BLOCK_SIZE, ACCURATE_LOG=_accurate_log(seeds.device))
-    return out
+    return _per_token("_gumbel_noise_kernel", torch.float32, seeds, counters, vocab_size,
+                      ACCURATE_LOG=_accurate_log(seeds.device))
 
 
 def split_plan(num_rows: int, vocab_size: int, target_programs: int, block: int = BLOCK_SIZE) -> tuple[int, int]:
