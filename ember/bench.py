@@ -320,9 +320,15 @@ def _print_report(result: dict, rows: list[tuple[str, str]]) -> None:
         print(f"  {name:<14s}{value}")
 
 
-def _write_json(path: str | None, result: dict) -> None:
-    if path:
-        Path(path).write_text(json.dumps(result, indent=2) + "\n")
+def _finish(result: dict, rows: list[tuple[str, str]], json_path: str | None) -> None:
+    """Print the report (and the step profile, if one was taken); write the numbers as JSON when asked."""
+    _print_report(result, rows)
+    profile = result.get("profile")
+    if profile is not None:
+        print(profile.table())
+        result["profile"] = profile.as_dict()
+    if json_path:
+        Path(json_path).write_text(json.dumps(result, indent=2) + "\n")
 
 
 def _throughput(args) -> int:
@@ -349,8 +355,7 @@ def _throughput(args) -> int:
                   for n in workload.output_lens]
         # past the prefills: enough steps for every prompt token to have gone through the token budget
         skip = -(-workload.input_tokens // llm.engine.config.scheduler.max_num_batched_tokens) + 8
-        prof = profile_workload(llm, workload.prompts, params, args.profile, skip)
-        result["profile"] = prof.as_dict()
+        result["profile"] = profile_workload(llm, workload.prompts, params, args.profile, skip)
     if args.compare_hf:
         hf_config, dtype = release_engine(llm)
         n = min(args.hf_num_prompts, len(workload.prompts))
@@ -360,10 +365,7 @@ def _throughput(args) -> int:
         rows.append(("transformers", f"{hf['output_tok_s']:,.1f} output tok/s ({n} prompts, padded batches of "
                                      f"{args.hf_batch_size}); ember/transformers {result['ember_vs_hf']:.2f}x"
                      if hf else f"failed: {error}"))
-    _print_report(result, rows)
-    if args.profile:
-        print(prof.table())
-    _write_json(args.json, result)
+    _finish(result, rows, args.json)
     return 0
 
 
@@ -390,8 +392,7 @@ def _latency(args) -> int:
         rng = random.Random(args.seed + 1)
         prompts = [[rng.randint(0, max_id) for _ in range(args.input_len)] for _ in range(args.batch_size)]
         params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=args.profile + 4)
-        prof = profile_workload(llm, prompts, params, args.profile, 2)
-        result["profile"] = prof.as_dict()
+        result["profile"] = profile_workload(llm, prompts, params, args.profile, 2)
     if args.compare_hf:
         hf_config, dtype = release_engine(llm)
         hf, error = try_peer(hf_latency, hf_config, dtype, device, args.batch_size, args.input_len, args.output_len,
@@ -400,10 +401,7 @@ def _latency(args) -> int:
         rows.append(("transformers", f"{hf['decode_tok_s']:,.1f} decode tok/s, TTFT p50 {hf['ttft_ms']['p50']:.2f} "
                                      f"ms ({hf['cache']} cache); ember/transformers {result['ember_vs_hf']:.2f}x"
                      if hf else f"failed: {error}"))
-    _print_report(result, rows)
-    if args.profile:
-        print(prof.table())
-    _write_json(args.json, result)
+    _finish(result, rows, args.json)
     return 0
 
 

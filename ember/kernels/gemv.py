@@ -28,7 +28,6 @@ compiles, and every process picks the same kernels.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import torch.nn.functional as F
@@ -281,20 +280,19 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     return out
 
 
-_enabled_override: bool | None = None
+_enabled = True
 
 
-def set_gemv_enabled(enabled: bool | None) -> None:
-    """Force `ember::linear` onto the Triton kernel (True) or F.linear (False); None follows EMBER_GEMV again."""
-    global _enabled_override
-    _enabled_override = enabled
+def set_gemv_enabled(enabled: bool) -> None:
+    """Send `ember::linear` to the Triton kernel where it applies (True, the default) or always to F.linear
+    (False), e.g. to compare the two in one process."""
+    global _enabled
+    _enabled = bool(enabled)
 
 
 def gemv_enabled() -> bool:
-    """Whether `ember::linear` may use the Triton kernel: set_gemv_enabled's value, else EMBER_GEMV != "0"."""
-    if _enabled_override is not None:
-        return _enabled_override
-    return os.environ.get("EMBER_GEMV", "1") != "0"
+    """Whether `ember::linear` may use the Triton kernel (see set_gemv_enabled)."""
+    return _enabled
 
 
 def gemv_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:

@@ -88,7 +88,7 @@ class Sampler(nn.Module):
                 raise RuntimeError("Sampler(use_triton=True) needs the triton package; install it or pass "
                                    "use_triton=None to fall back to the torch sampler")
             return None
-        return importlib.import_module("ember.runner.sampling_kernels")
+        return _kernel_module()
 
     @staticmethod
     def _sample(logits: torch.Tensor, meta: SamplingMetadata,
@@ -112,6 +112,11 @@ class Sampler(nn.Module):
 
 
 _KERNEL_LOGITS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)   # what sample_triton reads directly
+
+
+@functools.cache
+def _kernel_module():
+    return importlib.import_module("ember.runner.sampling_kernels")
 
 
 @functools.cache

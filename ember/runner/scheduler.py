@@ -86,8 +86,8 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens + req.num_pending - req.num_computed_tokens, budget)
-            if num_new <= 0 or self._last_token_in_flight(req):
-                i += 1       # its token in flight is its last (or it has nothing to run): it finishes on arrival
+            if self._last_token_in_flight(req):
+                i += 1       # its token in flight is its last: it finishes when that token arrives
                 continue
             while not self.kv.try_allocate(req, req.num_computed_tokens + num_new):
                 victim = self.running.pop()     # the newest running request

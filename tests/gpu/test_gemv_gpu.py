@@ -98,7 +98,7 @@ def test_switch_off_gives_cublas_bits(weights):
     try:
         assert torch.equal(torch.ops.ember.linear(x, weight, bias), F.linear(x, weight, bias))
     finally:
-        G.set_gemv_enabled(None)
+        G.set_gemv_enabled(True)
     assert not G.gemv_applies(_x(17, weight.shape[1], seed=7), weight, bias)   # prefill rows go to cuBLAS
 
 
