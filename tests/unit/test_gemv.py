@@ -224,3 +224,45 @@ def test_switch_routes_the_op(monkeypatch):
     finally:
         G.set_gemv_enabled(True)
     assert run() == 1
+
+
+# ---- compiled code (no GPU needed: Triton compiles for sm_90 on the CPU) ------------------------------------------
+
+def _compile_sm90(M, N, K):
+    """PTX and shared memory of the kernel for an H100, the way a launch would specialise it for these shapes."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    c = G.gemv_config(M, N, K, H100_SMS)
+    names = ["x_ptr", "w_ptr", "bias_ptr", "residual_ptr", "out_ptr", "M", "N", "K", "stride_xm", "stride_wn",
+             "stride_rm", "stride_om", "k_per_split"]
+    values = dict(M=M, N=N, K=K, stride_xm=K, stride_wn=K, stride_rm=N, stride_om=N, k_per_split=c["K_PER_SPLIT"])
+    partial = c["SPLIT_K"] > 1
+    signature = {a: ("*fp32" if a == "out_ptr" and partial else "*bf16") if a.endswith("_ptr") else "i32"
+                 for a in names}
+    constexprs = dict(BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], USE_DOT=c["USE_DOT"],
+                      ACC_3D=c["ACC_3D"], EVEN_K=True, PARTIAL=partial, HAS_BIAS=False, HAS_RESIDUAL=False,
+                      DOT_IN_FP32=False, IEEE_DOT=False)
+    signature.update({name: "constexpr" for name in constexprs})
+    # Triton marks pointers and integers divisible by 16 at launch; these shapes' strides all are
+    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(names)
+             if a.endswith("_ptr") or values[a] % 16 == 0}
+    kernel = triton.runtime.jit.JITFunction(G._gemv_kernel.fn)   # compiled even where TRITON_INTERPRET=1
+    compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs),
+                              target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=c["num_warps"], num_stages=c["num_stages"]))
+    return c, compiled.asm["ptx"], compiled.metadata.shared
+
+
+@pytest.mark.parametrize("M,N,K", [(1, 6144, 1024), (2, 1024, 3072), (8, 4096, 1024)])
+def test_sm90_code_streams_w_with_16_byte_loads(M, N, K):
+    import re
+    config, ptx, shared = _compile_sm90(M, N, K)
+    loads = re.findall(r"(?:ld\.global|cp\.async\.c[ag]\.shared\.global)[^\n;]*", ptx)
+    assert loads, "no global loads found"
+    if config["USE_DOT"]:
+        # every global read is a 16-byte cp.async into the pipelined shared-memory ring
+        assert all(".shared.global" in line and ", 0x10," in line for line in loads), loads
+    else:
+        assert all(".v4." in line for line in loads), f"loads narrower than 16 bytes: {loads}"
+        # W (8 KiB a step) never goes through shared memory: only the final cross-warp sums do
+        assert shared <= 256, f"{shared} bytes of shared memory"
