@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from ember import LLM, SamplingParams
-from ember.bench import model_bytes
-from ember.bench_roofline import measure_copy_bandwidth, step_bytes
-from ember.runner.request import Request, RequestStatus
-from ember.runner.scheduler import ScheduledRequest, SchedulerOutput
+from ember.bench.commands import model_bytes
+from ember.bench.roofline import measure_copy_bandwidth, step_bytes
+from ember.engine.request import Request, RequestStatus
+from ember.engine.scheduler import ScheduledRequest, SchedulerOutput
 
 try:   # benches/ as a plain folder of files, or as a package
     from workloads import STEP_BATCH_SIZES, STEP_CONTEXT_LEN, STEP_PREFILL_LEN

@@ -1,6 +1,7 @@
 """ember: a torch.compile-first runner for Hugging Face decoder models, with a paged KV cache and CUDA graphs."""
 
-from ember.runner.request import CompletionOutput, Logprob, RequestOutput, SamplingParams
+from ember.sampling_params import SamplingParams
+from ember.engine.request import CompletionOutput, Logprob, RequestOutput
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "__version__"]

@@ -6,35 +6,7 @@ import argparse
 import logging
 import sys
 
-
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="HF model folder (default: SmolLM2-135M-Instruct, fetched once)")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-kv-blocks", type=int, default=None)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--no-async-scheduling", action="store_true",
-                   help="wait for each step's tokens before scheduling the next (no host/device overlap)")
-    p.add_argument("--attention-backend", default="auto")
-    p.add_argument("--compile-mode", default="auto", choices=["auto", "none", "default"])
-    p.add_argument("--cudagraph-mode", default="auto")
-    p.add_argument("--enforce-eager", action="store_true")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("-v", "--verbose", action="store_true", help="log start-up decisions")
-
-
-def engine_kwargs(args) -> dict:
-    return dict(dtype=args.dtype, device=args.device, max_model_len=args.max_model_len, block_size=args.block_size,
-                num_kv_blocks=args.num_kv_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
-                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                enable_prefix_caching=not args.no_prefix_caching, attention_backend=args.attention_backend,
-                compile_mode=args.compile_mode, cudagraph_mode=args.cudagraph_mode,
-                enforce_eager=args.enforce_eager, seed=args.seed, async_scheduling=not args.no_async_scheduling)
+from ember.args import add_engine_args, engine_kwargs
 
 
 def _generate(args) -> int:
@@ -74,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate text for one prompt, streaming to stdout")
-    _add_engine_args(g)
+    add_engine_args(g)
     g.add_argument("--prompt", required=True)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     g.add_argument("--max-tokens", type=int, default=64)
@@ -91,11 +63,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.set_defaults(func=_backends)
 
     try:
-        from ember.bench import add_bench_parser
+        from ember.bench.commands import add_bench_parser
     except ImportError:
         pass
     else:
-        add_bench_parser(sub, _add_engine_args)
+        add_bench_parser(sub)
     return parser
 
 

@@ -7,8 +7,9 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 from ember.config import CacheConfig, CompileConfig, EngineConfig, ModelConfig, SchedulerConfig
-from ember.runner.engine import Engine
-from ember.runner.request import RequestOutput, SamplingParams
+from ember.engine.engine import Engine
+from ember.sampling_params import SamplingParams
+from ember.engine.request import RequestOutput
 
 logger = logging.getLogger("ember")
 

@@ -10,7 +10,7 @@ from typing import Any, ClassVar
 import torch
 
 from ember.attention_backends.common import CommonAttentionMetadata
-from ember.runner.kv_cache_spec import KVCacheGroup, KVCacheSpec
+from ember.kv_spec import KVCacheGroup, KVCacheSpec
 
 
 class CudaGraphSupport(enum.IntEnum):

@@ -10,7 +10,7 @@ from typing import Callable
 import torch
 
 from ember.attention_backends.base import AttentionBackend, AttentionLayerOptions
-from ember.runner.kv_cache_spec import KVCacheSpec
+from ember.kv_spec import KVCacheSpec
 
 ENTRY_POINT_GROUP = "ember.attention_backends"
 

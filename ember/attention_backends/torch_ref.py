@@ -13,7 +13,7 @@ import torch
 from ember.attention_backends.base import (AttentionBackend, AttentionImpl, AttentionLayerOptions, CudaGraphSupport,
                                            MetadataBuilder)
 from ember.attention_backends.common import CommonAttentionMetadata
-from ember.runner.kv_cache_spec import KVCacheSpec
+from ember.kv_spec import KVCacheSpec
 
 
 @dataclass(frozen=True)

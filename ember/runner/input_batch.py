@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from ember.attention_backends.common import CommonAttentionMetadata
-from ember.runner.scheduler import SchedulerOutput
+from ember.engine.scheduler import SchedulerOutput
 
 
 @dataclass(frozen=True)

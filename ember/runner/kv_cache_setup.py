@@ -12,7 +12,7 @@ from ember.attention_backends.base import AttentionBackend, AttentionLayerOption
 from ember.attention_backends.op import AttentionLayerState
 from ember.attention_backends.registry import select_backend
 from ember.models.layers.attention import Attention
-from ember.runner.kv_cache_spec import KVCacheGroup, KVCacheSpec
+from ember.kv_spec import KVCacheGroup, KVCacheSpec
 
 logger = logging.getLogger("ember")
 

@@ -20,9 +20,9 @@ from ember.graphs.modes import BatchDescriptor, CUDAGraphMode
 from ember.models.loader import load_config, load_model, random_model
 from ember.runner.input_batch import InputBatch, PreparedBatch
 from ember.runner.kv_cache_setup import allocate_kv_caches, make_builders, select_backends
-from ember.runner.request import SamplingParams
+from ember.sampling_params import SamplingParams
 from ember.runner.sampler import Sampler, SamplingMetadata
-from ember.runner.scheduler import SchedulerOutput
+from ember.engine.scheduler import SchedulerOutput
 
 logger = logging.getLogger("ember")
 

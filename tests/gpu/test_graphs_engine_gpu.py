@@ -6,7 +6,7 @@ import gc
 
 import pytest
 import torch
-from bf16_check import bf16_report
+from tests.helpers.bf16_check import bf16_report
 
 from ember import LLM, SamplingParams
 from ember.graphs.modes import CUDAGraphMode

@@ -11,7 +11,7 @@ from ember.graphs.compile import compile_cache_key, compile_model
 from ember.graphs.cuda_graph import CUDAGraphManager, CUDAGraphWrapper
 from ember.graphs.dispatcher import CudaGraphDispatcher
 from ember.graphs.modes import BatchDescriptor, CUDAGraphMode
-from ember.graphs.testing import ToyDecoder, toy_forward_context
+from tests.helpers.toy_decoder import ToyDecoder, toy_forward_context
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 

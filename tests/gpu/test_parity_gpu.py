@@ -9,7 +9,7 @@ import gc
 
 import pytest
 import torch
-from bf16_check import bf16_report
+from tests.helpers.bf16_check import bf16_report
 
 from ember import LLM, SamplingParams
 from ember.models.bundled import bundled_config

@@ -5,8 +5,8 @@ sampler, batch invariance, and no host sync."""
 import pytest
 import torch
 
-from ember.runner.request import SamplingParams
-from ember.runner.sampler import Sampler, SamplingMetadata, gumbel_noise, random_bits
+from ember.sampling_params import SamplingParams
+from ember.runner.sampler.sampler import Sampler, SamplingMetadata, gumbel_noise, random_bits
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -16,7 +16,7 @@ NUM_ROWS = [1, 7, 256]
 
 @pytest.fixture(scope="module")
 def kernels():
-    from ember.runner import sampling_kernels
+    from ember.kernels import sampling as sampling_kernels
     return sampling_kernels
 
 

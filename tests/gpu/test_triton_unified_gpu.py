@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 import torch
 
-from ember.attention_backends.triton_unified.testing import (BatchShape, common_metadata, make_paged_batch,
+from tests.helpers.paged_batches import (BatchShape, common_metadata, make_paged_batch,
                                                              reference_output, tolerance)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -129,7 +129,7 @@ def test_2d_and_3d_agree_on_the_same_decode_batch(name, dtype):
 def _backend_parts(shape, dtype, split_launch, max_num_reqs=64, max_num_tokens=8192):
     from ember.attention_backends.base import BuilderContext
     from ember.attention_backends.registry import get_backend
-    from ember.runner.kv_cache_spec import KVCacheGroup, KVCacheSpec
+    from ember.kv_spec import KVCacheGroup, KVCacheSpec
     backend = get_backend("triton_unified")
     spec = KVCacheSpec(shape.block_size, shape.num_kv_heads, shape.head_size, dtype, shape.sliding_window)
     ctx = BuilderContext(KVCacheGroup(("layer.0",), spec), 0, dtype, torch.device("cuda"), max_num_reqs,

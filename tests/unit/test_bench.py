@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, Qwen3Config
 
-from ember.bench import parse_range, percentiles, random_workload
-from ember.bench_roofline import (Roofline, context_tokens_read, decode_roofline, decode_weight_bytes,
+from ember.bench.commands import parse_range, percentiles, random_workload
+from ember.bench.roofline import (Roofline, context_tokens_read, decode_roofline, decode_weight_bytes,
                                   kv_bytes_per_token, run_roofline, step_bytes)
 from ember.cli import main
 from ember.models.bundled import bundled_config
@@ -148,7 +148,7 @@ def test_cli_profile_reports_phases_and_leaves_engine_idle(tiny_model, tmp_path,
 
 def test_profile_steps_needs_queued_requests(tiny_model):
     from ember import LLM
-    from ember.profiling import profile_steps
+    from ember.bench.profiler import profile_steps
     llm = LLM(tiny_model, load_format="dummy", device="cpu", max_model_len=128, max_num_seqs=8)
     with pytest.raises(ValueError, match="no request was in flight"):
         profile_steps(llm.engine, 3)

@@ -17,7 +17,7 @@ from ember.graphs.compile import (CompiledModel, compile_cache_key, compile_mode
                                   resolve_compile_mode, split_at_attention)
 from ember.graphs.cuda_graph import CUDAGraphManager, CUDAGraphWrapper
 from ember.graphs.modes import BatchDescriptor, CUDAGraphMode
-from ember.graphs.testing import ToyDecoder, toy_forward_context
+from tests.helpers.toy_decoder import ToyDecoder, toy_forward_context
 
 NUM_LAYERS = 2
 TOY = {"model": "ToyDecoder", "num_layers": NUM_LAYERS, "hidden": 32, "num_heads": 4, "num_kv_heads": 2}

@@ -7,8 +7,9 @@ import numpy as np
 import torch
 
 from ember.runner.input_batch import InputBatch
-from ember.runner.request import Request, SamplingParams
-from ember.runner.scheduler import ScheduledRequest, SchedulerOutput
+from ember.sampling_params import SamplingParams
+from ember.engine.request import Request
+from ember.engine.scheduler import ScheduledRequest, SchedulerOutput
 
 BS = 4
 

@@ -4,10 +4,11 @@ import pytest
 import torch
 
 from ember.config import SchedulerConfig
-from ember.runner.kv_cache import NULL_BLOCK, BlockPool, KVCacheCoordinator
-from ember.runner.kv_cache_spec import KVCacheGroup, KVCacheSpec
-from ember.runner.request import Request, RequestStatus, SamplingParams
-from ember.runner.scheduler import Scheduler
+from ember.engine.kv_manager import NULL_BLOCK, BlockPool, KVCacheCoordinator
+from ember.kv_spec import KVCacheGroup, KVCacheSpec
+from ember.sampling_params import SamplingParams
+from ember.engine.request import Request, RequestStatus
+from ember.engine.scheduler import Scheduler
 
 BS = 4
 GROUPS = [KVCacheGroup(("a", "b"), KVCacheSpec(BS, 2, 8, torch.float32)),

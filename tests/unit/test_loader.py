@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ember.models.loader import CheckpointError, checkpoint_files, load_config, load_model
-from model_harness import random_hf_model, tiny_config
+from tests.helpers.model_harness import random_hf_model, tiny_config
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import torch
 from ember.models.layers.rotary import RotaryEmbedding, rope_parameters_from_config
 from ember.models.loader import load_model, random_model
 from ember.models.registry import get_model_class, supported_architectures
-from model_harness import ModelHarness, greedy_generate, random_hf_model, tiny_config
+from tests.helpers.model_harness import ModelHarness, greedy_generate, random_hf_model, tiny_config
 
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma"]
 PROMPTS = [[5, 17, 300], list(range(40, 51)), [int(t) for t in torch.arange(23) * 13 % 320]]

@@ -9,7 +9,7 @@ import torch
 from ember.attention_backends import registry
 from ember.attention_backends.base import AttentionBackend, AttentionLayerOptions, CudaGraphSupport
 from ember.attention_backends.registry import BackendSelectionError, get_backend, register_backend, select_backend
-from ember.runner.kv_cache_spec import KVCacheSpec
+from ember.kv_spec import KVCacheSpec
 
 SPEC = KVCacheSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float32)
 OPTS = [AttentionLayerOptions(num_heads=4, num_kv_heads=2, head_size=64, scale=0.125)]

@@ -5,8 +5,8 @@ from collections import Counter
 import pytest
 import torch
 
-from ember.runner.request import SamplingParams
-from ember.runner.sampler import Sampler, SamplingMetadata, apply_penalties, gumbel_noise, random_bits
+from ember.sampling_params import SamplingParams
+from ember.runner.sampler.sampler import Sampler, SamplingMetadata, apply_penalties, gumbel_noise, random_bits
 
 CPU = torch.device("cpu")
 # fixed small logits in no particular order, so position in the vocabulary says nothing about probability

@@ -13,9 +13,9 @@ import torch
 
 pytest.importorskip("triton")
 
-from ember.runner import sampling_kernels as SK   # noqa: E402
-from ember.runner.request import SamplingParams   # noqa: E402
-from ember.runner.sampler import Sampler, SamplingMetadata, gumbel_noise, random_bits   # noqa: E402
+from ember.kernels import sampling as SK   # noqa: E402
+from ember.engine.request import SamplingParams   # noqa: E402
+from ember.runner.sampler.sampler import Sampler, SamplingMetadata, gumbel_noise, random_bits   # noqa: E402
 
 CPU = torch.device("cpu")
 NOISE_ATOL = 2e-6

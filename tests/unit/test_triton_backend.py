@@ -10,8 +10,8 @@ from ember.attention_backends.base import AttentionLayerOptions, BuilderContext,
 from ember.attention_backends.torch_ref import TorchRefBackend
 from ember.attention_backends.triton_unified import backend as B
 from ember.attention_backends.triton_unified import plan as P
-from ember.attention_backends.triton_unified.testing import BatchShape, common_metadata, make_paged_batch, tolerance
-from ember.runner.kv_cache_spec import KVCacheGroup, KVCacheSpec
+from tests.helpers.paged_batches import BatchShape, common_metadata, make_paged_batch, tolerance
+from ember.kv_spec import KVCacheGroup, KVCacheSpec
 
 Backend = B.TritonUnifiedBackend
 

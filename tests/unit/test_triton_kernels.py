@@ -8,7 +8,7 @@ import torch
 # CPU tensors run the kernels in Triton's interpreter whatever TRITON_INTERPRET says at import time (the kernel
 # package keeps interpreted copies for them), so this module needs no environment set-up.
 import ember.attention_backends.triton_unified.kernels as K
-from ember.attention_backends.triton_unified.testing import BatchShape, make_paged_batch, reference_output, tolerance
+from tests.helpers.paged_batches import BatchShape, make_paged_batch, reference_output, tolerance
 
 SHAPES = [
     BatchShape("small_decode", (1, 1, 1), (5, 17, 33)),

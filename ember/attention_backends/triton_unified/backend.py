@@ -11,7 +11,7 @@ import torch
 from ember.attention_backends.base import (AttentionBackend, AttentionImpl, AttentionLayerOptions, BuilderContext,
                                            CudaGraphSupport, MetadataBuilder)
 from ember.attention_backends.common import CommonAttentionMetadata
-from ember.runner.kv_cache_spec import KVCacheSpec
+from ember.kv_spec import KVCacheSpec
 
 from .kernels import (MODE_DECODES, segment_scratch_numel, unified_attention_2d, unified_attention_3d,
                       write_kv_cache)

@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Sequence
 
-from ember.runner.kv_cache_spec import KVCacheGroup, KVCacheSpec  # noqa: F401  (re-exported)
-from ember.runner.request import Request
+from ember.kv_spec import KVCacheGroup, KVCacheSpec  # noqa: F401  (re-exported)
+from ember.engine.request import Request
 
 NULL_BLOCK = 0   # never handed out: padding rows of block tables point here, and stray writes land here
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ember.runner.request import SamplingParams
+from ember.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

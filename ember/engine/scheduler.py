@@ -8,8 +8,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from ember.config import SchedulerConfig
-from ember.runner.kv_cache import KVCacheCoordinator
-from ember.runner.request import Request, RequestStatus
+from ember.engine.kv_manager import KVCacheCoordinator
+from ember.engine.request import Request, RequestStatus
 
 
 @dataclass(frozen=True)

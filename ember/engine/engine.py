@@ -11,12 +11,12 @@ from dataclasses import dataclass
 from torch.profiler import record_function
 
 from ember.config import EngineConfig
-from ember.runner.detokenizer import IncrementalDetokenizer
-from ember.runner.kv_cache import KVCacheCoordinator
+from ember.engine.detokenizer import IncrementalDetokenizer
+from ember.engine.kv_manager import KVCacheCoordinator
 from ember.runner.model_runner import ModelRunner, ModelRunnerOutput
-from ember.runner.request import (CompletionOutput, Logprob, Request, RequestOutput, RequestStatus,
-                                  SamplingParams)
-from ember.runner.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
+from ember.sampling_params import SamplingParams
+from ember.engine.request import CompletionOutput, Logprob, Request, RequestOutput, RequestStatus
+from ember.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 
 logger = logging.getLogger("ember")
 

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import torch
 
-from ember.bench_roofline import (decode_roofline, decode_weight_bytes, device_sync, kv_bytes_per_token,
+from ember.args import add_engine_args, engine_kwargs
+from ember.bench.roofline import (decode_roofline, decode_weight_bytes, device_sync, kv_bytes_per_token,
                                   measure_copy_bandwidth, run_roofline)
 
 MAX_PROMPT_TOKEN_ID = 10000   # nano-vllm's throughput benchmark draws prompt ids in [0, 10000]
@@ -164,7 +165,7 @@ def run_latency(llm, batch_size: int, input_len: int, output_len: int, num_iters
 
 def profile_workload(llm, prompts: list[list[int]], params, num_steps: int, skip_steps: int):
     """Queue the prompts, step past `skip_steps` (prefills), profile the next `num_steps` steps, abort the rest."""
-    from ember.profiling import profile_steps
+    from ember.bench.profiler import profile_steps
     engine = llm.engine
     ids = [engine.add_request(p, params[i] if isinstance(params, list) else params) for i, p in enumerate(prompts)]
     try:
@@ -281,7 +282,6 @@ def try_peer(fn, *args, **kwargs) -> tuple[dict | None, str | None]:
 # ---- the command line ---------------------------------------------------------------------------------------------
 def _build_llm(args):
     from ember import LLM
-    from ember.cli import engine_kwargs
     if args.config and args.model:
         raise ValueError(f"give --model {args.model!r} or --config {args.config!r}, not both")
     if args.config:
@@ -417,7 +417,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
                    help="after the timed run, profile this many decode steps and print where their time goes")
 
 
-def add_bench_parser(subparsers, add_engine_args) -> None:
+def add_bench_parser(subparsers) -> None:
     """Add `bench throughput` and `bench latency` to the `ember` command line."""
     bench = subparsers.add_parser("bench", help="benchmark throughput or latency against the memory roofline")
     kinds = bench.add_subparsers(dest="bench_command", required=True)

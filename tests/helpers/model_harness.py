@@ -14,7 +14,7 @@ from ember.attention_backends.common import CommonAttentionMetadata
 from ember.attention_backends.op import AttentionLayerState, ForwardContext, forward_context
 from ember.attention_backends.torch_ref import TorchRefBackend, TorchRefImpl, TorchRefMetadataBuilder
 from ember.models.layers.attention import Attention
-from ember.runner.kv_cache_spec import KVCacheGroup, KVCacheSpec
+from ember.kv_spec import KVCacheGroup, KVCacheSpec
 
 
 class ModelHarness:

@@ -4,7 +4,7 @@ Every request of a step is sampled in one pass over the [N, V] logits, with no h
 counter-based noise: a splitmix64 hash of (seed, output position, token id) computed in int64 tensor ops, so a
 request's token depends only on its own logits, seed and position, never on its batch mates or its row.
 
-On CUDA the same noise comes from Triton kernels (`sampling_kernels`): without top-k/top-p/min-p one kernel pass
+On CUDA the same noise comes from Triton kernels (`ember.kernels.sampling`): without top-k/top-p/min-p one kernel pass
 over the logits samples every row; the torch code here stays the CPU path and the reference.
 """
 
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ember.runner.sampling_metadata import SamplingMetadata
+from ember.runner.sampler.metadata import SamplingMetadata
 
 __all__ = ["Sampler", "SamplerOutput", "SamplingMetadata", "apply_penalties", "apply_top_k_top_p", "apply_min_p",
            "random_bits", "gumbel_noise"]
@@ -80,7 +80,7 @@ class Sampler(nn.Module):
         return SamplerOutput(sampled, ids, lps, ranks)
 
     def _kernels(self, logits: torch.Tensor):
-        """The `sampling_kernels` module when this call uses Triton, else None."""
+        """The `ember.kernels.sampling` module when this call uses Triton, else None."""
         if self.use_triton is False or (self.use_triton is None and not logits.is_cuda):
             return None
         if not _triton_installed():
@@ -116,7 +116,7 @@ _KERNEL_LOGITS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)   # what 
 
 @functools.cache
 def _kernel_module():
-    return importlib.import_module("ember.runner.sampling_kernels")
+    return importlib.import_module("ember.kernels.sampling")
 
 
 @functools.cache

@@ -1,0 +1,37 @@
+"""Engine arguments shared by `ember generate`, `ember bench` and `ember serve`."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Add the flags that configure an engine (`LLM(...)` arguments) to a parser."""
+    p.add_argument("--model", default=None, help="HF model folder (default: SmolLM2-135M-Instruct, fetched once)")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--no-async-scheduling", action="store_true",
+                   help="wait for each step's tokens before scheduling the next (no host/device overlap)")
+    p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--compile-mode", default="auto", choices=["auto", "none", "default"])
+    p.add_argument("--cudagraph-mode", default="auto")
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("-v", "--verbose", action="store_true", help="log start-up decisions")
+
+
+def engine_kwargs(args) -> dict:
+    """The `LLM(...)` keyword arguments the parsed engine flags stand for."""
+    return dict(dtype=args.dtype, device=args.device, max_model_len=args.max_model_len, block_size=args.block_size,
+                num_kv_blocks=args.num_kv_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
+                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                enable_prefix_caching=not args.no_prefix_caching, attention_backend=args.attention_backend,
+                compile_mode=args.compile_mode, cudagraph_mode=args.cudagraph_mode,
+                enforce_eager=args.enforce_eager, seed=args.seed, async_scheduling=not args.no_async_scheduling)

@@ -1,0 +1,1 @@
+"""Test helpers: toy models, paged batches, harnesses against transformers."""
