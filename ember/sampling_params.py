@@ -2,15 +2,41 @@
 
 from __future__ import annotations
 
-import math
+import numbers
+import operator
 from dataclasses import dataclass
 
 MAX_LOGPROBS = 20
+# Below this a positive temperature samples greedily, as in vLLM: dividing logits by it overflows float32.
+MIN_TEMPERATURE = 1e-5
+FLOAT32_MAX = 3.4028234663852886e38
+
+_INT_FIELDS = ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs")
+_OPTIONAL_INT_FIELDS = ("seed", "max_tokens", "logprobs")
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+_BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output")
+
+
+def as_int(name: str, value) -> int:
+    """`value` as a Python int; numpy and torch integers count, floats and bools do not (TypeError naming `name`)."""
+    if not isinstance(value, bool):
+        try:
+            return operator.index(value)
+        except TypeError:
+            pass
+    raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+
+
+def _as_float(name: str, value) -> float:
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        return float(value)
+    raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to sample one request; mirrors vLLM's `SamplingParams`. temperature 0 means greedy."""
+    """How to sample one request; mirrors vLLM's `SamplingParams`. temperature 0 means greedy, and so does any
+    temperature below `MIN_TEMPERATURE` (it is stored as 0)."""
     n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
@@ -30,31 +56,62 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
 
     def __post_init__(self):
-        # normalise containers so the object stays hashable and immutable
+        self._normalize_types()
+        self._validate()
+
+    def _normalize_types(self) -> None:
+        """Check each field's type (TypeError naming the field) and store plain Python values, so that the object
+        stays hashable and immutable and nothing of a wrong type reaches a step."""
+        def put(name, value):
+            object.__setattr__(self, name, value)
+
+        for name in _INT_FIELDS:
+            value = getattr(self, name)
+            if value is None and name in _OPTIONAL_INT_FIELDS:
+                continue
+            put(name, as_int(name, value))
+        for name in _FLOAT_FIELDS:
+            put(name, _as_float(name, getattr(self, name)))
+        for name in _BOOL_FIELDS:
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
         stop = self.stop
         if stop is None:
             stop = ()
         elif isinstance(stop, str):
             stop = (stop,)
-        object.__setattr__(self, "stop", tuple(stop))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
-        self._validate()
+        elif isinstance(stop, (list, tuple)):
+            for s in stop:
+                if not isinstance(s, str):
+                    raise TypeError(f"stop must be a str or a list of str, got an entry {type(s).__name__} {s!r}")
+        else:
+            raise TypeError(f"stop must be a str or a list of str, got {type(stop).__name__} {stop!r}")
+        put("stop", tuple(stop))
+        ids = self.stop_token_ids
+        if ids is None:
+            ids = ()
+        elif isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+            raise TypeError(f"stop_token_ids must be a list of int, got {type(ids).__name__} {ids!r}")
+        put("stop_token_ids", tuple(as_int("stop_token_ids entry", t) for t in ids))
+        if 0.0 < self.temperature < MIN_TEMPERATURE:
+            put("temperature", 0.0)
 
     def _validate(self) -> None:
         def bad(msg):
             raise ValueError(msg)
         if self.n != 1:
             bad(f"n={self.n} is not supported; ember returns one completion per prompt (n=1)")
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            bad(f"temperature {self.temperature} must be a finite number >= 0 (0 means greedy)")
+        if not 0.0 <= self.temperature <= FLOAT32_MAX:
+            bad(f"temperature {self.temperature} must be a finite number in [0, {FLOAT32_MAX:.4g}] (0 means greedy)")
         if not 0.0 < self.top_p <= 1.0:
             bad(f"top_p {self.top_p} must be in (0, 1]")
         if self.top_k < -1 or self.top_k == 0:
             bad(f"top_k {self.top_k} must be -1 (disabled) or at least 1")
         if not 0.0 <= self.min_p <= 1.0:
             bad(f"min_p {self.min_p} must be in [0, 1]")
-        if not math.isfinite(self.repetition_penalty) or self.repetition_penalty <= 0:
-            bad(f"repetition_penalty {self.repetition_penalty} must be > 0 (1 disables it)")
+        if not 0.0 < self.repetition_penalty <= FLOAT32_MAX:
+            bad(f"repetition_penalty {self.repetition_penalty} must be a finite number > 0 (1 disables it)")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if not -2.0 <= v <= 2.0:
@@ -69,9 +126,9 @@ class SamplingParams:
             bad(f"logprobs {self.logprobs} must be in [0, {MAX_LOGPROBS}]")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             bad(f"seed {self.seed} must be in [0, 2**63)")
-        if any(not isinstance(s, str) or not s for s in self.stop):
+        if any(not s for s in self.stop):
             bad(f"stop {self.stop!r} must be non-empty strings")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+        if any(t < 0 for t in self.stop_token_ids):
             bad(f"stop_token_ids {self.stop_token_ids!r} must be non-negative token ids")
 
     @property

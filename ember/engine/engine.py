@@ -74,6 +74,9 @@ class Engine:
         bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})")
+        bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids entry {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
         if n >= self.max_model_len:
             raise ValueError(f"the prompt has {n} tokens; with at least one generated token it exceeds "
                              f"max_model_len {self.max_model_len}")

@@ -95,3 +95,20 @@ def test_bad_folders(tmp_path, folder):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="MambaForCausalLM.*LlamaForCausalLM"):
         LLM(str(tmp_path), device="cpu")
+
+
+def test_tiny_temperature_samples_greedily(llm):
+    prompt = {"prompt_token_ids": [5, 9, 2]}
+    greedy = llm.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    tiny = SamplingParams(temperature=1e-40, max_tokens=4, ignore_eos=True, seed=1)
+    assert llm.generate(prompt, tiny, use_tqdm=False)[0].outputs[0].token_ids == greedy
+
+
+@pytest.mark.parametrize("min_tokens", [0, 2])
+def test_stop_token_ids_outside_the_vocabulary(llm, min_tokens):
+    bad = SamplingParams(max_tokens=4, min_tokens=min_tokens, stop_token_ids=[3, 128])
+    good = {"prompt_token_ids": [1, 2, 3]}
+    with pytest.raises(ValueError, match=r"stop_token_ids entry 128 is outside the vocabulary \[0, 128\)"):
+        llm.generate([good, good], [GREEDY, bad], use_tqdm=False)
+    assert not llm.engine.has_unfinished()
+    assert len(llm.generate(good, GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 4
