@@ -13,7 +13,7 @@ def bundled_config_names() -> list[str]:
 
 
 def bundled_config(name: str, **overrides):
-    """The transformers config of a bundled model ("qwen3-0.6b", "llama-3.2-1b", "llama-3.1-8b"), with
+    """The transformers config of a bundled model ("qwen3-0.6b", "llama-3.2-1b", "llama-3.1-8b", "gemma-3-1b"), with
     `overrides` applied before it is built (so derived fields such as per-layer types follow them)."""
     path = CONFIG_DIR / f"{name.lower()}.json"
     if not path.is_file():

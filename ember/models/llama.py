@@ -26,6 +26,8 @@ class BlockOptions:
     qk_norm: bool = False                       # RMSNorm over each head of q and k before rotary (Qwen3)
     norm_cls: type[RMSNorm] = RMSNorm
     embed_scale: float | None = None            # multiply embeddings by this (Gemma: sqrt(hidden))
+    query_pre_attn_scalar: float | None = None  # attention scale is this ** -0.5 instead of head_size ** -0.5
+    attn_logit_softcap: float | None = None     # scores become cap * tanh(scores / cap) (Gemma 2)
 
 
 def head_size_of(config) -> int:
@@ -62,9 +64,11 @@ class LlamaAttention(nn.Module):
         self.k_norm = options.norm_cls(self.head_size, config.rms_norm_eps) if options.qk_norm else None
         # the plain (Llama-form) RMSNorm on q and k can run as one joint norm; other forms run per projection
         self._joint_qk = options.qk_norm and options.norm_cls is RMSNorm
+        scale = (options.query_pre_attn_scalar or self.head_size) ** -0.5
         self.attn = Attention(layer_name=f"{prefix}model.layers.{layer_idx}.self_attn.attn",
                               num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_size=self.head_size,
-                              scale=self.head_size ** -0.5, sliding_window=sliding_window_of(config, layer_idx))
+                              scale=scale, sliding_window=sliding_window_of(config, layer_idx),
+                              logits_soft_cap=options.attn_logit_softcap)
 
     def forward(self, cos: torch.Tensor, sin: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [T, hidden] -> [T, hidden]; cos/sin [T, rotary_dim / 2] for the tokens' positions."""
@@ -149,6 +153,7 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Llama-family causal LM over a flat token batch: forward(ids [T], positions [T]) -> hidden [T, H]."""
     packed_modules = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+    model_cls: type[nn.Module] = LlamaModel    # the decoder stack; families with other blocks swap it
 
     @classmethod
     def block_options(cls, config) -> BlockOptions:
@@ -160,7 +165,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config, prefix: str = ""):
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, self.block_options(config), prefix)
+        self.model = self.model_cls(config, self.block_options(config), prefix)
         tied = self.model.embed_tokens if getattr(config, "tie_word_embeddings", False) else None
         self.lm_head = LMHead(config.vocab_size, config.hidden_size, tied_to=tied)
 

@@ -13,6 +13,8 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen2ForCausalLM": ("ember.models.qwen2", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("ember.models.qwen3", "Qwen3ForCausalLM"),
     "GemmaForCausalLM": ("ember.models.gemma", "GemmaForCausalLM"),
+    "Gemma2ForCausalLM": ("ember.models.gemma2", "Gemma2ForCausalLM"),
+    "Gemma3ForCausalLM": ("ember.models.gemma3", "Gemma3ForCausalLM"),
 }
 
 

@@ -103,7 +103,7 @@ def greedy_generate(model: nn.Module, prompts: list[list[int]], max_new_tokens: 
 
 # Tiny configs of every supported family: 2 layers, hidden 64, GQA/MQA, tied and untied embeddings.
 def tiny_config(family: str, **overrides):
-    """A small transformers config of `family` ("llama", "mistral", "qwen2", "qwen3", "gemma")."""
+    """A small transformers config of `family` ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3")."""
     import transformers
 
     common = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -123,6 +123,18 @@ def tiny_config(family: str, **overrides):
         "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(
             num_attention_heads=4, num_key_value_heads=1, head_dim=16, hidden_act="gelu_pytorch_tanh",
             tie_word_embeddings=True)),
+        # Gemma 2 and 3: one local layer (window 8, shorter than the longer prompts) and one global; soft caps
+        # small enough to bend random scores; a query scale that differs from head_dim
+        "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, hidden_activation="gelu_pytorch_tanh",
+            query_pre_attn_scalar=24, sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+            attn_logit_softcapping=3.0, final_logit_softcapping=5.0, tie_word_embeddings=True)),
+        "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, hidden_activation="gelu_pytorch_tanh",
+            query_pre_attn_scalar=24, sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+            rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                             "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0}},
+            final_logit_softcapping=5.0, tie_word_embeddings=True)),
     }
     config_cls, arch, extra = families[family]
     kwargs = {**common, **extra, **overrides}

@@ -13,7 +13,7 @@ from ember.models.loader import load_model, random_model
 from ember.models.registry import get_model_class, supported_architectures
 from tests.helpers.model_harness import ModelHarness, greedy_generate, random_hf_model, tiny_config
 
-FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma"]
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3"]
 PROMPTS = [[5, 17, 300], list(range(40, 51)), [int(t) for t in torch.arange(23) * 13 % 320]]
 LOGITS_ATOL = 1e-4
 
@@ -58,7 +58,7 @@ def test_chunked_prefill_with_decodes_matches_transformers(pair):
 
 def test_greedy_decoding_matches_generate(pair):
     family, hf, model = pair
-    prompts = PROMPTS[1:]     # one shorter and one longer than Mistral's window of 8
+    prompts = PROMPTS[1:]     # both longer than the window of 8 (Mistral, Gemma 2 and 3) once decoded
     got = greedy_generate(model, prompts, max_new_tokens=32)
     for prompt, tokens in zip(prompts, got):
         out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
@@ -96,8 +96,11 @@ def test_attention_layers_are_named_and_configured(pair):
     cfg = hf.config
     o = attns[0].options
     assert (o.num_heads, o.num_kv_heads) == (cfg.num_attention_heads, cfg.num_key_value_heads)
-    assert o.sliding_window == (8 if family == "mistral" else None)
-    assert math.isclose(o.scale, o.head_size ** -0.5)
+    # Gemma 2 and 3 interleave a local layer and a global one; Mistral's window covers every layer
+    windows = {"mistral": [8, 8], "gemma2": [8, None], "gemma3": [8, None]}.get(family, [None, None])
+    assert [a.options.sliding_window for a in attns] == windows
+    assert math.isclose(o.scale, getattr(cfg, "query_pre_attn_scalar", o.head_size) ** -0.5)
+    assert o.logits_soft_cap == (3.0 if family == "gemma2" else None)
 
 
 def test_forward_compiles_without_graph_breaks(pair):
@@ -174,9 +177,27 @@ def test_random_model_from_bundled_config():
     assert model.lm_head.tied
 
 
+def test_random_gemma3_from_bundled_config():
+    """The public Gemma-3-1B config (transformers 4.x rope keys): five local layers of window 512 to one global,
+    a 10k rope base on local layers and 1M on global ones."""
+    from ember.models.bundled import bundled_config
+
+    config = bundled_config("gemma-3-1b", num_hidden_layers=6, vocab_size=512)
+    model = random_model(config, torch.bfloat16, "cpu", seed=0)
+    windows = [layer.self_attn.attn.options.sliding_window for layer in model.model.layers]
+    assert windows == [512] * 5 + [None]
+    assert model.model.layers[0].self_attn.attn.options.scale == 256 ** -0.5
+    thetas = {key: rotary.params.theta for key, rotary in model.model.rotary_embs.items()}
+    assert thetas == {"sliding_attention": 10000.0, "full_attention": 1000000.0}
+    assert model.model.rope_keys == ["sliding_attention"] * 5 + ["full_attention"]
+    hidden = ModelHarness(model, 1, dtype=torch.bfloat16).step([(0, PROMPTS[1])])
+    assert torch.isfinite(model.compute_logits(hidden)).all()
+
+
 def test_registry_maps_architectures():
     assert get_model_class(tiny_config("mistral")).__name__ == "MistralForCausalLM"
     assert set(supported_architectures()) == {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                                              "Qwen3ForCausalLM", "GemmaForCausalLM"}
+                                              "Qwen3ForCausalLM", "GemmaForCausalLM", "Gemma2ForCausalLM",
+                                              "Gemma3ForCausalLM"}
     with pytest.raises(ValueError, match="FalconForCausalLM.*LlamaForCausalLM"):
         get_model_class(SimpleNamespace(architectures=["FalconForCausalLM"]))

@@ -29,12 +29,32 @@ class RopeParameters:
         return default if value is None else value
 
 
-def rope_parameters_from_config(config, head_size: int) -> RopeParameters:
-    """Read rope settings from either config layout; raise ValueError for rope types ember does not implement."""
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def has_rope_per_layer_type(config) -> bool:
+    """Whether the config gives each layer type its own rope settings (Gemma 3: a local and a global base)."""
+    params = getattr(config, "rope_parameters", None) or {}
+    return any(t in params for t in LAYER_TYPES) or getattr(config, "rope_local_base_freq", None) is not None
+
+
+def rope_parameters_from_config(config, head_size: int, layer_type: str | None = None) -> RopeParameters:
+    """Read rope settings from either config layout; raise ValueError for rope types ember does not implement.
+
+    With `layer_type` ("full_attention" / "sliding_attention"), read that type's settings from a per-layer-type
+    `rope_parameters` (transformers 5), or from `rope_theta` / `rope_local_base_freq` / `rope_scaling`, where the
+    scaling applies to global layers only (the transformers 4.x layout of Gemma 3)."""
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     params = dict(params)
-    if "full_attention" in params or "sliding_attention" in params:
-        raise ValueError(f"per-layer-type rope parameters {sorted(params)} are not supported")
+    per_type = any(t in params for t in LAYER_TYPES)
+    if per_type:
+        if layer_type is None:
+            raise ValueError(f"the config has rope parameters per layer type {sorted(params)}; name the layer type")
+        if layer_type not in params:
+            raise ValueError(f"no rope parameters for layer type {layer_type!r}; the config has {sorted(params)}")
+        params = dict(params[layer_type] or {})
+    elif layer_type == "sliding_attention" and getattr(config, "rope_local_base_freq", None) is not None:
+        params = {"rope_type": "default", "rope_theta": config.rope_local_base_freq}
     rope_type = params.get("rope_type", params.get("type")) or "default"
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"rope_type {rope_type!r} is not supported; supported: {list(SUPPORTED_ROPE_TYPES)}")
