@@ -1,10 +1,17 @@
-"""Block allocation for the paged KV cache: a `BlockPool` per KV-cache group (free list, ref counts, prefix
-hashes), a `KVCacheManager` per group, and `KVCacheCoordinator`, which keeps the groups in step."""
+"""Block allocation for the paged KV cache: one `BlockPool` shared by every KV-cache group (free list, ref counts,
+prefix hashes), a `KVCacheManager` per group (each request's block list), and `KVCacheCoordinator`, which keeps the
+groups in step: allocation is all-or-nothing across groups, and a prefix hit leaves every group what it needs.
+
+A request's block list in a group is indexed by logical block (block i holds tokens [i * block_size, (i + 1) *
+block_size)). In a sliding-window group, blocks that no future query can see are released and their entries set to
+`NULL_BLOCK`; the list never shrinks, so a row of the device block table stays valid by appending only (its stale
+entries lie before the window, where attention never reads).
+"""
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Sequence
+from typing import Hashable, Sequence
 
 from ember.kv_spec import KVCacheGroup, KVCacheSpec  # noqa: F401  (re-exported)
 from ember.engine.request import Request
@@ -27,8 +34,8 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_cnt = [0] * num_blocks
-        self.block_hash: list[int | None] = [None] * num_blocks
-        self.cached: dict[int, int] = {}            # prefix hash -> block id
+        self.block_hash: list[Hashable | None] = [None] * num_blocks
+        self.cached: dict[Hashable, int] = {}       # (group, prefix hash) -> block id
         # ordered set of free block ids; the head is reused first
         self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(1, num_blocks))
 
@@ -52,18 +59,20 @@ class BlockPool:
             blocks.append(block)
         return blocks
 
-    def lookup(self, h: int) -> int | None:
+    def lookup(self, h: Hashable) -> int | None:
         return self.cached.get(h) if self.enable_prefix_caching else None
 
     def touch(self, blocks: Sequence[int]) -> None:
-        """Take a reference on cached blocks found by `lookup`."""
+        """Take a reference on cached blocks found by `lookup` (null entries are skipped)."""
         for b in blocks:
+            if b == NULL_BLOCK:
+                continue
             if self.ref_cnt[b] == 0:
                 del self.free[b]
             self.ref_cnt[b] += 1
 
-    def cache(self, block: int, h: int) -> None:
-        """Record that `block` now holds the full block whose chained hash is `h`."""
+    def cache(self, block: int, h: Hashable) -> None:
+        """Record that `block` now holds the full block whose (group, chained hash) key is `h`."""
         if not self.enable_prefix_caching or self.block_hash[block] is not None:
             return
         self.block_hash[block] = h
@@ -71,8 +80,10 @@ class BlockPool:
 
     def release(self, blocks: Sequence[int]) -> None:
         """Drop one reference per block; blocks reaching zero become free (last block first, so a request's
-        tail is evicted before its shared prefix)."""
+        tail is evicted before its shared prefix); null entries are skipped."""
         for b in reversed(blocks):
+            if b == NULL_BLOCK:
+                continue
             self.ref_cnt[b] -= 1
             if self.ref_cnt[b] == 0:
                 self.free[b] = None
@@ -85,18 +96,110 @@ class BlockPool:
 
 
 class KVCacheManager:
-    """Block tables of one KV-cache group: which blocks each request holds, and its prefix hashes."""
+    """Block lists of one KV-cache group: which blocks each request holds. For a sliding-window group it also
+    releases the blocks that slid out of the window."""
 
-    def __init__(self, group: KVCacheGroup, num_blocks: int, enable_prefix_caching: bool):
+    def __init__(self, group: KVCacheGroup, group_index: int, pool: BlockPool):
         self.group = group
+        self.spec = group.spec
+        self.group_index = group_index
         self.block_size = group.spec.block_size
-        self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        self.pool = pool
         self.req_blocks: dict[str, list[int]] = {}
-        self.req_hashes: dict[str, list[int]] = {}
         self.req_num_published: dict[str, int] = {}   # full blocks already handed to the pool's prefix map
+        self.req_num_released: dict[str, int] = {}    # leading blocks already released (sliding window)
+
+    def lookup(self, hashes: Sequence[int], n: int) -> list[int | None]:
+        """The cached block for each of the first `n` prefix hashes (None where there is none); a full-attention
+        group stops at its first miss, since only a whole prefix helps it."""
+        found: list[int | None] = []
+        for h in hashes[:n]:
+            b = self.pool.lookup((self.group_index, h))
+            if b is None and self.spec.sliding_window is None:
+                break
+            found.append(b)
+        return found
+
+    def longest_hit(self, found: Sequence[int | None], n: int) -> int:
+        """The most blocks m <= n such that a request computed up to block m finds every block it can still read."""
+        if self.spec.sliding_window is None:
+            return min(n, len(found))
+        # misses[i]: how many of found[:i] are absent
+        misses = [0]
+        for b in found[:n]:
+            misses.append(misses[-1] + (b is None))
+        for m in range(min(n, len(found)), 0, -1):
+            if misses[m] == misses[self.spec.first_needed_block(m * self.block_size)]:
+                return m
+        return 0
+
+    def hit_blocks(self, found: Sequence[int | None], m: int) -> list[int]:
+        """The block list a prefix hit of m blocks starts with: null before the window."""
+        lo = min(self.spec.first_needed_block(m * self.block_size), m)
+        return [NULL_BLOCK] * lo + list(found[lo:m])
+
+    def blocks_needed(self, request_id: str, num_total_tokens: int, num_cached_blocks: int = 0) -> int:
+        held = len(self.req_blocks.get(request_id, ())) + num_cached_blocks
+        return max(0, -(-num_total_tokens // self.block_size) - held)
+
+    def release_out_of_window(self, request_id: str, first_query_pos: int) -> None:
+        """Release the blocks no query at `first_query_pos` or later can see (sliding window only)."""
+        blocks = self.req_blocks.get(request_id)
+        if not blocks or self.spec.sliding_window is None:
+            return
+        done = self.req_num_released.get(request_id, 0)
+        lo = min(self.spec.first_needed_block(first_query_pos), len(blocks))
+        if lo <= done:
+            return
+        self.pool.release(blocks[done:lo])
+        blocks[done:lo] = [NULL_BLOCK] * (lo - done)
+        self.req_num_released[request_id] = lo
+
+    def allocate(self, request_id: str, num_total_tokens: int, cached_blocks: Sequence[int] = ()) -> None:
+        """Give the request blocks for its first `num_total_tokens` tokens (the caller checked there are enough)."""
+        blocks = self.req_blocks.setdefault(request_id, [])
+        if cached_blocks:
+            self.pool.touch(cached_blocks)
+            blocks.extend(cached_blocks)
+        blocks.extend(self.pool.allocate(self.blocks_needed(request_id, num_total_tokens)))
+
+    def publish(self, request_id: str, hashes: Sequence[int]) -> None:
+        """Hand the request's full blocks with these prefix hashes to the pool's prefix map (the ones still held)."""
+        done = self.req_num_published.get(request_id, 0)
+        if len(hashes) <= done:
+            return
+        blocks = self.req_blocks[request_id]
+        for i in range(done, len(hashes)):
+            if blocks[i] != NULL_BLOCK:
+                self.pool.cache(blocks[i], (self.group_index, hashes[i]))
+        self.req_num_published[request_id] = len(hashes)
+
+    def free(self, request_id: str) -> None:
+        self.pool.release(self.req_blocks.pop(request_id, []))
+        self.req_num_published.pop(request_id, None)
+        self.req_num_released.pop(request_id, None)
+
+
+class KVCacheCoordinator:
+    """One `KVCacheManager` per KV-cache group over one shared `BlockPool`, allocating for all groups or for none."""
+
+    def __init__(self, groups: Sequence[KVCacheGroup], num_blocks: int, enable_prefix_caching: bool):
+        if not groups:
+            raise ValueError("a model needs at least one KV-cache group")
+        sizes = {g.spec.block_size for g in groups}
+        if len(sizes) != 1:
+            raise ValueError(f"KV-cache groups with different block sizes {sorted(sizes)} cannot share one pool")
+        self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        self.managers = [KVCacheManager(g, i, self.pool) for i, g in enumerate(groups)]
+        self.num_blocks = num_blocks
+        self.block_size = groups[0].spec.block_size
+        self.req_hashes: dict[str, list[int]] = {}
+        self.windows = sorted({g.spec.sliding_window for g in groups if g.spec.sliding_window is not None})
+        self.req_release_pos: dict[str, int] = {}   # first query position at which windows were last applied
 
     def _hashes(self, request: Request, num_tokens: int) -> list[int]:
-        """Chained hashes of the request's full blocks among its first `num_tokens` tokens (memoised)."""
+        """Chained hashes of the request's full blocks among its first `num_tokens` tokens (memoised; the same
+        for every group, which keys them by its index)."""
         hashes = self.req_hashes.setdefault(request.request_id, [])
         bs = self.block_size
         if len(hashes) < num_tokens // bs:
@@ -106,86 +209,68 @@ class KVCacheManager:
                 hashes.append(hash_block(hashes[-1] if hashes else None, tokens[i * bs:(i + 1) * bs]))
         return hashes[:num_tokens // bs]
 
-    def find_cached_prefix(self, request: Request) -> list[int]:
-        """Blocks already holding the longest cached prefix of the request. At least one token is always left
-        to compute, since the step must produce logits for the last one."""
-        if not self.pool.enable_prefix_caching:
-            return []
-        hashes = self._hashes(request, request.num_tokens - 1)
-        blocks = []
-        for h in hashes:
-            b = self.pool.lookup(h)
-            if b is None:
-                break
-            blocks.append(b)
-        return blocks
-
-    def blocks_needed(self, request: Request, num_total_tokens: int, num_cached_blocks: int = 0) -> int:
-        held = len(self.req_blocks.get(request.request_id, ())) + num_cached_blocks
-        return max(0, -(-num_total_tokens // self.block_size) - held)
-
-    def allocate(self, request: Request, num_total_tokens: int, cached_blocks: Sequence[int] = ()) -> None:
-        """Give the request blocks for its first `num_total_tokens` tokens (the caller checked there are enough)."""
-        blocks = self.req_blocks.setdefault(request.request_id, [])
-        if cached_blocks:
-            self.pool.touch(cached_blocks)
-            blocks.extend(cached_blocks)
-        blocks.extend(self.pool.allocate(self.blocks_needed(request, num_total_tokens)))
-
-    def cache_full_blocks(self, request: Request, num_computed_tokens: int) -> None:
-        """Publish the request's blocks that are full after this step, so other requests can reuse them."""
-        rid = request.request_id
-        done = self.req_num_published.get(rid, 0)
-        if not self.pool.enable_prefix_caching or num_computed_tokens // self.block_size <= done:
-            return
-        blocks = self.req_blocks[rid]
-        hashes = self._hashes(request, num_computed_tokens)
-        for i in range(done, len(hashes)):
-            self.pool.cache(blocks[i], hashes[i])
-        self.req_num_published[rid] = len(hashes)
-
-    def free(self, request: Request) -> None:
-        self.pool.release(self.req_blocks.pop(request.request_id, []))
-        self.req_hashes.pop(request.request_id, None)
-        self.req_num_published.pop(request.request_id, None)
-
-
-class KVCacheCoordinator:
-    """One `KVCacheManager` per KV-cache group, allocating for all groups or for none."""
-
-    def __init__(self, groups: Sequence[KVCacheGroup], num_blocks: int, enable_prefix_caching: bool):
-        if not groups:
-            raise ValueError("a model needs at least one KV-cache group")
-        self.managers = [KVCacheManager(g, num_blocks, enable_prefix_caching) for g in groups]
-        self.num_blocks = num_blocks
-        self.block_size = groups[0].spec.block_size
-
     def find_cached_prefix(self, request: Request) -> list[list[int]]:
-        """Per group, the cached prefix blocks; trimmed to the length every group has."""
-        found = [m.find_cached_prefix(request) for m in self.managers]
-        n = min(len(f) for f in found)
-        return [f[:n] for f in found]
+        """Per group, the block list of the longest prefix every group can resume from (null entries where a
+        sliding window no longer looks). At least one token is always left to compute, since the step must
+        produce logits for the last one."""
+        if not self.pool.enable_prefix_caching:
+            return [[] for _ in self.managers]
+        hashes = self._hashes(request, request.num_tokens - 1)
+        found = [m.lookup(hashes, len(hashes)) for m in self.managers]
+        n = len(hashes)
+        while True:   # a shorter hit may fail a sliding window that the longer one passed: settle on a common one
+            m_all = min(m.longest_hit(f, n) for m, f in zip(self.managers, found))
+            if m_all == n:
+                break
+            n = m_all
+        return [m.hit_blocks(f, n) for m, f in zip(self.managers, found)]
 
     def try_allocate(self, request: Request, num_total_tokens: int,
                      cached_blocks: Sequence[Sequence[int]] | None = None) -> bool:
-        """Allocate in every group, or in none if any group lacks free blocks."""
+        """Allocate in every group, or in none if the pool lacks free blocks. The step computes the tokens from
+        the cached prefix (or `request.num_computed_tokens`) up to `num_total_tokens`."""
+        rid = request.request_id
+        first_query_pos = len(cached_blocks[0]) * self.block_size if cached_blocks else request.num_computed_tokens
+        # blocks out of every future query's window are never read again: release them before counting
+        self._release_out_of_window(rid, first_query_pos)
         if not cached_blocks:
-            rid = request.request_id
             if all(len(m.req_blocks.get(rid, ())) * self.block_size >= num_total_tokens for m in self.managers):
                 return True     # the common decode step: the last block still has room
         cached_blocks = cached_blocks or [()] * len(self.managers)
+        needed = 0
         for m, cached in zip(self.managers, cached_blocks):
             # cached blocks that sit in the free list are taken out of it by touch(), so count them as used
-            reclaimed = sum(1 for b in cached if m.pool.ref_cnt[b] == 0)
-            if m.blocks_needed(request, num_total_tokens, len(cached)) + reclaimed > m.pool.num_free_blocks:
-                return False
+            needed += sum(1 for b in cached if b != NULL_BLOCK and self.pool.ref_cnt[b] == 0)
+            needed += m.blocks_needed(rid, num_total_tokens, len(cached))
+        if needed > self.pool.num_free_blocks:
+            return False
         for m, cached in zip(self.managers, cached_blocks):
-            m.allocate(request, num_total_tokens, cached)
+            m.allocate(rid, num_total_tokens, cached)
         return True
 
-    def cache_full_blocks(self, request: Request, num_computed_tokens: int) -> None:
+    def _release_out_of_window(self, request_id: str, first_query_pos: int) -> None:
+        """Let sliding-window groups release what queries from `first_query_pos` on cannot see; the managers are
+        called only when some window's lower edge crossed a block boundary, so a decode step costs a compare."""
+        if not self.windows:
+            return
+        prev = self.req_release_pos.get(request_id, 0)
+        if first_query_pos <= prev:
+            return
+        self.req_release_pos[request_id] = first_query_pos
+        bs = self.block_size
+        moved = {w for w in self.windows
+                 if max(0, first_query_pos - w + 1) // bs > max(0, prev - w + 1) // bs}
         for m in self.managers:
-            m.cache_full_blocks(request, num_computed_tokens)
+            if m.spec.sliding_window in moved:
+                m.release_out_of_window(request_id, first_query_pos)
+
+    def cache_full_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Publish the request's blocks that are full after this step, so other requests can reuse them."""
+        if not self.pool.enable_prefix_caching:
+            return
+        hashes = self._hashes(request, num_computed_tokens)
+        for m in self.managers:
+            m.publish(request.request_id, hashes)
 
     def block_ids(self, request: Request) -> tuple[list[int], ...]:
         """Per group, the request's live block list (not a copy: read it within the step)."""
@@ -193,8 +278,10 @@ class KVCacheCoordinator:
 
     def free(self, request: Request) -> None:
         for m in self.managers:
-            m.free(request)
+            m.free(request.request_id)
+        self.req_hashes.pop(request.request_id, None)
+        self.req_release_pos.pop(request.request_id, None)
 
     @property
     def num_free_blocks(self) -> int:
-        return min(m.pool.num_free_blocks for m in self.managers)
+        return self.pool.num_free_blocks

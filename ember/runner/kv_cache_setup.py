@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 
 import torch
@@ -10,16 +11,19 @@ from torch import nn
 
 from ember.attention_backends.base import AttentionBackend, AttentionLayerOptions, BuilderContext, MetadataBuilder
 from ember.attention_backends.op import AttentionLayerState
-from ember.attention_backends.registry import select_backend
+from ember.attention_backends.registry import BackendSelectionError, select_backend
 from ember.models.layers.attention import Attention
-from ember.kv_spec import KVCacheGroup, KVCacheSpec
+from ember.kv_spec import KVCacheGroup, KVCacheSpec, blocks_per_request
 
 logger = logging.getLogger("ember")
 
 
 @dataclass
 class AttentionSetup:
-    """The model's attention layers grouped by KV-cache spec, each group with its chosen backend."""
+    """The model's attention layers grouped by KV-cache spec, each group with its chosen backend.
+
+    Every group owns `slots_per_block` cache layers (the last group of a spec may own fewer), so that one block id
+    of the shared pool means one page in each of `slots_per_block` slot tensors, whichever group holds it."""
     layers: dict[str, Attention]
     groups: list[KVCacheGroup]
     backends: list[type[AttentionBackend]]
@@ -30,9 +34,35 @@ class AttentionSetup:
         """Layers that own a cache tensor (KV-sharing layers read another's)."""
         return sum(len(g.layer_names) - len(g.kv_sharing) for g in self.groups)
 
+    @property
+    def slots_per_block(self) -> int:
+        return max(len(g.layer_names) - len(g.kv_sharing) for g in self.groups)
+
     def bytes_per_block(self) -> int:
-        """Bytes one block costs across every layer that owns a cache."""
-        return sum(g.spec.page_size_bytes * (len(g.layer_names) - len(g.kv_sharing)) for g in self.groups)
+        """Bytes one block id of the shared pool costs: a page in every slot tensor."""
+        return self.slots_per_block * self.groups[0].spec.page_size_bytes
+
+    def max_len_for(self, num_usable_blocks: int, chunk: int, upper: int) -> int:
+        """The longest request (at most `upper` tokens) whose blocks fit in `num_usable_blocks` when it is
+        prefilled `chunk` tokens per step: what the full-attention groups' cache can hold once the sliding-window
+        groups have their window."""
+        def fits(n: int) -> bool:
+            return blocks_per_request(self.groups, n, min(chunk, n)) <= num_usable_blocks
+
+        lo, hi = 0, upper      # fits(lo) holds; find the largest n in [lo, hi] that fits
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+        return lo
+
+    def capacity_tokens(self, num_usable_blocks: int, request_len: int) -> tuple[int, int]:
+        """(tokens the pool holds as requests of `request_len` tokens, tokens it would hold if every layer kept
+        every token): the gain of freeing what sliding windows no longer see."""
+        per_request = blocks_per_request(self.groups, request_len)
+        held = num_usable_blocks * request_len // max(per_request, 1)
+        block_size = self.groups[0].spec.block_size
+        full_equivalent = num_usable_blocks * self.slots_per_block * block_size // self.num_cache_layers
+        return held, full_equivalent
 
 
 def find_attention_layers(model: nn.Module) -> dict[str, Attention]:
@@ -42,17 +72,58 @@ def find_attention_layers(model: nn.Module) -> dict[str, Attention]:
     return layers
 
 
+def _owner_of(name: str, layers: dict[str, Attention]) -> str:
+    """The layer whose cache `name` reads, following chains of KV sharing."""
+    seen = [name]
+    while layers[seen[-1]].options.kv_sharing_target is not None:
+        target = layers[seen[-1]].options.kv_sharing_target
+        if target not in layers:
+            raise ValueError(f"layer {seen[-1]!r} shares the KV cache of {target!r}, which is not an attention layer")
+        if target in seen:
+            raise ValueError(f"KV sharing forms a cycle: {' -> '.join(seen + [target])}")
+        seen.append(target)
+    return seen[-1]
+
+
 def group_layers(layers: dict[str, Attention], block_size: int, dtype: torch.dtype) -> list[KVCacheGroup]:
-    """One group per distinct spec, in layer order."""
-    by_spec: dict[KVCacheSpec, list[str]] = {}
-    sharing: dict[KVCacheSpec, list[tuple[str, str]]] = {}
-    for name, layer in layers.items():
+    """Groups of equally many cache-owning layers, each of one spec, in layer order; a KV-sharing layer joins the
+    group of the layer whose cache it reads.
+
+    The group size is the smallest number of layers any spec has (Gemma 3 1B: 4 global and 22 local layers make
+    one global group and six local ones of four), so every block id of the shared pool costs the same."""
+    def spec_of(layer: Attention) -> KVCacheSpec:
         o = layer.options
-        spec = KVCacheSpec(block_size, o.num_kv_heads, o.head_size, dtype, o.sliding_window)
-        by_spec.setdefault(spec, []).append(name)
-        if o.kv_sharing_target is not None:
-            sharing.setdefault(spec, []).append((name, o.kv_sharing_target))
-    return [KVCacheGroup(tuple(names), spec, tuple(sharing.get(spec, ()))) for spec, names in by_spec.items()]
+        return KVCacheSpec(block_size, o.num_kv_heads, o.head_size, dtype, o.sliding_window)
+
+    by_spec: dict[KVCacheSpec, list[str]] = {}
+    for name, layer in layers.items():
+        if layer.options.kv_sharing_target is None:
+            by_spec.setdefault(spec_of(layer), []).append(name)
+    if not by_spec:
+        raise ValueError("every attention layer shares another's KV cache; at least one must own a cache")
+    page_sizes = {spec.page_size_bytes for spec in by_spec}
+    if len(page_sizes) > 1:
+        detail = "; ".join(f"{by_spec[s][0]} and {len(by_spec[s]) - 1} more: {s.num_kv_heads} KV heads of "
+                           f"{s.head_size}" for s in by_spec)
+        raise ValueError(f"attention layers with different KV page sizes ({detail}) cannot share one block pool")
+    size = min(len(names) for names in by_spec.values())
+    chunks = [(spec, names[i:i + size]) for spec, names in by_spec.items() for i in range(0, len(names), size)]
+    chunks.sort(key=lambda c: list(layers).index(c[1][0]))
+    members = [list(names) for _, names in chunks]
+    sharing: list[list[tuple[str, str]]] = [[] for _ in chunks]
+    group_of = {name: gi for gi, names in enumerate(members) for name in names}
+    for name, layer in layers.items():
+        if layer.options.kv_sharing_target is None:
+            continue
+        owner = _owner_of(name, layers)
+        gi = group_of[owner]
+        if spec_of(layer) != chunks[gi][0]:
+            raise ValueError(f"layer {name!r} shares the KV cache of {owner!r} but attends differently "
+                             f"({spec_of(layer)} vs {chunks[gi][0]})")
+        members[gi].append(name)
+        sharing[gi].append((name, owner))
+    return [KVCacheGroup(tuple(names), spec, tuple(shared))
+            for (spec, _), names, shared in zip(chunks, members, sharing)]
 
 
 def select_backends(model: nn.Module, block_size: int, dtype: torch.dtype, device: torch.device,
@@ -63,7 +134,14 @@ def select_backends(model: nn.Module, block_size: int, dtype: torch.dtype, devic
     backends, refused = [], []
     for g in groups:
         options: list[AttentionLayerOptions] = list({layers[n].options for n in g.layer_names})
-        sel = select_backend(g.spec, dtype, device, options, requested)
+        try:
+            sel = select_backend(g.spec, dtype, device, options, requested)
+        except BackendSelectionError as exc:
+            shown = ", ".join(g.layer_names[:4]) + (f" and {len(g.layer_names) - 4} more" if len(g.layer_names) > 4
+                                                    else "")
+            raise BackendSelectionError(f"layers {shown} ({g.spec.kind}"
+                                        f"{'' if g.spec.sliding_window is None else f' {g.spec.sliding_window}'}): "
+                                        f"{exc}") from None
         for name, reasons in sel.refused.items():
             logger.info("attention backend %s not used for %s layers: %s", name, g.spec.kind, "; ".join(reasons))
         logger.info("attention backend %s for %d %s layers", sel.backend.name, len(g.layer_names), g.spec.kind)
@@ -74,20 +152,31 @@ def select_backends(model: nn.Module, block_size: int, dtype: torch.dtype, devic
 
 def allocate_kv_caches(setup: AttentionSetup, num_blocks: int, device: torch.device
                        ) -> dict[str, AttentionLayerState]:
-    """Allocate each owning layer's cache in its backend's layout and bind every layer to an impl."""
+    """Allocate the slot tensors of the shared pool, view each owning layer's slot in its backend's layout and
+    bind every layer to an impl (a KV-sharing layer to its owner's cache and group)."""
+    spec0 = setup.groups[0].spec
+    page_numel = spec0.page_size_bytes // torch.empty((), dtype=spec0.dtype).element_size()
+    slots = [torch.zeros(num_blocks * page_numel, dtype=spec0.dtype, device=device)
+             for _ in range(setup.slots_per_block)]   # each [num_blocks * 2 * block_size * Hkv * D]
     states: dict[str, AttentionLayerState] = {}
-    caches: dict[str, torch.Tensor] = {}
+    placements = set()
     for gi, (g, backend) in enumerate(zip(setup.groups, setup.backends)):
         s = g.spec
-        shape = backend.kv_cache_shape(num_blocks, s.block_size, s.num_kv_heads, s.head_size)
+        shape = tuple(backend.kv_cache_shape(num_blocks, s.block_size, s.num_kv_heads, s.head_size))
+        if math.prod(shape) != num_blocks * page_numel:
+            raise ValueError(f"attention backend {backend.name}'s cache shape {shape} does not hold {page_numel} "
+                             f"elements per block")
+        # groups hand block ids to each other, so a block must cover the same bytes in every group's layout
+        placements.add(shape[:2] if shape[:2] == (2, num_blocks) else shape[:1])
+        if len(placements) > 1:
+            raise ValueError(f"attention backend {backend.name}'s cache shape {shape} places blocks differently "
+                             f"from another group's backend; the groups cannot share one pool (pick one backend)")
         shared = dict(g.kv_sharing)
+        owners = [name for name in g.layer_names if name not in shared]
+        caches = {name: slots[k].view(shape) for k, name in enumerate(owners)}
         for name in g.layer_names:
-            if name not in shared:
-                caches[name] = torch.zeros(shape, dtype=s.dtype, device=device)
-        for name in g.layer_names:
-            layer = setup.layers[name]
             cache = caches[shared.get(name, name)]
-            states[name] = AttentionLayerState(backend.impl_cls(layer.options), cache, gi)
+            states[name] = AttentionLayerState(backend.impl_cls(setup.layers[name].options), cache, gi)
     return states
 
 

@@ -19,6 +19,7 @@ from ember.graphs.dispatcher import CudaGraphDispatcher, resolve_modes
 from ember.graphs.modes import BatchDescriptor, CUDAGraphMode
 from ember.models.loader import load_config, load_model, random_model
 from ember.runner.input_batch import InputBatch, PreparedBatch
+from ember.kv_spec import blocks_per_request
 from ember.runner.kv_cache_setup import allocate_kv_caches, make_builders, select_backends
 from ember.sampling_params import SamplingParams
 from ember.runner.sampler import Sampler, SamplingMetadata
@@ -92,6 +93,7 @@ class ModelRunner:
         peak = self._profile_run() if needs_warmup else 0
         self.num_blocks = self._num_kv_blocks(peak)
         self.max_model_len = self._resolve_max_model_len()
+        self._log_capacity()
         self.layer_states = allocate_kv_caches(self.attn, self.num_blocks, self.device)
         if self.graphs is not None:
             self._capture()
@@ -164,7 +166,7 @@ class ModelRunner:
             return cc.num_kv_blocks + 1   # block 0 is the reserved null block
         wanted_len = self.config.model.max_model_len or self.model_max_len()
         if self.device.type == "cpu":
-            cap = -(-wanted_len // cc.block_size) * self.max_num_reqs + 1
+            cap = blocks_per_request(self.attn.groups, wanted_len) * self.max_num_reqs + 1
             return max(2, min(cap, CPU_KV_CACHE_BYTES // per_block))
         # this engine may use gpu_memory_utilization of the device for weights, activations and KV cache, and
         # never more than is actually free (other engines or processes may hold the rest)
@@ -183,7 +185,9 @@ class ModelRunner:
     def _resolve_max_model_len(self) -> int:
         asked = self.config.model.max_model_len
         model_len = self.model_max_len()
-        capacity = (self.num_blocks - 1) * self.config.cache.block_size
+        # what one request can reach: the full-attention groups hold all its tokens, sliding-window groups their
+        # window and one prefill chunk
+        capacity = self.attn.max_len_for(self.num_blocks - 1, self.max_num_tokens, max(model_len, asked or 0))
         if asked is not None:
             if asked > model_len:
                 raise ValueError(f"max_model_len {asked} exceeds the model's max_position_embeddings {model_len}")
@@ -195,6 +199,14 @@ class ModelRunner:
             logger.warning("max_model_len lowered from the model's %d to the KV cache capacity of %d tokens",
                            model_len, capacity)
         return min(model_len, capacity)
+
+    def _log_capacity(self) -> None:
+        """How many tokens the cache holds as requests of max_model_len tokens, beside what it would hold if
+        every layer kept every token (the two differ when sliding-window groups free what they no longer see)."""
+        held, full_equivalent = self.attn.capacity_tokens(self.num_blocks - 1, self.max_model_len)
+        self.kv_capacity_tokens, self.kv_full_equivalent_tokens = held, full_equivalent
+        logger.info("KV cache: %d tokens (full-attention equivalent: %d) in %d blocks of %d tokens, %d groups",
+                    held, full_equivalent, self.num_blocks - 1, self.config.cache.block_size, len(self.attn.groups))
 
     @torch.inference_mode()
     def _capture(self) -> None:
