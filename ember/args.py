@@ -23,6 +23,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile-mode", default="auto", choices=["auto", "none", "default"])
     p.add_argument("--cudagraph-mode", default="auto")
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--disable-fusion", action="append", default=[], metavar="NAME",
+                   help="leave a fusion pass out of the compile (repeatable; 'all' for every pass)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("-v", "--verbose", action="store_true", help="log start-up decisions")
 
@@ -34,4 +36,5 @@ def engine_kwargs(args) -> dict:
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 enable_prefix_caching=not args.no_prefix_caching, attention_backend=args.attention_backend,
                 compile_mode=args.compile_mode, cudagraph_mode=args.cudagraph_mode,
-                enforce_eager=args.enforce_eager, seed=args.seed, async_scheduling=not args.no_async_scheduling)
+                enforce_eager=args.enforce_eager, seed=args.seed, async_scheduling=not args.no_async_scheduling,
+                disabled_fusions=tuple(args.disable_fusion))

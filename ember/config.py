@@ -66,6 +66,8 @@ class CompileConfig:
     cudagraph_mode: str = "auto"           # a CUDAGraphMode name, or "auto"
     cudagraph_capture_sizes: tuple[int, ...] | None = None
     enforce_eager: bool = False
+    # fusion passes (ember.graphs.passes) left out of the compile, by name, or ("all",)
+    disabled_fusions: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -4,9 +4,11 @@
 API:
     resolve_compile_mode(compile_mode, device, enforce_eager=False) -> "none" | "default"
     compile_cache_key(model_config, dtype) -> str            hash of config JSON, dtype, ember and torch versions
-    compile_model(model, compile_mode, *, cache_key=None, cache_root=None, graph_manager=None) -> forward callable
+    compile_model(model, compile_mode, *, cache_key=None, cache_root=None, graph_manager=None,
+                  disabled_fusions=()) -> forward callable
     CompiledModel(model, ...)(input_ids [T], positions [T]) -> hidden [T, H]
         .stats -> CompileStats;  .backend.split_module -> the split torch.fx.GraphModule (after the first call)
+        .fusion -> the fusion passes (ember.graphs.passes) Inductor runs on each piece, with their match counts
 
 Compilation happens on the first call, which must have at least 2 tokens (dynamo specialises sizes 0 and 1).
 Every later call, whatever its token count, reuses that one graph: the compiled frame keeps no guards (the model,
@@ -146,9 +148,11 @@ class CompileStats:
 class PiecewiseBackend:
     """A torch.compile backend: split at attention, compile each piece with Inductor for the dynamic token count."""
 
-    def __init__(self, stats: CompileStats, graph_manager: Any = None):
+    def __init__(self, stats: CompileStats, graph_manager: Any = None, fusion: Any = None):
         self.stats = stats
         self.graph_manager = graph_manager
+        # Inductor runs the fusion passes (ember.graphs.passes) on each piece's post-grad graph
+        self.config_patches = {"post_grad_custom_post_pass": fusion} if fusion is not None else {}
         self.split_module: torch.fx.GraphModule | None = None   # the last split, kept for inspection
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
@@ -159,7 +163,7 @@ class PiecewiseBackend:
         # dynamo hands real tensors for parameters; the fake mode's memo maps them (and the marked-dynamic inputs)
         # to the fakes it traced with, so the pieces see the same symbolic token count
         fake_args = [fake_mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in example_inputs]
-        compiled = _PieceCompiler(split, set(pieces)).compile(fake_mode, fake_args)
+        compiled = _PieceCompiler(split, set(pieces), self.config_patches).compile(fake_mode, fake_args)
         for i, name in enumerate(pieces):
             fn = compiled[name]
             if self.graph_manager is not None:
@@ -179,9 +183,10 @@ class PiecewiseBackend:
 class _PieceCompiler(torch.fx.Interpreter):
     """Runs the split module on fake inputs so each piece is compiled with its own (symbolic) example inputs."""
 
-    def __init__(self, split: torch.fx.GraphModule, pieces: set[str]):
+    def __init__(self, split: torch.fx.GraphModule, pieces: set[str], config_patches: dict | None = None):
         super().__init__(split)
         self.pieces = pieces
+        self.config_patches = config_patches or {}
         self.compiled: dict[str, Callable] = {}
 
     def compile(self, fake_mode, fake_args: list) -> dict[str, Callable]:
@@ -193,7 +198,8 @@ class _PieceCompiler(torch.fx.Interpreter):
         out = super().call_module(target, args, kwargs)
         if target in self.pieces:
             from torch._inductor.compile_fx import compile_fx
-            self.compiled[target] = compile_fx(self.fetch_attr(target), list(args))
+            self.compiled[target] = compile_fx(self.fetch_attr(target), list(args),
+                                               config_patches=self.config_patches)
         return out
 
 
@@ -210,12 +216,14 @@ class CompiledModel:
     """The model's forward, piecewise-compiled on the first call (see the module docstring)."""
 
     def __init__(self, model: nn.Module, *, cache_key: str | None = None, cache_root: Path | str | None = None,
-                 graph_manager: Any = None):
+                 graph_manager: Any = None, disabled_fusions: tuple[str, ...] = ()):
+        from ember.graphs.passes.pipeline import FusionPipeline
         self.model = model
         self.stats = CompileStats()
         self.cache_dir = compile_cache_dir(cache_key or _model_fingerprint(model), cache_root)
         self.stats.cache_dir = str(self.cache_dir)
-        self.backend = PiecewiseBackend(self.stats, graph_manager)
+        self.fusion = FusionPipeline(disabled_fusions)
+        self.backend = PiecewiseBackend(self.stats, graph_manager, self.fusion)
         self._compiled = torch.compile(_private_forward(model), backend=self.backend, fullgraph=True,
                                        options={"guard_filter_fn": _keep_no_guards})
         self._ready = False
@@ -248,6 +256,7 @@ class CompiledModel:
                     self.stats.num_pieces, self.stats.num_attention_splits, self.stats.seconds,
                     self.stats.backend_seconds, c["fxgraph_cache_hit"], c["fxgraph_cache_miss"],
                     c["autograd_cache_hit"], c["autograd_cache_miss"], self.cache_dir)
+        logger.info("%s", self.fusion.summary())
         return out
 
 
@@ -262,11 +271,13 @@ def _model_fingerprint(model: nn.Module) -> str:
 
 
 def compile_model(model: nn.Module, compile_mode: str = "default", *, cache_key: str | None = None,
-                  cache_root: Path | str | None = None, graph_manager: Any = None) -> Callable:
+                  cache_root: Path | str | None = None, graph_manager: Any = None,
+                  disabled_fusions: tuple[str, ...] = ()) -> Callable:
     """The forward the runner calls: `model` itself for compile_mode "none", else a `CompiledModel`."""
     if compile_mode == "none":
         return model
     if compile_mode != "default":
         raise ValueError(f"compile_mode {compile_mode!r} is not known here; resolve it first "
                          f"(resolve_compile_mode) to 'none' or 'default'")
-    return CompiledModel(model, cache_key=cache_key, cache_root=cache_root, graph_manager=graph_manager)
+    return CompiledModel(model, cache_key=cache_key, cache_root=cache_root, graph_manager=graph_manager,
+                         disabled_fusions=disabled_fusions)

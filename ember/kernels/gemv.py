@@ -54,15 +54,18 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, bias_ptr, residual_ptr, out_ptr,
-                 M, N, K, stride_xm, stride_wn, stride_rm, stride_om, k_per_split,
+def _gemv_kernel(x_ptr, w_ptr, bias_ptr, residual_ptr, norm_weight_ptr, out_ptr,
+                 M, N, K, stride_xm, stride_wn, stride_rm, stride_om, k_per_split, eps,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  USE_DOT: tl.constexpr, ACC_3D: tl.constexpr, EVEN_K: tl.constexpr, PARTIAL: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, DOT_IN_FP32: tl.constexpr,
-                 IEEE_DOT: tl.constexpr):
+                 HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr,
+                 DOT_IN_FP32: tl.constexpr, IEEE_DOT: tl.constexpr):
     """Program (n block, K split): out[:M, n block] over K range [split * k_per_split, + k_per_split).
 
-    PARTIAL: out_ptr is float32 partials [SPLIT_K, M, N], bias/residual left to the reduce kernel."""
+    NORM: x is RMS-normed on the fly (Llama form, rounded as the unfused ops round), each program first summing
+    the squares of its rows. GATED: W is [2N, K] (gate rows, then up rows) and the output silu(gate) * up [M, N].
+    PARTIAL: out_ptr is float32 partials [SPLIT_K, M, N] ([SPLIT_K, M, 2N] when GATED), bias, activation and
+    residual left to the reduce kernel."""
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     # not tl.sum/tl.zeros/tl.cdiv: those are @triton.jit library functions that the interpreted copy cannot call
@@ -73,21 +76,45 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, residual_ptr, out_ptr,
     # loads stay unpredicated and vectorised, and those results are never stored
     x_rows = tl.minimum(rows, M - 1)
     w_rows = tl.minimum(cols, N - 1).to(tl.int64)
+    up_offset = N * stride_wn          # GATED: the up row of a column sits N rows below its gate row
     k_begin = split * k_per_split
     k_end = tl.minimum(k_begin + k_per_split, K)
     if USE_DOT:
         x_ptrs = x_ptr + rows[:, None] * stride_xm + ks[None, :]            # [BLOCK_M, BLOCK_K]
+        nw_ptrs = norm_weight_ptr + ks[None, :]                             # [1, BLOCK_K]
         w_ptrs = w_ptr + w_rows[None, :] * stride_wn + ks[:, None]          # [BLOCK_K, BLOCK_N]: W^T
         acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
     else:
         # x as a [BLOCK_M, BLOCK_N, BLOCK_K] broadcast (column stride 0) gets W's register layout: a smaller x tile
         # would be moved into it through shared memory, with two barriers, every K step
         x_ptrs = x_ptr + x_rows[:, None, None] * stride_xm + ks[None, None, :] + w_rows[None, :, None] * 0
+        nw_ptrs = norm_weight_ptr + ks[None, None, :] + w_rows[None, :, None] * 0      # [1, BLOCK_N, BLOCK_K]
         w_ptrs = w_ptr + w_rows[None, :, None] * stride_wn + ks[None, None, :]   # [1, BLOCK_N, BLOCK_K]
         if ACC_3D:
             acc = tl.full((BLOCK_M, BLOCK_N, BLOCK_K), 0.0, tl.float32)
         else:
             acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+    acc_up = acc
+
+    if NORM:
+        # every program (and split) needs its rows' full mean square; x is small and stays in L1/L2
+        if USE_DOT:
+            sum_sq = tl.full((BLOCK_M,), 0.0, tl.float32)
+        else:
+            sum_sq = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+        for k in range(0, K, BLOCK_K):
+            if USE_DOT:
+                xs = tl.load(x_ptrs + k, mask=(rows < M)[:, None] & ((k + ks)[None, :] < K), other=0.0)
+                xs = xs.to(tl.float32)
+                sum_sq += tl.reduce(xs * xs, 1, tl.standard._sum_combine)
+            else:
+                xs = tl.load(x_ptrs + k, mask=(k + ks)[None, None, :] < K, other=0.0).to(tl.float32)
+                sum_sq += tl.reduce(xs * xs, 2, tl.standard._sum_combine)
+        rstd = tl.math.rsqrt(sum_sq / K + eps)
+        if USE_DOT:
+            rstd = rstd[:, None]
+        else:
+            rstd = rstd[:, :, None]
 
     for k in range(k_begin, k_end, BLOCK_K):
         if USE_DOT:
@@ -95,37 +122,79 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, residual_ptr, out_ptr,
             if EVEN_K:
                 x = tl.load(x_ptrs + k, mask=(rows < M)[:, None], other=0.0)
                 w = tl.load(w_ptrs + k)
+                if GATED:
+                    w_up = tl.load(w_ptrs + up_offset + k)
+                if NORM:
+                    nw = tl.load(nw_ptrs + k)
             else:
-                x = tl.load(x_ptrs + k, mask=(rows < M)[:, None] & ((k + ks)[None, :] < k_end), other=0.0)
-                w = tl.load(w_ptrs + k, mask=(k + ks)[:, None] < k_end, other=0.0)
+                k_ok = (k + ks) < k_end
+                x = tl.load(x_ptrs + k, mask=(rows < M)[:, None] & k_ok[None, :], other=0.0)
+                w = tl.load(w_ptrs + k, mask=k_ok[:, None], other=0.0)
+                if GATED:
+                    w_up = tl.load(w_ptrs + up_offset + k, mask=k_ok[:, None], other=0.0)
+                if NORM:
+                    nw = tl.load(nw_ptrs + k, mask=k_ok[None, :], other=0.0)
         elif EVEN_K:
             x = tl.load(x_ptrs + k)
             w = tl.load(w_ptrs + k)
+            if GATED:
+                w_up = tl.load(w_ptrs + up_offset + k)
+            if NORM:
+                nw = tl.load(nw_ptrs + k)
         else:
-            x = tl.load(x_ptrs + k, mask=(k + ks)[None, None, :] < k_end, other=0.0)
-            w = tl.load(w_ptrs + k, mask=(k + ks)[None, None, :] < k_end, other=0.0)
+            k_ok = (k + ks)[None, None, :] < k_end
+            x = tl.load(x_ptrs + k, mask=k_ok, other=0.0)
+            w = tl.load(w_ptrs + k, mask=k_ok, other=0.0)
+            if GATED:
+                w_up = tl.load(w_ptrs + up_offset + k, mask=k_ok, other=0.0)
+            if NORM:
+                nw = tl.load(nw_ptrs + k, mask=k_ok, other=0.0)
+        if NORM:
+            # the unfused RMSNorm rounds twice: the normed value to x's dtype, then its product with the weight
+            x = (x.to(tl.float32) * rstd).to(x.dtype)
+            x = (nw.to(tl.float32) * x.to(tl.float32)).to(x.dtype)
         if USE_DOT:
             if DOT_IN_FP32:
                 # the interpreter's tl.dot multiplies bfloat16 bit patterns as integers
                 x = x.to(tl.float32)
                 w = w.to(tl.float32)
+                if GATED:
+                    w_up = w_up.to(tl.float32)
             if IEEE_DOT:
                 acc = tl.dot(x, w, acc, input_precision="ieee")
+                if GATED:
+                    acc_up = tl.dot(x, w_up, acc_up, input_precision="ieee")
             else:
                 acc = tl.dot(x, w, acc)
+                if GATED:
+                    acc_up = tl.dot(x, w_up, acc_up)
         elif ACC_3D:
             acc += x.to(tl.float32) * w.to(tl.float32)
+            if GATED:
+                acc_up += x.to(tl.float32) * w_up.to(tl.float32)
         else:
             acc += tl.reduce(x.to(tl.float32) * w.to(tl.float32), 2, tl.standard._sum_combine)
+            if GATED:
+                acc_up += tl.reduce(x.to(tl.float32) * w_up.to(tl.float32), 2, tl.standard._sum_combine)
     if ACC_3D:
         acc = tl.reduce(acc, 2, tl.standard._sum_combine)    # [BLOCK_M, BLOCK_N]
+        if GATED:
+            acc_up = tl.reduce(acc_up, 2, tl.standard._sum_combine)
 
     out_mask = (rows < M)[:, None] & (cols < N)[None, :]
     if PARTIAL:
-        tl.store(out_ptr + (split * M + rows[:, None]) * N + cols[None, :], acc, mask=out_mask)
+        partial_cols = 2 * N if GATED else N
+        partial_ptrs = out_ptr + (split * M + rows[:, None]) * partial_cols + cols[None, :]
+        tl.store(partial_ptrs, acc, mask=out_mask)
+        if GATED:
+            tl.store(partial_ptrs + N, acc_up, mask=out_mask)
     else:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+            if GATED:
+                acc_up += tl.load(bias_ptr + N + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            acc = acc / (1.0 + tl.exp(-acc)) * acc_up
         if HAS_RESIDUAL:
             acc += tl.load(residual_ptr + rows[:, None] * stride_rm + cols[None, :], mask=out_mask,
                            other=0.0).to(tl.float32)
@@ -136,16 +205,25 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, residual_ptr, out_ptr,
 @triton.jit
 def _split_k_reduce_kernel(partial_ptr, bias_ptr, residual_ptr, out_ptr, M, N, stride_rm, stride_om,
                            SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                           BLOCK: tl.constexpr):
-    """Program (column block, row): out = sum over splits of partial[:, row, cols] (+ bias) (+ residual)."""
+                           GATED: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (column block, row): out = sum over splits of partial[:, row, cols] (+ bias), silu(gate) * up when
+    GATED, (+ residual)."""
     row = tl.program_id(1)
     cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < N
+    partial_cols = 2 * N if GATED else N
     acc = tl.full((BLOCK,), 0.0, tl.float32)
+    acc_up = tl.full((BLOCK,), 0.0, tl.float32)
     for split in tl.static_range(SPLIT_K):
-        acc += tl.load(partial_ptr + (split * M + row) * N + cols, mask=ok, other=0.0)
+        acc += tl.load(partial_ptr + (split * M + row) * partial_cols + cols, mask=ok, other=0.0)
+        if GATED:
+            acc_up += tl.load(partial_ptr + (split * M + row) * partial_cols + N + cols, mask=ok, other=0.0)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+        if GATED:
+            acc_up += tl.load(bias_ptr + N + cols, mask=ok, other=0.0).to(tl.float32)
+    if GATED:
+        acc = acc / (1.0 + tl.exp(-acc)) * acc_up
     if HAS_RESIDUAL:
         acc += tl.load(residual_ptr + row * stride_rm + cols, mask=ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
@@ -162,8 +240,9 @@ def _prev_pow2(n: int) -> int:
 
 
 def gemv_config(M: int, N: int, K: int, num_sms: int, element_size: int = 2,
-                use_dot: bool | None = None) -> dict | None:
+                use_dot: bool | None = None, gated: bool = False) -> dict | None:
     """Launch parameters for x[M, K] @ W[N, K]^T on `num_sms` SMs, or None when M is outside 1..GEMV_MAX_M.
+    `gated`: W holds N gate rows, then N up rows; a program reads both rows of each of its columns.
 
     Tensor cores from DOT_MIN_M rows (or as `use_dot` says), padded to 16 rows and 16 columns a program. Otherwise
     BLOCK_N is the largest power of two (<= 16) leaving PROGRAMS_PER_SM programs per SM. BLOCK_K makes a W tile of
@@ -190,6 +269,9 @@ def gemv_config(M: int, N: int, K: int, num_sms: int, element_size: int = 2,
             block_n = max(1, min(block_n, w_elements // block_k))
     block_k = max(DOT_BLOCK if use_dot else vec, min(block_k, _next_pow2(K)))
     while K % block_k and block_k // 2 >= min_block_k:
+        block_k //= 2
+    if gated and block_k // 2 >= (DOT_BLOCK if use_dot else min_block_k):
+        # each column streams a gate and an up row: halve the K step to keep the tile's bytes and registers
         block_k //= 2
     acc_3d = not use_dot and block_m * block_n * block_k <= ACC_3D_REGS * threads
 
@@ -230,23 +312,31 @@ def _kernel(kernel, device: torch.device):
 # ---- entry points --------------------------------------------------------------------------------------------
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         residual: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+         residual: torch.Tensor | None = None, config: dict | None = None, *,
+         norm_weight: torch.Tensor | None = None, eps: float = 1e-6, gated: bool = False) -> torch.Tensor:
     """x [M, K] @ weight[N, K]^T (+ bias [N]) (+ residual [M, N]) -> [M, N] in x's dtype, always with the Triton
-    kernel (interpreted for CPU tensors). `config` overrides `gemv_config`'s choice."""
+    kernel (interpreted for CPU tensors). `config` overrides `gemv_config`'s choice.
+
+    norm_weight [K]: x is first RMS-normed with it (Llama form, `eps`). gated: weight is [2N, K], gate rows then up
+    rows (bias [2N]), and the output is silu(gate) * up [M, N], before the residual is added."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"gemv needs x [M, K] and weight [N, K], got x {tuple(x.shape)} and weight "
                          f"{tuple(weight.shape)}")
     M, K = x.shape
-    N = weight.shape[0]
+    if gated and weight.shape[0] % 2:
+        raise ValueError(f"a gated gemv needs an even number of weight rows (gate, then up), got {weight.shape[0]}")
+    N = weight.shape[0] // 2 if gated else weight.shape[0]
     if x.dtype not in DTYPES or weight.dtype != x.dtype:
         raise ValueError(f"gemv supports bfloat16, float16 and float32 with x and weight of one dtype, got x "
                          f"{x.dtype} and weight {weight.dtype}")
-    if bias is not None and (bias.shape != (N,) or bias.dtype != x.dtype):
-        raise ValueError(f"bias must be [{N}] {x.dtype}, got {tuple(bias.shape)} {bias.dtype}")
+    if bias is not None and (bias.shape != weight.shape[:1] or bias.dtype != x.dtype):
+        raise ValueError(f"bias must be [{weight.shape[0]}] {x.dtype}, got {tuple(bias.shape)} {bias.dtype}")
     if residual is not None and residual.shape != (M, N):
         raise ValueError(f"residual must be [{M}, {N}], got {tuple(residual.shape)}")
+    if norm_weight is not None and norm_weight.shape != (K,):
+        raise ValueError(f"norm_weight must be [{K}], got {tuple(norm_weight.shape)}")
     if config is None:
-        config = _cached_config(M, N, K, _num_sms(x.device), x.element_size())
+        config = _cached_config(M, N, K, _num_sms(x.device), x.element_size(), gated=gated)
         if config is None:
             raise ValueError(f"gemv handles 1 to {GEMV_MAX_M} rows, got M={M}; use torch.nn.functional.linear")
     elif not 1 <= M <= config["BLOCK_M"]:
@@ -256,27 +346,32 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if residual is not None and residual.stride(1) != 1:
         residual = residual.contiguous()
     bias = bias.contiguous() if bias is not None else None
+    norm_weight = norm_weight.contiguous() if norm_weight is not None else None
 
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)       # [M, N]
     split_k = config["SPLIT_K"]
-    partial = out if split_k == 1 else torch.empty(split_k, M, N, dtype=torch.float32, device=x.device)
+    partial_cols = 2 * N if gated else N
+    partial = out if split_k == 1 else torch.empty(split_k, M, partial_cols, dtype=torch.float32, device=x.device)
     cpu = x.device.type == "cpu"
-    dummy = out     # pointer for absent bias/residual; never read
+    dummy = out     # pointer for absent bias/residual/norm weight; never read
     _kernel(_gemv_kernel, x.device)[(triton.cdiv(N, config["BLOCK_N"]), split_k)](
-        x, weight, bias if bias is not None else dummy, residual if residual is not None else dummy, partial,
+        x, weight, bias if bias is not None else dummy, residual if residual is not None else dummy,
+        norm_weight if norm_weight is not None else dummy, partial,
         M, N, K, x.stride(0), weight.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0),
-        config["K_PER_SPLIT"],
+        config["K_PER_SPLIT"], float(eps),
         BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"],
         USE_DOT=config["USE_DOT"], ACC_3D=config["ACC_3D"],
         EVEN_K=K % config["BLOCK_K"] == 0 and config["K_PER_SPLIT"] % config["BLOCK_K"] == 0,
         PARTIAL=split_k > 1, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
+        NORM=norm_weight is not None, GATED=gated,
         DOT_IN_FP32=cpu, IEEE_DOT=cpu or x.dtype == torch.float32,
         num_warps=config["num_warps"], num_stages=config["num_stages"])
     if split_k > 1:
         _kernel(_split_k_reduce_kernel, x.device)[(triton.cdiv(N, REDUCE_BLOCK), M)](
             partial, bias if bias is not None else dummy, residual if residual is not None else dummy, out,
             M, N, residual.stride(0) if residual is not None else 0, out.stride(0),
-            SPLIT_K=split_k, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, BLOCK=REDUCE_BLOCK)
+            SPLIT_K=split_k, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, GATED=gated,
+            BLOCK=REDUCE_BLOCK)
     return out
 
 

@@ -115,7 +115,8 @@ class ModelRunner:
         mode = self.modes.compile_mode
         key = compile_cache_key(self.hf_config.to_dict(), self.dtype) if mode != "none" else None
         piecewise = self.graphs if self.modes.cudagraph_mode.has_piecewise else None
-        forward = compile_model(self.model, mode, cache_key=key, graph_manager=piecewise)
+        forward = compile_model(self.model, mode, cache_key=key, graph_manager=piecewise,
+                                disabled_fusions=self.config.compile.disabled_fusions)
         self.compile_stats = getattr(forward, "stats", None)    # None when running eager
         if self.modes.cudagraph_mode.has_full:
             forward = self.graphs.wrap_full(forward)

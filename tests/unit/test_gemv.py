@@ -228,24 +228,25 @@ def test_switch_routes_the_op(monkeypatch):
 
 # ---- compiled code (no GPU needed: Triton compiles for sm_90 on the CPU) ------------------------------------------
 
-def _compile_sm90(M, N, K):
+def _compile_sm90(M, N, K, norm=False, gated=False):
     """PTX and shared memory of the kernel for an H100, the way a launch would specialise it for these shapes."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    c = G.gemv_config(M, N, K, H100_SMS)
-    names = ["x_ptr", "w_ptr", "bias_ptr", "residual_ptr", "out_ptr", "M", "N", "K", "stride_xm", "stride_wn",
-             "stride_rm", "stride_om", "k_per_split"]
+    c = G.gemv_config(M, N, K, H100_SMS, gated=gated)
+    names = ["x_ptr", "w_ptr", "bias_ptr", "residual_ptr", "norm_weight_ptr", "out_ptr", "M", "N", "K",
+             "stride_xm", "stride_wn", "stride_rm", "stride_om", "k_per_split", "eps"]
     values = dict(M=M, N=N, K=K, stride_xm=K, stride_wn=K, stride_rm=N, stride_om=N, k_per_split=c["K_PER_SPLIT"])
     partial = c["SPLIT_K"] > 1
     signature = {a: ("*fp32" if a == "out_ptr" and partial else "*bf16") if a.endswith("_ptr") else "i32"
                  for a in names}
+    signature["eps"] = "fp32"
     constexprs = dict(BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], USE_DOT=c["USE_DOT"],
                       ACC_3D=c["ACC_3D"], EVEN_K=True, PARTIAL=partial, HAS_BIAS=False, HAS_RESIDUAL=False,
-                      DOT_IN_FP32=False, IEEE_DOT=False)
+                      NORM=norm, GATED=gated, DOT_IN_FP32=False, IEEE_DOT=False)
     signature.update({name: "constexpr" for name in constexprs})
     # Triton marks pointers and integers divisible by 16 at launch; these shapes' strides all are
     attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(names)
-             if a.endswith("_ptr") or values[a] % 16 == 0}
+             if a.endswith("_ptr") or (a in values and values[a] % 16 == 0)}
     kernel = triton.runtime.jit.JITFunction(G._gemv_kernel.fn)   # compiled even where TRITON_INTERPRET=1
     compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs),
                               target=GPUTarget("cuda", 90, 32),
@@ -265,4 +266,22 @@ def test_sm90_code_streams_w_with_16_byte_loads(M, N, K):
     else:
         assert all(".v4." in line for line in loads), f"loads narrower than 16 bytes: {loads}"
         # W (8 KiB a step) never goes through shared memory: only the final cross-warp sums do
+        assert shared <= 256, f"{shared} bytes of shared memory"
+
+
+@pytest.mark.parametrize("M,N,K,gated", [(1, 4096, 1024, False), (1, 3072, 1024, True), (2, 3072, 1024, True),
+                                         (8, 4096, 1024, False), (8, 3072, 1024, True)])
+def test_sm90_code_with_norm_prologue_keeps_16_byte_loads(M, N, K, gated):
+    """Qwen3-0.6B's qkv and gate_up with the RMSNorm prologue (and SiLU·mul): x's sum of squares and every W tile
+    still load 16 bytes a thread; on tensor cores only the norm weight's small tile may go narrower, once a stage."""
+    import re
+    config, ptx, shared = _compile_sm90(M, N, K, norm=True, gated=gated)
+    plain = re.findall(r"ld\.global[^\n;]*", ptx)
+    narrow = [line for line in plain if ".v4." not in line]
+    if config["USE_DOT"]:
+        copies = re.findall(r"cp\.async\.c[ag]\.shared\.global[^\n;]*", ptx)
+        narrow += [line for line in copies if ", 0x10," not in line]
+        assert copies and len(narrow) <= config["num_stages"], narrow
+    else:
+        assert not narrow, f"loads narrower than 16 bytes: {narrow}"
         assert shared <= 256, f"{shared} bytes of shared memory"

@@ -1,0 +1,67 @@
+"""`ember::fused_linear`: a linear layer with an RMSNorm prologue, a SiLU·mul epilogue and a residual epilogue,
+each optional, as one op. The fusion passes (ember.graphs.passes) put it where the model's plain ops were.
+
+    out = act(norm(x) @ weight^T + bias) + residual
+    norm: Llama-form RMSNorm with norm_weight [K] and eps (when norm_weight is given)
+    act:  silu(gate) * up over [gate | up] when gated (weight [2N, K], bias [2N]), else identity
+
+Decode-sized batches on CUDA run one GEMV launch with every part inside (ember.kernels.gemv). Other batches run
+the parts as separate kernels: a Triton RMSNorm, cuBLAS (with the residual as its beta=1 accumulator where there is
+no bias and no activation), a Triton SiLU·mul. On a CPU the parts are the torch ops of the unfused model.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ember.kernels.gemv import gemv, gemv_applies, gemv_enabled
+from ember.kernels.rms_norm import rms_norm, silu_mul
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The Llama-form RMSNorm as torch ops: normalise in float32, round to x's dtype, scale by the weight."""
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def fused_linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                           norm_weight: torch.Tensor | None, eps: float, gated: bool,
+                           residual: torch.Tensor | None) -> torch.Tensor:
+    """The unfused composition as torch ops (the rounding of the model's own ops)."""
+    if norm_weight is not None:
+        x = rms_norm_reference(x, norm_weight, eps)
+    out = F.linear(x, weight, bias)
+    if gated:
+        gate, up = out.chunk(2, dim=-1)
+        out = F.silu(gate) * up
+    return out if residual is None else out + residual
+
+
+def _composed(x, weight, bias, norm_weight, eps, gated, residual) -> torch.Tensor:
+    """The parts as separate kernels, for CUDA batches the GEMV does not take."""
+    if norm_weight is not None:
+        x = rms_norm(x, norm_weight, eps)
+    if residual is not None and bias is None and not gated:
+        return torch.addmm(residual, x, weight.t())
+    out = F.linear(x, weight, bias)
+    if gated:
+        out = silu_mul(out)
+    return out if residual is None else out.add_(residual)
+
+
+@torch.library.custom_op("ember::fused_linear", mutates_args=())
+def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, norm_weight: torch.Tensor | None,
+                 eps: float, gated: bool, residual: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] -> [M, N] (N = weight rows, or half of them when gated); see the module docstring."""
+    if x.device.type == "cpu":
+        return fused_linear_reference(x, weight, bias, norm_weight, eps, gated, residual)
+    same_dtype = all(t is None or t.dtype == x.dtype for t in (norm_weight, residual))
+    if gemv_enabled() and same_dtype and gemv_applies(x, weight, bias):
+        return gemv(x, weight, bias, residual, norm_weight=norm_weight, eps=eps, gated=gated)
+    return _composed(x, weight, bias, norm_weight, eps, gated, residual)
+
+
+@fused_linear.register_fake
+def _fused_linear_fake(x, weight, bias, norm_weight, eps, gated, residual):
+    return x.new_empty(x.shape[0], weight.shape[0] // 2 if gated else weight.shape[0])
