@@ -163,4 +163,7 @@ def test_compiled_model_runs_the_passes(tmp_path):
     layers = 2
     assert counts == [{"rms_norm_prologue": 2 * layers, "silu_mul_epilogue": layers,
                        "residual_epilogue": 2 * layers}, {}]
-    _assert_close(outputs[0], outputs[1], torch.bfloat16)
+    # Inductor's C++ kernels round the unfused norm and residual adds their own way: one bf16 ulp of the largest
+    # output (at most 2**-6 of the scale) apart
+    scale = outputs[1].float().abs().max().item()
+    assert (outputs[0].float() - outputs[1].float()).abs().max().item() <= 2.0 ** -6 * scale
