@@ -16,6 +16,11 @@ output, plus bias and residual in float32, is rounded once to x's dtype.
   [BLOCK_K, BLOCK_N]; Triton pipelines these loads through shared memory (cp.async, DOT_NUM_STAGES). At 8 rows
   the CUDA-core multiply-adds alone would take ~40% as long as reading W at full bandwidth.
 
+Fusions (`ember::fused_linear`, put in place by the compile passes in ember.graphs.passes): an RMSNorm prologue
+(each program sums the squares of its rows' x, then norms every x tile as it loads it, rounding as the unfused ops
+do), a SiLU·mul epilogue (W holds gate rows then up rows; each program reads both rows of its columns and writes
+silu(gate) * up), and the residual epilogue. Decode then writes no normed activations and no [M, 2N] projection.
+
 When N / BLOCK_N gives fewer programs than SMs, K is split over a second grid axis: each split writes float32
 partials [SPLIT_K, M, N] and a small kernel sums them in a fixed order and applies bias/residual and the cast (no
 zero-filled buffer, no atomics, so results are deterministic).
