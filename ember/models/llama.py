@@ -49,6 +49,32 @@ def sliding_window_of(config, layer_idx: int) -> int | None:
     return window
 
 
+def kv_sharing_targets(config) -> dict[int, int]:
+    """Layer index -> the earlier layer whose KV cache it reads. With `num_kv_shared_layers` N in the config (the
+    key Gemma 3n uses), each of the last N layers reads the cache of the last non-sharing layer of its attention
+    type (same sliding window), and computes no K/V of its own."""
+    n = int(getattr(config, "num_kv_shared_layers", 0) or 0)
+    num_layers = config.num_hidden_layers
+    if n == 0:
+        return {}
+    if not 0 < n < num_layers:
+        raise ValueError(f"num_kv_shared_layers {n} must be between 0 and num_hidden_layers - 1 ({num_layers - 1})")
+    first = num_layers - n
+    targets = {}
+    for i in range(first, num_layers):
+        window = sliding_window_of(config, i)
+        same = [j for j in range(first) if sliding_window_of(config, j) == window]
+        if not same:
+            raise ValueError(f"layer {i} shares the KV cache of an earlier layer with sliding window {window}, but "
+                             f"no layer before {first} has that window")
+        targets[i] = same[-1]
+    return targets
+
+
+def _attn_layer_name(prefix: str, layer_idx: int) -> str:
+    return f"{prefix}model.layers.{layer_idx}.self_attn.attn"
+
+
 class LlamaAttention(nn.Module):
     """Packed q/k/v projection, optional per-head q/k norm, rotary, paged attention through `ember::attention`."""
 
@@ -65,13 +91,18 @@ class LlamaAttention(nn.Module):
         # the plain (Llama-form) RMSNorm on q and k can run as one joint norm; other forms run per projection
         self._joint_qk = options.qk_norm and options.norm_cls is RMSNorm
         scale = (options.query_pre_attn_scalar or self.head_size) ** -0.5
-        self.attn = Attention(layer_name=f"{prefix}model.layers.{layer_idx}.self_attn.attn",
+        # a KV-sharing layer keeps its k/v weights (checkpoints carry them) but computes q only
+        self.kv_source = kv_sharing_targets(config).get(layer_idx)
+        source = None if self.kv_source is None else _attn_layer_name(prefix, self.kv_source)
+        self.attn = Attention(layer_name=_attn_layer_name(prefix, layer_idx),
                               num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_size=self.head_size,
                               scale=scale, sliding_window=sliding_window_of(config, layer_idx),
-                              logits_soft_cap=options.attn_logit_softcap)
+                              logits_soft_cap=options.attn_logit_softcap, kv_sharing_target=source)
 
     def forward(self, cos: torch.Tensor, sin: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [T, hidden] -> [T, hidden]; cos/sin [T, rotary_dim / 2] for the tokens' positions."""
+        if self.kv_source is not None:
+            return self._forward_shared_kv(cos, sin, hidden)
         q, k, v = self.qkv_proj.forward_split(hidden)
         if self._joint_qk:
             q, k = self._norm_rotate_qk(cos, sin, q, k)
@@ -83,6 +114,15 @@ class LlamaAttention(nn.Module):
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = self.attn(q.flatten(1), k.flatten(1), v)
         return self.o_proj(out)
+
+    def _forward_shared_kv(self, cos: torch.Tensor, sin: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """Attention over the source layer's cache: q only; the k/v handed to the op are never read."""
+        q = self.qkv_proj.forward_q(hidden).unflatten(-1, (self.num_heads, self.head_size))   # [T, Hq, D]
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+        q = apply_rotary(q, cos, sin)
+        unused = q.new_empty(q.shape[0], self.num_kv_heads * self.head_size)                # [T, Hkv*D]
+        return self.o_proj(self.attn(q.flatten(1), unused, unused))
 
     def _norm_rotate_qk(self, cos: torch.Tensor, sin: torch.Tensor, q: torch.Tensor,
                         k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -139,15 +179,32 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, options, prefix)
                                     for i in range(config.num_hidden_layers))
         self.norm = options.norm_cls(config.hidden_size, config.rms_norm_eps)
+        self.skip_start = prefill_skip_start(config)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                logits_indices: torch.Tensor | None = None) -> torch.Tensor:
+        """-> hidden [T, hidden]; with `logits_indices` [N] and a tail of KV-sharing layers, hidden [N, hidden] of
+        those tokens only (see `prefill_skip_start`)."""
         hidden = self.embed_tokens(input_ids)     # [T, hidden]
         cos, sin = self.rotary_emb(positions)     # gathered once per step, used by every layer
         residual = None
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
+            if i == self.skip_start and logits_indices is not None:
+                hidden, residual = hidden[logits_indices], residual[logits_indices]     # [N, hidden]
+                cos, sin = cos[logits_indices], sin[logits_indices]
             hidden, residual = layer(cos, sin, hidden, residual)
         hidden, _ = self.norm.add_and_norm(hidden, residual)
         return hidden
+
+
+def prefill_skip_start(config) -> int | None:
+    """The first layer of a tail in which every layer reads another's KV cache, or None. Such layers write no
+    cache, so only the tokens whose logits are wanted need them: the model runs that tail on those tokens alone."""
+    targets = kv_sharing_targets(config)
+    if not targets:
+        return None
+    start = min(targets)
+    return start if all(i in targets for i in range(start, config.num_hidden_layers)) else None
 
 
 class LlamaForCausalLM(nn.Module):
@@ -169,9 +226,18 @@ class LlamaForCausalLM(nn.Module):
         tied = self.model.embed_tokens if getattr(config, "tie_word_embeddings", False) else None
         self.lm_head = LMHead(config.vocab_size, config.hidden_size, tied_to=tied)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """input_ids [T] int64, positions [T] int64 -> hidden [T, hidden] (a flat batch, no batch dim)."""
-        return self.model(input_ids, positions)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                logits_indices: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids [T] int64, positions [T] int64 -> hidden [T, hidden] (a flat batch, no batch dim); given
+        logits_indices [N] on a model with a KV-sharing tail, hidden [N, hidden] of those tokens."""
+        if logits_indices is None:
+            return self.model(input_ids, positions)
+        return self.model(input_ids, positions, logits_indices)
+
+    @property
+    def skips_prefill(self) -> bool:
+        """Whether `forward` can run its last layers on the logits tokens alone (given logits_indices)."""
+        return getattr(self.model, "skip_start", None) is not None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab] float32."""

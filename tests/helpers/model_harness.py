@@ -30,7 +30,10 @@ class ModelHarness:
         for attn in attentions:
             o = attn.options
             shape = TorchRefBackend.kv_cache_shape(num_blocks, block_size, o.num_kv_heads, o.head_size)
-            cache = torch.zeros(shape, dtype=dtype, device=self.device)   # [2, num_blocks, block_size, Hkv, D]
+            if o.kv_sharing_target is None:      # a KV-sharing layer reads its source's cache (made earlier)
+                cache = torch.zeros(shape, dtype=dtype, device=self.device)   # [2, num_blocks, block_size, Hkv, D]
+            else:
+                cache = self.layers[o.kv_sharing_target].kv_cache
             self.layers[attn.layer_name] = AttentionLayerState(TorchRefImpl(o), cache, 0)
         o = attentions[0].options
         spec = KVCacheSpec(block_size, o.num_kv_heads, o.head_size, dtype, o.sliding_window)
@@ -69,13 +72,28 @@ class ModelHarness:
         return common, torch.tensor(positions, dtype=torch.int64, device=self.device)
 
     @torch.no_grad()
-    def step(self, chunks: list[tuple[int, list[int]]]) -> torch.Tensor:
-        """Append chunks (sequence index, new token ids) and return the hidden states [num_new_tokens, hidden]."""
+    def step(self, chunks: list[tuple[int, list[int]]], skip_prefill: bool = False) -> torch.Tensor:
+        """Append chunks (sequence index, new token ids) and return the hidden states [num_new_tokens, hidden].
+
+        With `skip_prefill` (a model with a KV-sharing tail), that tail runs on each chunk's last token only and
+        the hidden states [num_chunks, hidden] of those tokens come back."""
         common, positions = self._metadata(chunks)
         input_ids = torch.tensor([t for _, ids in chunks for t in ids], dtype=torch.int64, device=self.device)
-        ctx = ForwardContext(layers=self.layers, attn_metadata=(self.builder.build(common),))
-        with forward_context(ctx):
-            hidden = self.model(input_ids, positions)
+        if skip_prefill:
+            last = common.query_start_loc[1:].long() - 1                      # [num_chunks]
+            tail = decode_view(common)
+            for name, state in self.layers.items():   # the sharing tail attends as one query per sequence
+                state.group_index = 1 if state.impl.options.kv_sharing_target is not None else 0
+            ctx = ForwardContext(layers=self.layers, attn_metadata=(self.builder.build(common),
+                                                                    self.builder.build(tail)))
+            with forward_context(ctx):
+                hidden = self.model(input_ids, positions, last)
+        else:
+            for state in self.layers.values():
+                state.group_index = 0
+            ctx = ForwardContext(layers=self.layers, attn_metadata=(self.builder.build(common),))
+            with forward_context(ctx):
+                hidden = self.model(input_ids, positions)
         for seq, ids in chunks:
             self.context_lens[seq] += len(ids)
         return hidden
@@ -85,6 +103,20 @@ class ModelHarness:
         hidden = self.step(chunks)
         last = torch.tensor([len(ids) for _, ids in chunks]).cumsum(0) - 1
         return self.model.compute_logits(hidden[last])
+
+
+def decode_view(common: CommonAttentionMetadata) -> CommonAttentionMetadata:
+    """The same sequences with only their last token as the query (what a prefill-skipping tail attends with)."""
+    import dataclasses
+
+    num_reqs = common.num_reqs
+    qsl = torch.arange(num_reqs + 1, dtype=torch.int32)
+    return dataclasses.replace(
+        common, query_start_loc=qsl.to(common.query_start_loc.device), query_start_loc_cpu=qsl,
+        slot_mappings=tuple(torch.full((num_reqs,), -1, dtype=torch.int64, device=m.device)
+                            for m in common.slot_mappings),
+        num_actual_tokens=num_reqs, num_tokens_padded=num_reqs, max_query_len=1, num_decodes=num_reqs,
+        uniform_decode=True)
 
 
 def greedy_generate(model: nn.Module, prompts: list[list[int]], max_new_tokens: int, **harness_kwargs) -> list[list[int]]:

@@ -90,6 +90,11 @@ class QKVLinear(PackedLinear):
         """x [T, hidden] -> q [T, Hq*D], k [T, Hkv*D], v [T, Hkv*D]."""
         return self.forward(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
 
+    def forward_q(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] -> q [T, q_size] only (a layer that reads another layer's K/V computes none)."""
+        bias = None if self.bias is None else self.bias[:self.q_size]
+        return F.linear(x, self.weight[:self.q_size], bias)
+
 
 class GateUpLinear(PackedLinear):
     """gate and up projections as one matmul; output is [T, 2 * intermediate]."""

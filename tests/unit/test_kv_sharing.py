@@ -1,0 +1,74 @@
+"""KV-sharing layers (`num_kv_shared_layers` on a Llama config): the last layers read an earlier layer's cache,
+own none, write none, and with the prefill skip run on the logits tokens alone. The reference is transformers'
+Llama with those layers attending over their source layer's keys and values (Gemma 3n's scheme)."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from ember.models.layers.attention import Attention
+from ember.models.llama import kv_sharing_targets, prefill_skip_start
+from ember.models.loader import load_model
+from tests.helpers.kv_sharing_reference import share_kv_in_hf
+from tests.helpers.model_harness import ModelHarness, random_hf_model, tiny_config
+
+PROMPTS = [[5, 17, 300], list(range(40, 51)), [int(t) for t in torch.arange(23) * 13 % 320]]
+LOGITS_ATOL = 1e-4      # float32, CPU: the same bound as the other families
+SKIP_ATOL = 1e-5        # skip on vs off: the same arithmetic on fewer rows
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """(transformers Llama with its last 2 of 4 layers reading layer 1's KV, ember model of the same weights)."""
+    config = tiny_config("llama", num_hidden_layers=4, num_kv_shared_layers=2)
+    hf = random_hf_model(config)
+    path = tmp_path_factory.mktemp("llama_kv_shared")
+    hf.save_pretrained(path)
+    share_kv_in_hf(hf, {2: 1, 3: 1})
+    return hf, load_model(path, None, torch.float32, "cpu", progress=False)
+
+
+def test_targets_follow_the_layer_type():
+    assert kv_sharing_targets(tiny_config("llama", num_hidden_layers=4, num_kv_shared_layers=2)) == {2: 1, 3: 1}
+    types = ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention", "full_attention"]
+    config = SimpleNamespace(num_hidden_layers=5, num_kv_shared_layers=3, sliding_window=8, layer_types=types)
+    assert kv_sharing_targets(config) == {2: 0, 3: 0, 4: 1}
+    assert prefill_skip_start(config) == 2
+    with pytest.raises(ValueError, match="num_kv_shared_layers 4 must be between"):
+        kv_sharing_targets(SimpleNamespace(num_hidden_layers=4, num_kv_shared_layers=4))
+
+
+def test_sharing_layers_name_their_source(pair):
+    _, model = pair
+    attns = [m for m in model.modules() if isinstance(m, Attention)]
+    assert [a.options.kv_sharing_target for a in attns] == [None, None, "model.layers.1.self_attn.attn",
+                                                            "model.layers.1.self_attn.attn"]
+    assert model.skips_prefill and model.model.skip_start == 2
+
+
+@torch.no_grad()
+def test_logits_match_the_reference_with_the_skip_on_and_off(pair):
+    hf, model = pair
+    expected = [hf(torch.tensor([p])).logits[0].float() for p in PROMPTS]        # [L, V] each
+    assert torch.cat(expected).std() > 0.1
+    # off: every token through every layer, logits of all of them
+    full = model.compute_logits(ModelHarness(model, 3).step(list(enumerate(PROMPTS))))
+    assert (full - torch.cat(expected)).abs().max().item() <= LOGITS_ATOL
+    # on: the sharing tail runs on each prompt's last token only
+    skipped = model.compute_logits(ModelHarness(model, 3).step(list(enumerate(PROMPTS)), skip_prefill=True))
+    assert skipped.shape == (3, 320)
+    last = torch.stack([e[-1] for e in expected])
+    assert (skipped - last).abs().max().item() <= LOGITS_ATOL
+    assert (skipped - full[torch.tensor([2, 13, 36])]).abs().max().item() <= SKIP_ATOL
+
+
+@torch.no_grad()
+def test_chunked_prefill_and_decode_with_the_skip(pair):
+    """A prefill chunk that does not complete its prompt, then a decode beside the rest of another prompt."""
+    hf, model = pair
+    harness = ModelHarness(model, 2)
+    harness.step([(0, PROMPTS[1][:-1]), (1, PROMPTS[2][:9])], skip_prefill=True)
+    logits = model.compute_logits(harness.step([(0, PROMPTS[1][-1:]), (1, PROMPTS[2][9:])], skip_prefill=True))
+    expected = torch.stack([hf(torch.tensor([p])).logits[0, -1].float() for p in PROMPTS[1:]])
+    assert (logits - expected).abs().max().item() <= LOGITS_ATOL
