@@ -93,7 +93,7 @@ class QKVLinear(PackedLinear):
     def forward_q(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> q [T, q_size] only (a layer that reads another layer's K/V computes none)."""
         bias = None if self.bias is None else self.bias[:self.q_size]
-        return F.linear(x, self.weight[:self.q_size], bias)
+        return gemv_linear(x, self.weight[:self.q_size], bias)
 
 
 class GateUpLinear(PackedLinear):
