@@ -22,6 +22,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--compile-mode", default="auto", choices=["auto", "none", "default"])
     p.add_argument("--cudagraph-mode", default="auto")
+    p.add_argument("--cudagraph-capture", default="eager", choices=["eager", "lazy"],
+                   help="capture every CUDA-graph bucket at start-up, or each on its second use")
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--disable-fusion", action="append", default=[], metavar="NAME",
                    help="leave a fusion pass out of the compile (repeatable; 'all' for every pass)")
@@ -37,4 +39,4 @@ def engine_kwargs(args) -> dict:
                 enable_prefix_caching=not args.no_prefix_caching, attention_backend=args.attention_backend,
                 compile_mode=args.compile_mode, cudagraph_mode=args.cudagraph_mode,
                 enforce_eager=args.enforce_eager, seed=args.seed, async_scheduling=not args.no_async_scheduling,
-                disabled_fusions=tuple(args.disable_fusion))
+                disabled_fusions=tuple(args.disable_fusion), cudagraph_capture=args.cudagraph_capture)

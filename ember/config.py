@@ -68,6 +68,7 @@ class CompileConfig:
     enforce_eager: bool = False
     # fusion passes (ember.graphs.passes) left out of the compile, by name, or ("all",)
     disabled_fusions: tuple[str, ...] = ()
+    cudagraph_capture: str = "eager"       # "eager": capture every bucket at start-up; "lazy": on its second use
 
 
 @dataclass(frozen=True)
@@ -103,6 +104,8 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs {s.max_num_seqs} must be at least 1")
         if s.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens {s.max_num_batched_tokens} must be at least 1")
+        if self.compile.cudagraph_capture not in ("eager", "lazy"):
+            raise ValueError(f"cudagraph_capture {self.compile.cudagraph_capture!r} is not known; use 'eager' or 'lazy'")
         if self.model.max_model_len is not None and self.model.max_model_len < 1:
             raise ValueError(f"max_model_len {self.model.max_model_len} must be at least 1")
         return dataclasses.replace(self, device=str(dev))

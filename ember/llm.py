@@ -34,7 +34,8 @@ class LLM:
                  compile_mode: str = "auto", cudagraph_mode: str = "auto",
                  cudagraph_capture_sizes: Sequence[int] | None = None, enforce_eager: bool = False,
                  attention_backend_options: dict | None = None, load_format: str = "auto", tokenizer=None,
-                 async_scheduling: bool = True, disabled_fusions: Sequence[str] = ()):
+                 async_scheduling: bool = True, disabled_fusions: Sequence[str] = (),
+                 cudagraph_capture: str = "eager"):
         if load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format {load_format!r} is not supported; use 'auto' or 'dummy' (random weights)")
         hf_config = None
@@ -51,7 +52,7 @@ class LLM:
             scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, async_scheduling),
             compile=CompileConfig(compile_mode, cudagraph_mode,
                                   tuple(cudagraph_capture_sizes) if cudagraph_capture_sizes else None,
-                                  enforce_eager, tuple(disabled_fusions)),
+                                  enforce_eager, tuple(disabled_fusions), cudagraph_capture),
             device=device, attention_backend=attention_backend,
             attention_backend_options=tuple(sorted(dict(attention_backend_options or {}).items())),
         ).resolve()

@@ -1,32 +1,38 @@
 """Piecewise torch.compile: trace the forward once with a dynamic token count, split the FX graph at every
-`ember::attention` call, compile each piece between with Inductor, and run attention eagerly in between.
+`ember::attention` call, compile each distinct piece between with Inductor, and run attention eagerly in between.
 
 API:
     resolve_compile_mode(compile_mode, device, enforce_eager=False) -> "none" | "default"
-    compile_cache_key(model_config, dtype) -> str            hash of config JSON, dtype, ember and torch versions
+    compile_cache_key(model_config, dtype, *, device=None, settings=None) -> str     see ember.graphs.artifacts
     compile_model(model, compile_mode, *, cache_key=None, cache_root=None, graph_manager=None,
                   disabled_fusions=()) -> forward callable
-    CompiledModel(model, ...)(input_ids [T], positions [T]) -> hidden [T, H]
-        .stats -> CompileStats;  .backend.split_module -> the split torch.fx.GraphModule (after the first call)
-        .fusion -> the fusion passes (ember.graphs.passes) Inductor runs on each piece, with their match counts
+    CompiledModel(model, ..., disabled_fusions=(), dedupe=True)(input_ids [T], positions [T]) -> hidden [T, H]
+        .stats -> CompileStats;  .split_module -> the split torch.fx.GraphModule, traced or loaded (after 1st call)
+        .fusion -> the fusion passes (ember.graphs.passes) Inductor runs on each distinct piece, with their match
+                   counts (zero on a warm start: loaded pieces are not passed through again)
 
-Compilation happens on the first call, which must have at least 2 tokens (dynamo specialises sizes 0 and 1).
-Every later call, whatever its token count, reuses that one graph: the compiled frame keeps no guards (the model,
-its parameters and the grad mode are fixed for an inference engine), so call it under torch.inference_mode()
-consistently. Inductor's FX-graph and AOT-autograd caches live under `cache_root/compile/<cache_key>` (default
-root: `ember.config.cache_dir()`), so a second start of the same model mostly loads compiled code.
+Compile each distinct piece once. The pieces between the attention calls of identical layers are one program with
+other parameters: pieces are grouped by `piece_dedupe.piece_signature` (graph + input metadata), one piece per
+group is compiled, and the others call its code with their own inputs ("29 pieces, 3 distinct" for Qwen3-0.6B).
+
+Cold and warm starts. The first call, which must have at least 2 tokens (dynamo specialises sizes 0 and 1), looks
+for saved artifacts under `cache_root/compile/<cache_key>` (default root: `ember.config.cache_dir()`). With none,
+dynamo traces the forward, the backend compiles each distinct piece through `torch._inductor.standalone_compile`
+and saves the split graph and the artifacts (`ember.graphs.artifacts`). With them, the split graph and its pieces
+are loaded and called directly: no dynamo trace, no Inductor lowering. The directory name adds the enabled fusion
+passes to `cache_key`, so turning a pass off never loads code compiled with it. Every later call, whatever its token count,
+reuses that one graph: the compiled frame keeps no guards (the model, its parameters and the grad mode are fixed
+for an inference engine), so call it under torch.inference_mode() consistently.
 With a `graph_manager` (ember.graphs.cuda_graph), each compiled piece is wrapped for PIECEWISE CUDA graphs.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,6 +41,9 @@ import torch
 from torch import nn
 
 import ember.attention_backends.op  # noqa: F401  (registers torch.ops.ember.attention)
+from ember.graphs.artifacts import ArtifactStore, InputSpec, LoadedForward, describe_graph_inputs
+from ember.graphs.artifacts import compile_cache_key  # noqa: F401  (part of this module's API)
+from ember.graphs.piece_dedupe import piece_signature
 
 logger = logging.getLogger("ember")
 
@@ -50,17 +59,6 @@ def resolve_compile_mode(compile_mode: str, device: torch.device | str, enforce_
     if compile_mode == "auto":
         return "default" if torch.device(device).type == "cuda" else "none"
     return compile_mode
-
-
-def compile_cache_key(model_config: Mapping[str, Any] | str | Any, dtype: torch.dtype | str) -> str:
-    """A short hash naming the compile cache of one model build: its config (a dict, a JSON string, or an object
-    with `to_dict()` such as a transformers config), dtype, ember and torch versions."""
-    from ember import __version__ as ember_version
-    if hasattr(model_config, "to_dict"):
-        model_config = model_config.to_dict()
-    text = model_config if isinstance(model_config, str) else json.dumps(model_config, sort_keys=True, default=str)
-    blob = json.dumps([text, str(dtype), ember_version, torch.__version__])
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
 def compile_cache_dir(cache_key: str, cache_root: Path | str | None = None) -> Path:
@@ -131,12 +129,15 @@ def split_at_attention(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, 
 
 @dataclass
 class CompileStats:
-    """What the (last) compile did."""
+    """What the (last) compile or artifact load did."""
     num_graphs: int = 0                  # dynamo graphs handed to the backend: 1 unless something recompiled
-    num_pieces: int = 0                  # Inductor-compiled pieces (n_attention_layers + 1 for a decoder)
+    num_pieces: int = 0                  # compiled pieces (n_attention_layers + 1 for a decoder)
+    num_distinct: int = 0                # pieces actually compiled (or loaded): one per group of equal pieces
     num_attention_splits: int = 0
-    seconds: float = 0.0                 # first call: dynamo trace + Inductor (or cache load) + one run
-    backend_seconds: float = 0.0         # the Inductor part
+    seconds: float = 0.0                 # first call: trace + compile (or artifact load) + one run
+    backend_seconds: float = 0.0         # the Inductor part of a cold start
+    artifacts_loaded: int = 0            # distinct pieces a warm start loaded instead of tracing
+    artifacts_saved: int = 0             # distinct pieces a cold start saved
     cache_counters: dict[str, int] = field(default_factory=dict)   # fxgraph / autograd cache hits and misses
     cache_dir: str = ""
 
@@ -145,14 +146,43 @@ class CompileStats:
         return self.cache_counters.get("fxgraph_cache_hit", 0)
 
 
-class PiecewiseBackend:
-    """A torch.compile backend: split at attention, compile each piece with Inductor for the dynamic token count."""
+def install_pieces(split: torch.fx.GraphModule, pieces: Sequence[str], attention: Sequence[str],
+                   compiled: Mapping[str, Callable], graph_manager: Any = None) -> None:
+    """Make `split` call the compiled code of each piece (wrapped for PIECEWISE graphs when a manager is given)."""
+    for i, name in enumerate(pieces):
+        fn = compiled[name]
+        if graph_manager is not None:
+            fn = graph_manager.wrap_piece(fn, f"piece {i}/{len(pieces)}")
+        # an instance attribute shadows the registered submodule, so the split graph's code calls `fn`
+        split.__dict__[name] = fn
+    for name in attention:
+        split.__dict__[name] = getattr(split, name).forward   # skip nn.Module call overhead
 
-    def __init__(self, stats: CompileStats, graph_manager: Any = None, fusion: Any = None):
+
+def _split_names(split: torch.fx.GraphModule) -> tuple[list[str], list[str]]:
+    """Names of the split graph's pieces and attention submodules, in call order (attention holds the op)."""
+    pieces, attention = [], []
+    for node in split.graph.nodes:
+        if node.op == "call_module":
+            sub = getattr(split, node.target)
+            is_attention = isinstance(sub, torch.fx.GraphModule) and any(is_attention_node(n) for n in sub.graph.nodes)
+            (attention if is_attention else pieces).append(node.target)
+    return pieces, attention
+
+
+class PiecewiseBackend:
+    """A torch.compile backend: split at attention, compile each distinct piece with Inductor for the dynamic token
+    count, and save the result to `store` when given."""
+
+    def __init__(self, stats: CompileStats, graph_manager: Any = None, *, dedupe: bool = True,
+                 inductor_options: Mapping[str, Any] | None = None, store: ArtifactStore | None = None,
+                 describe_inputs: Callable[[torch.fx.GraphModule, list], list[InputSpec] | str] | None = None):
         self.stats = stats
         self.graph_manager = graph_manager
-        # Inductor runs the fusion passes (ember.graphs.passes) on each piece's post-grad graph
-        self.config_patches = {"post_grad_custom_post_pass": fusion} if fusion is not None else {}
+        self.dedupe = dedupe
+        self.inductor_options = dict(inductor_options or {})
+        self.store = store
+        self.describe_inputs = describe_inputs
         self.split_module: torch.fx.GraphModule | None = None   # the last split, kept for inspection
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
@@ -163,31 +193,58 @@ class PiecewiseBackend:
         # dynamo hands real tensors for parameters; the fake mode's memo maps them (and the marked-dynamic inputs)
         # to the fakes it traced with, so the pieces see the same symbolic token count
         fake_args = [fake_mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in example_inputs]
-        compiled = _PieceCompiler(split, set(pieces), self.config_patches).compile(fake_mode, fake_args)
-        for i, name in enumerate(pieces):
-            fn = compiled[name]
-            if self.graph_manager is not None:
-                fn = self.graph_manager.wrap_piece(fn, f"piece {i}/{len(pieces)}")
-            # an instance attribute shadows the registered submodule, so the split graph's code calls `fn`
-            split.__dict__[name] = fn
-        for name in attention:
-            split.__dict__[name] = getattr(split, name).forward   # skip nn.Module call overhead
+        compiler = _PieceCompiler(split, pieces, self.dedupe, self.inductor_options)
+        compiled = compiler.compile(fake_mode, fake_args)
+        seconds = time.perf_counter() - start
+        if self.store is not None:
+            self._save(gm, split, pieces, compiler, example_inputs)
+        install_pieces(split, pieces, attention, compiled, self.graph_manager)
         self.stats.num_graphs += 1
         self.stats.num_pieces += len(pieces)
+        self.stats.num_distinct += len(compiler.artifacts)
         self.stats.num_attention_splits += len(attention)
-        self.stats.backend_seconds += time.perf_counter() - start
+        self.stats.backend_seconds += seconds
         self.split_module = split
+        logger.info("%d pieces, %d distinct, compiled in %.1f s", len(pieces), len(compiler.artifacts), seconds)
         return split
+
+    def _save(self, gm, split, pieces, compiler: "_PieceCompiler", example_inputs: list) -> None:
+        why = self.describe_inputs(gm, example_inputs) if self.describe_inputs is not None else "no input map"
+        if isinstance(why, list) and not all(_is_saveable(a) for a in compiler.artifacts):
+            why = "Inductor produced no saveable artifact for some piece"
+        if not isinstance(why, list):
+            logger.warning("compiled artifacts not saved (%s); the next start compiles again", why)
+            return
+        try:
+            self.store.save(split, pieces, [compiler.groups[name] for name in pieces], compiler.artifacts,
+                            compiler.single_output, why)
+        except Exception as exc:   # a full disk or an unpicklable graph costs the next start a compile, no more
+            logger.warning("saving compiled artifacts to %s failed (%s: %s); the next start compiles again",
+                           self.store.directory, type(exc).__name__, exc)
+            return
+        self.stats.artifacts_saved = len(compiler.artifacts)
+
+
+def _is_saveable(artifact: Any) -> bool:
+    check = getattr(artifact, "is_saveable", None)
+    return check() if check is not None else hasattr(artifact, "save")
 
 
 class _PieceCompiler(torch.fx.Interpreter):
-    """Runs the split module on fake inputs so each piece is compiled with its own (symbolic) example inputs."""
+    """Runs the split module on fake inputs so each piece is compiled with its own (symbolic) example inputs;
+    a piece whose signature was already compiled reuses that code."""
 
-    def __init__(self, split: torch.fx.GraphModule, pieces: set[str], config_patches: dict | None = None):
+    def __init__(self, split: torch.fx.GraphModule, pieces: Sequence[str], dedupe: bool,
+                 inductor_options: Mapping[str, Any]):
         super().__init__(split)
-        self.pieces = pieces
-        self.config_patches = config_patches or {}
+        self.pieces = set(pieces)
+        self.dedupe = dedupe
+        self.inductor_options = inductor_options
         self.compiled: dict[str, Callable] = {}
+        self.groups: dict[str, int] = {}          # piece name -> group index
+        self.artifacts: list[Any] = []            # group index -> compiled code
+        self.single_output: list[bool] = []       # group index -> the piece returns one value, not a tuple
+        self._by_signature: dict[str, int] = {}
 
     def compile(self, fake_mode, fake_args: list) -> dict[str, Callable]:
         with fake_mode:
@@ -197,10 +254,27 @@ class _PieceCompiler(torch.fx.Interpreter):
     def call_module(self, target, args, kwargs):
         out = super().call_module(target, args, kwargs)
         if target in self.pieces:
-            from torch._inductor.compile_fx import compile_fx
-            self.compiled[target] = compile_fx(self.fetch_attr(target), list(args),
-                                               config_patches=self.config_patches)
+            piece = self.fetch_attr(target)
+            signature = piece_signature(piece, args) if self.dedupe else target
+            group = self._by_signature.get(signature)
+            if group is None:
+                group = self._by_signature[signature] = len(self.artifacts)
+                self.artifacts.append(_compile_piece(piece, list(args), self.inductor_options))
+                self.single_output.append(isinstance(piece.graph.output_node().args[0], torch.fx.Node))
+            self.groups[target] = group
+            self.compiled[target] = self.artifacts[group]
         return out
+
+
+def _compile_piece(piece: torch.fx.GraphModule, args: list, inductor_options: Mapping[str, Any]) -> Callable:
+    """Inductor's code for one piece, as a saveable artifact where this torch has standalone_compile."""
+    options = {"config_patches": dict(inductor_options)} if inductor_options else {}
+    try:
+        from torch._inductor import standalone_compile
+    except ImportError:
+        from torch._inductor.compile_fx import compile_fx
+        return compile_fx(piece, args, **options)
+    return standalone_compile(piece, args, dynamic_shapes="from_tracing_context", options=options)
 
 
 def _private_forward(model: nn.Module) -> Callable:
@@ -213,19 +287,29 @@ def _private_forward(model: nn.Module) -> Callable:
 
 
 class CompiledModel:
-    """The model's forward, piecewise-compiled on the first call (see the module docstring)."""
+    """The model's forward, piecewise-compiled (or loaded from saved artifacts) on the first call; see the module
+    docstring."""
 
     def __init__(self, model: nn.Module, *, cache_key: str | None = None, cache_root: Path | str | None = None,
-                 graph_manager: Any = None, disabled_fusions: tuple[str, ...] = ()):
+                 graph_manager: Any = None, disabled_fusions: tuple[str, ...] = (), dedupe: bool = True,
+                 inductor_options: Mapping[str, Any] | None = None, use_artifacts: bool = True):
         from ember.graphs.passes.pipeline import FusionPipeline
         self.model = model
         self.stats = CompileStats()
-        self.cache_dir = compile_cache_dir(cache_key or _model_fingerprint(model), cache_root)
-        self.stats.cache_dir = str(self.cache_dir)
         self.fusion = FusionPipeline(disabled_fusions)
-        self.backend = PiecewiseBackend(self.stats, graph_manager, self.fusion)
-        self._compiled = torch.compile(_private_forward(model), backend=self.backend, fullgraph=True,
-                                       options={"guard_filter_fn": _keep_no_guards})
+        # Inductor runs the fusion passes (ember.graphs.passes) on each piece's post-grad graph
+        inductor_options = {"post_grad_custom_post_pass": self.fusion, **(inductor_options or {})}
+        passes = self.fusion.uuid().hex()[:8]
+        self.cache_dir = compile_cache_dir(f"{cache_key or _model_fingerprint(model)}-{passes}", cache_root)
+        self.stats.cache_dir = str(self.cache_dir)
+        self.graph_manager = graph_manager
+        self.store = ArtifactStore(self.cache_dir) if use_artifacts else None
+        self._call_inputs: tuple[torch.Tensor, ...] = ()
+        self.backend = PiecewiseBackend(self.stats, graph_manager, dedupe=dedupe, inductor_options=inductor_options,
+                                        store=self.store, describe_inputs=self._describe_inputs)
+        self._compiled: Callable = torch.compile(_private_forward(model), backend=self.backend, fullgraph=True,
+                                                 options={"guard_filter_fn": _keep_no_guards})
+        self.split_module: torch.fx.GraphModule | None = None
         self._ready = False
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -233,30 +317,62 @@ class CompiledModel:
             return self._compiled(input_ids, positions)
         return self._first_call(input_ids, positions)
 
+    def _describe_inputs(self, gm: torch.fx.GraphModule, example_inputs: list) -> list[InputSpec] | str:
+        return describe_graph_inputs(self.model, self._call_inputs, gm, example_inputs)
+
+    def _load(self) -> bool:
+        """Switch to saved artifacts if there are usable ones."""
+        graph = self.store.load() if self.store is not None else None
+        if graph is None:
+            return False
+        try:
+            forward = LoadedForward(self.model, graph)
+        except ValueError as exc:
+            logger.warning("compiled artifacts in %s do not fit this model (%s); compiling again", self.cache_dir, exc)
+            return False
+        pieces, attention = _split_names(graph.split)
+        install_pieces(graph.split, pieces, attention, graph.pieces, self.graph_manager)
+        self._compiled, self.split_module = forward, graph.split
+        self.stats.num_pieces, self.stats.num_distinct = len(pieces), graph.num_groups
+        self.stats.num_attention_splits, self.stats.artifacts_loaded = len(attention), graph.num_groups
+        return True
+
     def _first_call(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         num_tokens = input_ids.shape[0]
         if num_tokens < 2:
             raise ValueError(f"the first call of a compiled model compiles it and needs at least 2 tokens, got "
                              f"{num_tokens}; warm up with a larger batch (e.g. max_num_batched_tokens)")
-        torch._dynamo.mark_dynamic(input_ids, 0)
-        torch._dynamo.mark_dynamic(positions, positions.dim() - 1)
         from torch._dynamo.utils import counters
         keys = [("inductor", "fxgraph_cache_hit"), ("inductor", "fxgraph_cache_miss"),
                 ("aot_autograd", "autograd_cache_hit"), ("aot_autograd", "autograd_cache_miss")]
         before = {k: counters[g][k] for g, k in keys}
         start = time.perf_counter()
         with inductor_cache_scope(self.cache_dir):
-            out = self._compiled(input_ids, positions)
+            if self._load():
+                out = self._compiled(input_ids, positions)
+            else:
+                torch._dynamo.mark_dynamic(input_ids, 0)
+                torch._dynamo.mark_dynamic(positions, positions.dim() - 1)
+                self._call_inputs = (input_ids, positions)
+                try:
+                    out = self._compiled(input_ids, positions)
+                finally:
+                    self._call_inputs = ()
+                self.split_module = self.backend.split_module
         self.stats.seconds = time.perf_counter() - start
         self.stats.cache_counters = {k: counters[g][k] - before[k] for g, k in keys}
         self._ready = True
-        c = self.stats.cache_counters
-        logger.info("compiled the model into %d pieces around %d attention calls in %.1f s (Inductor %.1f s); "
-                    "FX graph cache %d hit / %d miss, AOT autograd cache %d hit / %d miss; cache %s",
-                    self.stats.num_pieces, self.stats.num_attention_splits, self.stats.seconds,
-                    self.stats.backend_seconds, c["fxgraph_cache_hit"], c["fxgraph_cache_miss"],
-                    c["autograd_cache_hit"], c["autograd_cache_miss"], self.cache_dir)
-        logger.info("%s", self.fusion.summary())
+        s, c = self.stats, self.stats.cache_counters
+        if s.artifacts_loaded:
+            logger.info("%d pieces, %d distinct, loaded from compiled artifacts in %.2f s (no trace); cache %s",
+                        s.num_pieces, s.num_distinct, s.seconds, self.cache_dir)
+        else:
+            logger.info("compiled the model into %d pieces (%d distinct) around %d attention calls in %.1f s "
+                        "(Inductor %.1f s); FX graph cache %d hit / %d miss, AOT autograd cache %d hit / %d miss; "
+                        "%d artifacts saved to %s", s.num_pieces, s.num_distinct, s.num_attention_splits, s.seconds,
+                        s.backend_seconds, c["fxgraph_cache_hit"], c["fxgraph_cache_miss"], c["autograd_cache_hit"],
+                        c["autograd_cache_miss"], s.artifacts_saved, self.cache_dir)
+            logger.info("%s", self.fusion.summary())
         return out
 
 

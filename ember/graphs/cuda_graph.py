@@ -1,10 +1,10 @@
 """CUDA-graph capture and replay per `BatchDescriptor`, all graphs sharing one memory pool.
 
 API:
-    manager = CUDAGraphManager(device, debug_check_addresses=False)
+    manager = CUDAGraphManager(device, debug_check_addresses=False, lazy=False)
     manager.wrap_piece(fn, name) -> CUDAGraphWrapper   (compile.py wraps each compiled piece when given a manager)
     manager.wrap_full(forward) -> CUDAGraphWrapper     the whole forward, attention included
-    manager.capture_all(run_step, captures, num_warmups=1) -> CaptureReport
+    manager.capture_all(run_step, captures, num_warmups=1) -> CaptureReport     eager capture at start-up
     manager.graphs_captured[mode] / manager.num_descriptors(mode)           counters
     wrapper.entries (descriptor -> captured graph), wrapper.num_replays
 
@@ -12,6 +12,12 @@ A wrapper reads the forward context (`ember.attention_backends.op`): when its ru
 `cudagraph_runtime_mode` and a `batch_descriptor` is set, it captures a graph on first sight of that descriptor
 (then replays it once, so the capturing call returns real results) and replays it afterwards; otherwise it calls
 `fn` directly. So a PIECEWISE wrapper passes through inside a FULL capture, and both pass through in NONE steps.
+
+Lazy capture (`lazy=True`, nothing captured at start-up): a wrapper runs a descriptor's first step without a graph,
+which is that bucket's warm-up (Triton JIT and autotuning happen outside any capture), captures on its second
+step, and replays from the third. The first request of each size pays nothing extra on its first step and one
+capture (tens of milliseconds) on its second. Graphs then come in the order sizes are used, not largest first,
+so the pool reuses less memory between them than an eager capture does.
 
 Static inputs. Nothing is copied on replay: every tensor a graph reads must sit at the address it had at capture.
 For FULL, the runner passes views of its persistent `input_ids` / `positions` buffers. For PIECEWISE, a piece's
@@ -79,6 +85,7 @@ class CUDAGraphWrapper:
         self.manager = manager
         self.name = name
         self.entries: dict[BatchDescriptor, _Entry] = {}
+        self.warmed: set[BatchDescriptor] = set()     # lazy capture: descriptors run once without a graph
         self.num_replays = 0
 
     def __call__(self, *args):
@@ -91,6 +98,9 @@ class CUDAGraphWrapper:
             return self.fn(*args)
         entry = self.entries.get(desc)
         if entry is None:
+            if self.manager.lazy and desc not in self.warmed:
+                self.warmed.add(desc)
+                return self.fn(*args)
             return self._capture(desc, args)
         if entry.signature is not None:
             self._check_addresses(desc, entry.signature, args)
@@ -132,19 +142,23 @@ class CUDAGraphWrapper:
 
 @dataclass(frozen=True)
 class CaptureReport:
-    """What `capture_all` did: descriptors captured, torch CUDA graphs made per mode, seconds and pool bytes."""
+    """What `capture_all` did: descriptors captured, torch CUDA graphs made per mode, seconds (of which warm-up
+    runs) and pool bytes."""
     num_descriptors: int
     graphs: dict[str, int]
     seconds: float
     memory_bytes: int
+    warmup_seconds: float = 0.0
 
 
 class CUDAGraphManager:
     """Owns the memory pool all graphs share, the capture stream and the capture counters."""
 
-    def __init__(self, device: torch.device | str | None = None, debug_check_addresses: bool = False):
+    def __init__(self, device: torch.device | str | None = None, debug_check_addresses: bool = False,
+                 lazy: bool = False):
         self.device = torch.device(device if device is not None else "cuda")
         self.debug_check_addresses = debug_check_addresses
+        self.lazy = lazy
         self.graphs_captured: Counter[CUDAGraphMode] = Counter()    # torch CUDA graphs, per runtime mode
         self._descriptors: dict[CUDAGraphMode, set[BatchDescriptor]] = {}
         self._pool = None
@@ -193,14 +207,40 @@ class CUDAGraphManager:
         torch.cuda.synchronize(self.device)
         free_before = torch.cuda.mem_get_info(self.device)[0]
         start = time.perf_counter()
-        for mode, desc in ordered:
+        warmup = 0.0
+        progress = _Progress(len(ordered))
+        for i, (mode, desc) in enumerate(ordered):
+            t0 = time.perf_counter()
             for _ in range(num_warmups):
                 run_step(CUDAGraphMode.NONE, desc)
+            warmup += time.perf_counter() - t0
             run_step(mode, desc)
+            progress.update(i + 1)
         torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - start
+        progress.close()
         memory = free_before - torch.cuda.mem_get_info(self.device)[0]
         graphs = {m.name: n - before.get(m, 0) for m, n in self.graphs_captured.items() if n - before.get(m, 0)}
-        logger.info("captured %d CUDA-graph descriptors (%s graphs) in %.2f s, graph memory %.1f MiB",
-                    len(ordered), ", ".join(f"{k} {v}" for k, v in graphs.items()) or "no", seconds, memory / 2**20)
-        return CaptureReport(len(ordered), graphs, seconds, memory)
+        logger.info("captured %d CUDA-graph descriptors (%s graphs) in %.2f s (warm-up runs %.2f s), graph memory "
+                    "%.1f MiB", len(ordered), ", ".join(f"{k} {v}" for k, v in graphs.items()) or "no", seconds,
+                    warmup, memory / 2**20)
+        return CaptureReport(len(ordered), graphs, seconds, memory, warmup)
+
+
+class _Progress:
+    """A one-line progress bar of the graph count on a terminal's stderr (nothing when stderr is not a terminal)."""
+
+    def __init__(self, total: int):
+        import sys
+        self.total, self.stream = total, sys.stderr
+        self.enabled = total > 0 and self.stream.isatty()
+
+    def update(self, done: int) -> None:
+        if self.enabled:
+            filled = 30 * done // self.total
+            self.stream.write(f"\rcapturing CUDA graphs [{'#' * filled}{'.' * (30 - filled)}] {done}/{self.total}")
+            self.stream.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            self.stream.write("\n")

@@ -84,7 +84,8 @@ class ModelRunner:
         # the last launched step's sampled tokens on the device, and each sampling request's row in them
         self._prev_sampled: torch.Tensor | None = None
         self._prev_rows: dict[str, int] | None = None
-        self.graphs = CUDAGraphManager(self.device) if self.modes.cudagraph_mode != CUDAGraphMode.NONE else None
+        self.graphs = (CUDAGraphManager(self.device, lazy=config.compile.cudagraph_capture == "lazy")
+                       if self.modes.cudagraph_mode != CUDAGraphMode.NONE else None)
         self.forward_fn = self._build_forward()
 
         # a full-size step against a two-block cache: compiles the model and measures the activation peak
@@ -97,6 +98,11 @@ class ModelRunner:
         self.layer_states = allocate_kv_caches(self.attn, self.num_blocks, self.device)
         if self.graphs is not None:
             self._capture()
+        t = self.times
+        total = time.perf_counter() - t0
+        logger.info("start-up %.1f s: load %.1f s, compile %.1f s%s, capture %.1f s (%.0f MiB), other %.1f s", total,
+                    t.load_s, t.compile_s, " (cached)" if t.compile_cache_hit else "", t.capture_s,
+                    t.graph_memory_bytes / 2**20, total - t.load_s - t.compile_s - t.capture_s)
 
     # ---- start-up -------------------------------------------------------------------------------------------
     def _resolve_dtype(self, dtype) -> torch.dtype:
@@ -113,7 +119,10 @@ class ModelRunner:
 
     def _build_forward(self):
         mode = self.modes.compile_mode
-        key = compile_cache_key(self.hf_config.to_dict(), self.dtype) if mode != "none" else None
+        key = (compile_cache_key(self.hf_config.to_dict(), self.dtype, device=self.device,
+                                 settings={"capture_sizes": list(self.capture_sizes),
+                                           "disabled_fusions": list(self.config.compile.disabled_fusions)})
+               if mode != "none" else None)
         piecewise = self.graphs if self.modes.cudagraph_mode.has_piecewise else None
         forward = compile_model(self.model, mode, cache_key=key, graph_manager=piecewise,
                                 disabled_fusions=self.config.compile.disabled_fusions)
@@ -146,7 +155,7 @@ class ModelRunner:
         stats = self.compile_stats
         if stats is not None:
             self.times.compile_s = stats.seconds
-            self.times.compile_cache_hit = stats.cache_counters.get("fxgraph_cache_hit", 0) > 0
+            self.times.compile_cache_hit = stats.artifacts_loaded > 0 or stats.fxgraph_cache_hits > 0
         rows = torch.arange(self.max_num_reqs, device=self.device) % hidden.shape[0]
         logits = self.model.compute_logits(hidden[rows])
         n = logits.shape[0]
@@ -218,6 +227,9 @@ class ModelRunner:
             self._run(batch, mode, desc)
 
         captures = self.dispatcher.capture_list()
+        if self.graphs.lazy:
+            logger.info("CUDA graphs of %d descriptors are captured lazily, each on its second use", len(captures))
+            return
         report = self.graphs.capture_all(run_step, captures)
         self.times.capture_s = report.seconds
         self.times.graph_memory_bytes = report.memory_bytes

@@ -137,7 +137,7 @@ def mixed_setup():
 
 
 def piece_wrappers(compiled) -> list[CUDAGraphWrapper]:
-    return [v for v in vars(compiled.backend.split_module).values() if isinstance(v, CUDAGraphWrapper)]
+    return [v for v in vars(compiled.split_module).values() if isinstance(v, CUDAGraphWrapper)]
 
 
 def test_mixed_graph_counts(mixed_setup):

@@ -8,8 +8,8 @@ import torch
 from ember.attention_backends.base import AttentionBackend, CudaGraphSupport
 from ember.attention_backends.torch_ref import TorchRefBackend
 from ember.config import CompileConfig
-from ember.graphs.buckets import (decode_capture_sizes, default_capture_sizes, pad_to_bucket, resolve_capture_sizes,
-                                  validate_capture_sizes)
+from ember.graphs.buckets import (DEFAULT_CAPTURE_SIZES, decode_capture_sizes, default_capture_sizes, pad_to_bucket,
+                                  resolve_capture_sizes, validate_capture_sizes)
 from ember.graphs.cuda_graph import CUDAGraphManager, CUDAGraphWrapper
 from ember.graphs.dispatcher import CudaGraphDispatcher, min_support, resolve_modes
 from ember.graphs.modes import BatchDescriptor, CUDAGraphMode
@@ -29,13 +29,13 @@ def backend_with(support: CudaGraphSupport, name: str | None = None) -> type[Att
 def test_default_capture_sizes_shape():
     sizes = default_capture_sizes(8192)
     assert sizes[:5] == (1, 2, 4, 8, 16)
-    assert sizes[3:34] == tuple(range(8, 256, 8))
-    assert sizes[34:] == tuple(range(256, 513, 16))
-    assert len(sizes) == 3 + 31 + 17
+    assert sizes == DEFAULT_CAPTURE_SIZES and len(sizes) == 27
+    assert sizes[3:19] == tuple(range(8, 129, 8)) and sizes[19:] == (160, 192, 224, 256, 320, 384, 448, 512)
     assert default_capture_sizes(8192, max_capture_size=1024)[-1] == 1024
+    assert default_capture_sizes(8192, max_capture_size=1024)[27:] == tuple(range(576, 1025, 64))
 
 
-@pytest.mark.parametrize("max_tokens, want_last, want_len", [(100, 96, 3 + 12), (8, 8, 4), (3, 2, 2), (300, 288, 3 + 31 + 3)])
+@pytest.mark.parametrize("max_tokens, want_last, want_len", [(100, 96, 15), (8, 8, 4), (3, 2, 2), (300, 256, 23)])
 def test_default_capture_sizes_bounded_by_max_tokens(max_tokens, want_last, want_len):
     sizes = default_capture_sizes(max_tokens)
     assert sizes[-1] == want_last and len(sizes) == want_len
@@ -239,6 +239,22 @@ def test_graph_wrapper_passes_through_without_a_matching_mode():
     assert len(calls) == 2 and not wrapper.entries
     with pytest.raises(ValueError, match="PIECEWISE or FULL, not NONE"):
         CUDAGraphWrapper(lambda: None, M.NONE, CUDAGraphManager("cpu"), "x")
+
+
+def test_lazy_wrapper_runs_a_descriptor_once_without_a_graph_before_capturing():
+    calls = []
+    manager = CUDAGraphManager("cpu", lazy=True)
+    wrapper = CUDAGraphWrapper(lambda x: calls.append(x) or x * 2, M.FULL, manager, "forward")
+    from ember.attention_backends.op import ForwardContext, forward_context
+    with forward_context(ForwardContext({}, (), batch_descriptor=BD(2, 2), cudagraph_runtime_mode=M.FULL)):
+        # the first step of a bucket is its warm-up: real results, no capture (no CUDA needed)
+        assert wrapper(torch.ones(2)).tolist() == [2.0, 2.0]
+        assert wrapper.warmed == {BD(2, 2)} and not wrapper.entries and len(calls) == 1
+        if not torch.cuda.is_available():
+            # the second step captures, which needs a CUDA device
+            with pytest.raises((RuntimeError, AssertionError, AttributeError)):
+                wrapper(torch.ones(2))
+    assert not CUDAGraphManager("cpu").lazy
 
 
 def test_weak_alias_views_the_same_memory():

@@ -1,0 +1,103 @@
+"""Start-up of `LLM(...)` in a fresh process, from the call to ready, split into load / compile / capture / rest.
+
+    python benches/startup.py --model qwen3-0.6b --label cold [--cudagraph-capture lazy] [--replay-table]
+        [--tokens-out FILE] [--tokens-ref FILE]
+
+Cold or warm is the caller's choice: point EMBER_CACHE and TRITON_CACHE_DIR at empty or at filled folders. The
+script then runs a fixed greedy workload twice (first run vs second run in this process), optionally times the
+replay of every captured FULL graph (the step time per bucket, for choosing capture sizes), and prints one JSON
+line. `--tokens-ref` compares the greedy tokens with those another run wrote through `--tokens-out`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+
+
+def replay_table(runner) -> list[dict]:
+    """Mean replay time of each captured FULL graph over 20 replays (after 3 warm-up replays)."""
+    import torch
+    wrapper = runner.forward_fn
+    rows = []
+    for desc, entry in sorted(getattr(wrapper, "entries", {}).items(), key=lambda de: (de[0].uniform_decode,
+                                                                                       de[0].num_tokens)):
+        for _ in range(3):
+            entry.graph.replay()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(20):
+            entry.graph.replay()
+        end.record()
+        end.synchronize()
+        rows.append({"tokens": desc.num_tokens, "decode": desc.uniform_decode, "ms": start.elapsed_time(end) / 20})
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", default="qwen3-0.6b")
+    parser.add_argument("--label", default="run")
+    parser.add_argument("--cudagraph-capture", default=None, choices=["eager", "lazy"])
+    parser.add_argument("--replay-table", action="store_true")
+    parser.add_argument("--num-prompts", type=int, default=128)
+    parser.add_argument("--tokens-out", default=None)
+    parser.add_argument("--tokens-ref", default=None)
+    args = parser.parse_args()
+
+    import logging
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    logging.getLogger("torch").setLevel(logging.WARNING)
+    t0 = time.perf_counter()
+    import torch
+    from ember import LLM, SamplingParams
+    import_s = time.perf_counter() - t0
+    kwargs = {"load_format": "dummy"}
+    if args.cudagraph_capture is not None:
+        kwargs["cudagraph_capture"] = args.cudagraph_capture
+    t1 = time.perf_counter()
+    llm = LLM(args.model, **kwargs)
+    torch.cuda.synchronize()
+    total_s = time.perf_counter() - t1
+    runner = llm.engine.runner
+    times, stats = runner.times, getattr(runner, "compile_stats", None)
+    result = {"label": args.label, "import_s": round(import_s, 2), "total_s": round(total_s, 2),
+              "load_s": round(times.load_s, 2), "compile_s": round(times.compile_s, 2),
+              "capture_s": round(times.capture_s, 2),
+              "rest_s": round(total_s - times.load_s - times.compile_s - times.capture_s, 2),
+              "graph_mib": round(times.graph_memory_bytes / 2**20, 1),
+              "descriptors": len(runner.dispatcher.capture_list())}
+    if stats is not None:
+        result.update({k: getattr(stats, k) for k in ("num_pieces", "num_distinct", "artifacts_loaded",
+                                                      "artifacts_saved", "backend_seconds") if hasattr(stats, k)})
+        result["cache_counters"] = stats.cache_counters
+
+    rng = random.Random(0)
+    prompts = [[rng.randrange(1000, 20000) for _ in range(rng.randint(16, 512))] for _ in range(args.num_prompts)]
+    params = SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)
+    runs = []
+    for _ in range(2):
+        t2 = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        runs.append(time.perf_counter() - t2)
+    tokens = [list(o.outputs[0].token_ids) for o in outputs]
+    num_out = sum(len(t) for t in tokens)
+    result["run1_s"], result["run2_s"] = round(runs[0], 3), round(runs[1], 3)
+    result["run1_tok_s"], result["run2_tok_s"] = round(num_out / runs[0]), round(num_out / runs[1])
+    if args.tokens_out:
+        with open(args.tokens_out, "w") as f:
+            json.dump(tokens, f)
+    if args.tokens_ref:
+        with open(args.tokens_ref) as f:
+            ref = json.load(f)
+        result["tokens_equal_ref"] = ref == tokens
+        result["rows_differing"] = sum(a != b for a, b in zip(ref, tokens))
+    if args.replay_table:
+        result["replay"] = replay_table(runner)
+    print("STARTUP " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()
