@@ -9,6 +9,7 @@ undeduplicated comparison (its first, second and last pieces hit the FX graph ca
 import logging
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -234,8 +235,9 @@ def test_second_build_loads_artifacts_without_tracing(compiled, cache_root, capl
 def test_a_truncated_artifact_recovers_by_recompiling(compiled, cache_root, tmp_path, caplog, damaged):
     model, fn, _, _ = compiled
     key = compile_cache_key(TOY, torch.float32)
-    shutil.copytree(cache_root / "compile" / key, tmp_path / "compile" / key)
-    path = tmp_path / "compile" / key / damaged
+    entry = Path(fn.cache_dir).name     # the key plus the enabled fusion passes
+    shutil.copytree(cache_root / "compile" / entry, tmp_path / "compile" / entry)
+    path = tmp_path / "compile" / entry / damaged
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
     again = make_toy()
     with caplog.at_level(logging.WARNING, logger="ember"):
@@ -249,3 +251,12 @@ def test_a_truncated_artifact_recovers_by_recompiling(compiled, cache_root, tmp_
     third = CompiledModel(make_toy(), cache_key=key, cache_root=tmp_path)
     run_both(third, again, 5, seed=5)
     assert third.stats.artifacts_loaded == NUM_DISTINCT
+
+
+def test_a_changed_pass_setting_uses_another_cache_entry(tmp_path):
+    key = compile_cache_key(TOY, torch.float32)
+    default = CompiledModel(make_toy(), cache_key=key, cache_root=tmp_path)
+    without = CompiledModel(make_toy(), cache_key=key, cache_root=tmp_path, disabled_fusions=("all",))
+    assert default.cache_dir != without.cache_dir
+    assert default.cache_dir.name.startswith(key) and without.cache_dir.name.startswith(key)
+    assert CompiledModel(make_toy(), cache_key=key, cache_root=tmp_path).cache_dir == default.cache_dir
