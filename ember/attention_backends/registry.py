@@ -134,3 +134,4 @@ def select_backend(spec: KVCacheSpec, dtype: torch.dtype, device: torch.device,
 register_backend("torch_ref")(lambda: importlib.import_module("ember.attention_backends.torch_ref").TorchRefBackend)
 register_backend("triton_unified")(
     lambda: importlib.import_module("ember.attention_backends.triton_unified.backend").TritonUnifiedBackend)
+register_backend("flash")(lambda: importlib.import_module("ember.attention_backends.flash.backend").FlashBackend)

@@ -1,4 +1,4 @@
-"""The command line: `ember generate` streams the same text as the Python API; `ember backends` lists both
+"""The command line: `ember generate` streams the same text as the Python API; `ember backends` lists the
 built-in backends; bad arguments exit with a clear message."""
 
 import subprocess
@@ -30,5 +30,5 @@ def test_bad_argument_is_reported(converted, capsys):
 def test_backends_via_python_m():
     out = subprocess.run([sys.executable, "-m", "ember", "backends"], capture_output=True, text=True, check=True)
     names = [line.split()[0] for line in out.stdout.splitlines()]
-    assert names == ["torch_ref", "triton_unified"]
+    assert names == ["flash", "torch_ref", "triton_unified"]
     assert "cudagraph ALWAYS" in out.stdout and "cudagraph NEVER" in out.stdout

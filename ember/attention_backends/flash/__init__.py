@@ -1,0 +1,1 @@
+"""FlashAttention-style backend: separate prefill and balanced split-KV decode kernels (Triton)."""

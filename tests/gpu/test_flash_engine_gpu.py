@@ -1,0 +1,88 @@
+"""ember with the flash backend against transformers on the GPU (random weights of the Qwen3-0.6B config, layers
+trimmed): float32 greedy tokens equal, eager and FULL CUDA graphs alike; bf16 teacher-forced logits within the
+bound the other backends meet (see test_parity_gpu.py)."""
+
+import copy
+import gc
+
+import pytest
+import torch
+from tests.helpers.bf16_check import bf16_report
+
+from ember import LLM, SamplingParams
+from ember.models.bundled import bundled_config
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+BF16_ERR_RATIO = 1.25     # ember's bf16 error vs fp32 over transformers' bf16 error vs fp32
+TOP1_AGREEMENT = 0.98
+FLASH = dict(attention_backend="flash", block_size=64, max_model_len=512, gpu_memory_utilization=0.5)
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+    cfg = bundled_config("qwen3-0.6b", num_hidden_layers=4)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    path = tmp_path_factory.mktemp("qwen3")
+    model.save_pretrained(path)
+    return str(path), model
+
+
+@pytest.fixture
+def no_tf32():
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def _prompts(vocab, lengths):
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, min(vocab, 10000), (n,), generator=g).tolist() for n in lengths]
+
+
+def _generate(path, prompts, **kwargs):
+    llm = LLM(path, dtype="float32", **FLASH, **kwargs)
+    assert all(b.name == "flash" for b in llm.engine.runner.attn.backends), "flash was not selected"
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False)
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_float32_greedy_equals_transformers_eager_and_full_graphs(qwen3, no_tf32):
+    path, hf = qwen3
+    hf = hf.to("cuda", torch.float32).eval()
+    prompts = _prompts(hf.config.vocab_size, (5, 70, 133))   # across 64-token pages
+    eager = _generate(path, prompts, enforce_eager=True)
+    graphs = _generate(path, prompts, compile_mode="none", cudagraph_mode="full")
+    for p, got, replayed in zip(prompts, eager, graphs):
+        ref = hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=32, min_new_tokens=32, do_sample=False,
+                          eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
+        assert got == ref
+        assert replayed == ref
+
+
+def test_bfloat16_teacher_forced_logits(qwen3):
+    path, hf = qwen3
+    llm = LLM(path, dtype="bfloat16", enforce_eager=True, **FLASH)
+    hf = hf.to("cuda", torch.float32).eval()
+    hf16 = copy.deepcopy(hf).to(torch.bfloat16)
+    got, ref16, ref32 = [], [], []
+    for tokens in _prompts(hf.config.vocab_size, (128, 160, 200, 256)):   # 744 positions
+        got.append(llm.engine.score(tokens))
+        ids = torch.tensor([tokens], device="cuda")
+        with torch.no_grad():
+            ref32.append(hf(ids).logits[0].float())
+            ref16.append(hf16(ids).logits[0].float())
+    r = bf16_report(torch.cat(got), torch.cat(ref16), torch.cat(ref32))
+    print(f"flash {hf.config.model_type} bf16: {r}")
+    assert r["rel_err_vs_fp32"] <= BF16_ERR_RATIO * r["ref_rel_err_vs_fp32"]
+    assert r["num_decided"] >= 64 and r["top1_decided"] >= TOP1_AGREEMENT
+    del llm, hf16
+    gc.collect()
+    torch.cuda.empty_cache()
