@@ -3,6 +3,7 @@ allocated once, and described by a `CommonAttentionMetadata` of views into them 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,6 +20,10 @@ class PreparedBatch:
     positions: torch.Tensor        # [num_tokens_padded] int64, device
     logits_indices: torch.Tensor   # [num_reqs] int64, device: each request's last scheduled token
     common: CommonAttentionMetadata
+    logits_indices_padded: torch.Tensor | None = None   # [num_reqs_padded] int64: padding rows point at token 0
+    # the same requests with only their last token as the query: what a prefill-skipping tail of KV-sharing
+    # layers attends with (None unless the model has such a tail)
+    tail: CommonAttentionMetadata | None = None
 
 
 class _DummyRequest:
@@ -69,7 +74,7 @@ class InputBatch:
     """Turns scheduled requests into the step's input tensors, reusing the same buffers every step."""
 
     def __init__(self, num_groups: int, block_size: int, max_num_reqs: int, max_num_tokens: int,
-                 max_model_len: int, device: torch.device):
+                 max_model_len: int, device: torch.device, tail_metadata: bool = False):
         self.block_size = block_size
         self.max_num_reqs = max_num_reqs
         self.max_num_tokens = max_num_tokens
@@ -79,6 +84,10 @@ class InputBatch:
         self.query_start_loc = _Buffer((max_num_reqs + 1,), torch.int32, device)       # [R + 1]
         self.seq_lens = _Buffer((max_num_reqs,), torch.int32, device)                  # [R]
         self.logits_indices = _Buffer((max_num_reqs,), torch.int64, device)            # [R]
+        # one query per request for a prefill-skipping tail: query_start_loc 0, 1, ..., slots never written
+        self.tail_query_start_loc = _Buffer((max_num_reqs + 1,), torch.int32, device) if tail_metadata else None
+        self.tail_slot_mappings = tuple(torch.full((max_num_reqs,), -1, dtype=torch.int64, device=device)
+                                        for _ in range(num_groups)) if tail_metadata else ()
         self.block_tables = [_Buffer((max_num_reqs, self.max_blocks_per_req), torch.int32, device)
                              for _ in range(num_groups)]                               # [R, max_blocks]
         self.slot_mappings = [_Buffer((max_num_tokens,), torch.int64, device, fill=-1)
@@ -103,6 +112,19 @@ class InputBatch:
         fake = [_DummyScheduled(n, len(self.slot_mappings)) for n in query_lens]
         out = SchedulerOutput(tuple(fake), sum(1 for n in query_lens if n == 1))
         return self.prepare(out, num_tokens, num_reqs_padded or num_reqs, uniform_decode)
+
+    def _tail(self, common: CommonAttentionMetadata) -> CommonAttentionMetadata:
+        """`common` with one query per request, its last token (padding requests keep zero-length queries)."""
+        num_reqs, num_reqs_padded = common.num_reqs, common.num_reqs_padded
+        qsl = self.tail_query_start_loc.np
+        qsl[:num_reqs + 1] = np.arange(num_reqs + 1)
+        qsl[num_reqs + 1:num_reqs_padded + 1] = num_reqs
+        return dataclasses.replace(
+            common, query_start_loc=self.tail_query_start_loc.copy(num_reqs_padded + 1),
+            query_start_loc_cpu=self.tail_query_start_loc.host[:num_reqs_padded + 1],
+            slot_mappings=tuple(m[:num_reqs_padded] for m in self.tail_slot_mappings),
+            num_actual_tokens=num_reqs, num_tokens_padded=num_reqs_padded, max_query_len=1 if num_reqs else 0,
+            num_decodes=num_reqs, uniform_decode=True)
 
     def _write_row(self, g: int, r: int, blocks: list[int] | tuple[int, ...]) -> None:
         """Put a request's block ids in row r of group g's table, writing only what changed since last step
@@ -202,6 +224,7 @@ class InputBatch:
         # padding: zero-length queries, empty sequences, null slots
         qsl[num_reqs + 1:num_reqs_padded + 1] = t
         lens[num_reqs:num_reqs_padded] = 0
+        logit_idx[num_reqs:num_reqs_padded] = 0
         ids[t:num_tokens_padded] = 0
         pos[t:num_tokens_padded] = 0
         for g in range(len(self.slot_mappings)):
@@ -223,8 +246,9 @@ class InputBatch:
         if num_pending:
             dst, src = self.pending_dst.copy(num_pending), self.pending_src.copy(num_pending)
             input_ids.index_copy_(0, dst, prev_sampled.index_select(0, src))
-        batch = PreparedBatch(input_ids, self.positions.copy(num_tokens_padded), self.logits_indices.copy(num_reqs),
-                              common)
+        logits_padded = self.logits_indices.copy(num_reqs_padded)
+        batch = PreparedBatch(input_ids, self.positions.copy(num_tokens_padded), logits_padded[:num_reqs], common,
+                              logits_padded, self._tail(common) if self.tail_query_start_loc is not None else None)
         if self._copies_done is not None:
             self._copies_done.record()
         return batch

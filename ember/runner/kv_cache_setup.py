@@ -150,10 +150,11 @@ def select_backends(model: nn.Module, block_size: int, dtype: torch.dtype, devic
     return AttentionSetup(layers, groups, backends, refused)
 
 
-def allocate_kv_caches(setup: AttentionSetup, num_blocks: int, device: torch.device
-                       ) -> dict[str, AttentionLayerState]:
+def allocate_kv_caches(setup: AttentionSetup, num_blocks: int, device: torch.device,
+                       sharing_metadata_offset: int = 0) -> dict[str, AttentionLayerState]:
     """Allocate the slot tensors of the shared pool, view each owning layer's slot in its backend's layout and
-    bind every layer to an impl (a KV-sharing layer to its owner's cache and group)."""
+    bind every layer to an impl (a KV-sharing layer to its owner's cache and group). A KV-sharing layer reads its
+    metadata at index group + `sharing_metadata_offset` (the runner puts the prefill-skipping tail's there)."""
     spec0 = setup.groups[0].spec
     page_numel = spec0.page_size_bytes // torch.empty((), dtype=spec0.dtype).element_size()
     slots = [torch.zeros(num_blocks * page_numel, dtype=spec0.dtype, device=device)
@@ -176,7 +177,8 @@ def allocate_kv_caches(setup: AttentionSetup, num_blocks: int, device: torch.dev
         caches = {name: slots[k].view(shape) for k, name in enumerate(owners)}
         for name in g.layer_names:
             cache = caches[shared.get(name, name)]
-            states[name] = AttentionLayerState(backend.impl_cls(setup.layers[name].options), cache, gi)
+            index = gi + sharing_metadata_offset if name in shared else gi
+            states[name] = AttentionLayerState(backend.impl_cls(setup.layers[name].options), cache, index)
     return states
 
 

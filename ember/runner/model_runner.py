@@ -76,10 +76,19 @@ class ModelRunner:
                                               self.modes.support)
         # buffers are sized for the longest context the model allows; the KV cache may cap it lower below
         upper_len = config.model.max_model_len or self.model_max_len()
+        # a tail of KV-sharing layers runs on the logits tokens only, with metadata of its own (one query per
+        # request) from builders of its own; eager only for now: compiled pieces and CUDA graphs see one token count
+        has_tail = bool(getattr(self.model, "skips_prefill", False))
+        self.skip_prefill = has_tail and self.modes.compile_mode == "none" and not self.capture_sizes
+        if has_tail and not self.skip_prefill:
+            logger.info("KV-sharing layers run on every token: the prefill skip needs eager mode (compile_mode "
+                        "'none', no CUDA graphs)")
         self.input_batch = InputBatch(len(self.attn.groups), cc.block_size, self.max_num_reqs, self.max_num_tokens,
-                                      upper_len, self.device)
-        self.builders = make_builders(self.attn, self.dtype, self.device, self.max_num_reqs, self.max_num_tokens,
-                                      upper_len, self.capture_sizes, config.attention_backend_options)
+                                      upper_len, self.device, tail_metadata=has_tail)
+        builder_args = (self.attn, self.dtype, self.device, self.max_num_reqs, self.max_num_tokens, upper_len,
+                        self.capture_sizes, config.attention_backend_options)
+        self.builders = make_builders(*builder_args)
+        self.tail_builders = make_builders(*builder_args) if has_tail else []
         self.sampler = Sampler()
         # the last launched step's sampled tokens on the device, and each sampling request's row in them
         self._prev_sampled: torch.Tensor | None = None
@@ -89,13 +98,13 @@ class ModelRunner:
         self.forward_fn = self._build_forward()
 
         # a full-size step against a two-block cache: compiles the model and measures the activation peak
-        self.layer_states = allocate_kv_caches(self.attn, 2, self.device)
+        self.layer_states = allocate_kv_caches(self.attn, 2, self.device, len(self.builders))
         needs_warmup = self.device.type == "cuda" or self.modes.compile_mode != "none"
         peak = self._profile_run() if needs_warmup else 0
         self.num_blocks = self._num_kv_blocks(peak)
         self.max_model_len = self._resolve_max_model_len()
         self._log_capacity()
-        self.layer_states = allocate_kv_caches(self.attn, self.num_blocks, self.device)
+        self.layer_states = allocate_kv_caches(self.attn, self.num_blocks, self.device, len(self.builders))
         if self.graphs is not None:
             self._capture()
         t = self.times
@@ -132,10 +141,21 @@ class ModelRunner:
         return forward
 
     def _run(self, batch: PreparedBatch, mode: CUDAGraphMode = CUDAGraphMode.NONE,
-             desc: BatchDescriptor | None = None) -> torch.Tensor:
+             desc: BatchDescriptor | None = None, skip: bool = False) -> torch.Tensor:
+        """The forward: hidden [num_tokens_padded, H], or with `skip` [num_reqs_padded, H] of the logits tokens."""
         metadata = tuple(b.build(batch.common) for b in self.builders)
+        if self.tail_builders:   # the KV-sharing layers' metadata: one query per request, or the whole batch
+            metadata += tuple(b.build(batch.tail if skip else batch.common) for b in self.tail_builders)
         with forward_context(ForwardContext(self.layer_states, metadata, desc, mode)):
+            if skip:
+                return self.forward_fn(batch.input_ids, batch.positions, batch.logits_indices_padded)
             return self.forward_fn(batch.input_ids, batch.positions)
+
+    def _logits_hidden(self, batch: PreparedBatch, hidden: torch.Tensor) -> torch.Tensor:
+        """Each request's last token's hidden state [num_reqs, H] from a forward's output."""
+        if self.skip_prefill:
+            return hidden[:batch.logits_indices.shape[0]]
+        return hidden[batch.logits_indices]
 
     @torch.inference_mode()
     def _profile_run(self) -> int:
@@ -151,7 +171,7 @@ class ModelRunner:
         # on the CPU there is no memory to measure: a small step suffices to compile
         num_tokens = self.max_num_tokens if cuda else min(self.max_num_tokens, 64)
         batch = self.input_batch.prepare_dummy(num_tokens, self.max_num_reqs, uniform_decode=False)
-        hidden = self._run(batch)
+        hidden = self._run(batch, skip=self.skip_prefill)
         stats = self.compile_stats
         if stats is not None:
             self.times.compile_s = stats.seconds
@@ -235,7 +255,7 @@ class ModelRunner:
         self.times.graph_memory_bytes = report.memory_bytes
 
     # ---- the step -------------------------------------------------------------------------------------------
-    def _forward(self, out: SchedulerOutput) -> tuple[PreparedBatch, torch.Tensor]:
+    def _forward(self, out: SchedulerOutput, skip: bool | None = None) -> tuple[PreparedBatch, torch.Tensor]:
         num_reqs = len(out.scheduled)
         uniform = out.num_decodes == num_reqs
         mode, desc = self.dispatcher.dispatch(out.total_num_tokens, num_reqs, uniform)
@@ -244,7 +264,7 @@ class ModelRunner:
                                              desc.uniform_decode if mode == CUDAGraphMode.FULL else uniform,
                                              self._prev_sampled, self._prev_rows)
         with record_function("ember.forward"):
-            return batch, self._run(batch, mode, desc)
+            return batch, self._run(batch, mode, desc, self.skip_prefill if skip is None else skip)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
@@ -258,7 +278,7 @@ class ModelRunner:
         step is still in flight."""
         batch, hidden = self._forward(out)
         with record_function("ember.sample"):
-            logits = self.model.compute_logits(hidden[batch.logits_indices])
+            logits = self.model.compute_logits(self._logits_hidden(batch, hidden))
             reqs = [s.request for s in out.scheduled]
             meta = SamplingMetadata.build(
                 [r.sampling_params for r in reqs], [r.sampling_seed for r in reqs], [r.output_token_ids for r in reqs],
@@ -275,7 +295,7 @@ class ModelRunner:
     @torch.inference_mode()
     def all_logits(self, out: SchedulerOutput) -> torch.Tensor:
         """Logits of every scheduled token [num_tokens, V] (for scoring and teacher-forced checks)."""
-        batch, hidden = self._forward(out)
+        batch, hidden = self._forward(out, skip=False)
         return self.model.compute_logits(hidden[:batch.common.num_actual_tokens])
 
 

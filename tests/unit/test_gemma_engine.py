@@ -15,8 +15,10 @@ NEW_TOKENS = 20
 
 
 def hf_greedy(hf, prompt):
-    out = hf.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                      do_sample=False, eos_token_id=None, pad_token_id=0)
+    # an explicit mask: token 0 (the pad id) in a prompt is a token, not padding
+    out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                      max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
+                      pad_token_id=0)
     return out[0, len(prompt):].tolist()
 
 

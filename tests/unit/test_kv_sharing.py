@@ -72,3 +72,42 @@ def test_chunked_prefill_and_decode_with_the_skip(pair):
     logits = model.compute_logits(harness.step([(0, PROMPTS[1][-1:]), (1, PROMPTS[2][9:])], skip_prefill=True))
     expected = torch.stack([hf(torch.tensor([p])).logits[0, -1].float() for p in PROMPTS[1:]])
     assert (logits - expected).abs().max().item() <= LOGITS_ATOL
+
+
+@pytest.fixture(scope="module")
+def engine_pair(tmp_path_factory):
+    config = tiny_config("llama", num_hidden_layers=4, num_kv_shared_layers=2)
+    hf = random_hf_model(config, seed=1)
+    path = tmp_path_factory.mktemp("llama_kv_shared_engine")
+    hf.save_pretrained(path)
+    share_kv_in_hf(hf, {2: 1, 3: 1})
+    return hf, str(path)
+
+
+def test_engine_greedy_tokens_equal_the_reference_with_the_skip_on_and_off(engine_pair):
+    from ember import LLM, SamplingParams
+
+    hf, path = engine_pair
+    prompts = PROMPTS + [list(range(60, 90))]
+    expected = []
+    for p in prompts:
+        out = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                          max_new_tokens=12, min_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
+        expected.append(out[0, len(p):].tolist())
+    # 16-token steps: the 23- and 30-token prompts arrive in chunks, beside decodes
+    llm = LLM(path, device="cpu", block_size=8, max_num_batched_tokens=16)
+    runner = llm.engine.runner
+    assert runner.skip_prefill and runner.attn.num_cache_layers == 2
+    states = runner.layer_states
+    assert states["model.layers.3.self_attn.attn"].kv_cache is states["model.layers.1.self_attn.attn"].kv_cache
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    on = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in on] == expected
+    runner.skip_prefill = False
+    off = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in off] == expected
+    # scoring needs every token's logits, so it never skips
+    runner.skip_prefill = True
+    scored = llm.engine.score(prompts[1])
+    ref = hf(torch.tensor([prompts[1]])).logits[0].float()
+    assert scored.shape == ref.shape and (scored - ref).abs().max().item() <= LOGITS_ATOL
