@@ -79,7 +79,8 @@ class ModelRunner:
         # a tail of KV-sharing layers runs on the logits tokens only, with metadata of its own (one query per
         # request) from builders of its own; eager only for now: compiled pieces and CUDA graphs see one token count
         has_tail = bool(getattr(self.model, "skips_prefill", False))
-        self.skip_prefill = has_tail and self.modes.compile_mode == "none" and not self.capture_sizes
+        self.skip_prefill = (has_tail and self.modes.compile_mode == "none"
+                             and self.modes.cudagraph_mode == CUDAGraphMode.NONE)
         if has_tail and not self.skip_prefill:
             logger.info("KV-sharing layers run on every token: the prefill skip needs eager mode (compile_mode "
                         "'none', no CUDA graphs)")
