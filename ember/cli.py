@@ -1,4 +1,4 @@
-"""`ember generate`, `ember backends`, `ember bench`."""
+"""`ember generate`, `ember serve`, `ember backends`, `ember bench`."""
 
 from __future__ import annotations
 
@@ -27,6 +27,20 @@ def _generate(args) -> int:
         printed = len(text)
     sys.stdout.write("\n")
     return 0
+
+
+def _serve(args) -> int:
+    if args.model_path is not None:
+        if args.model is not None and args.model != args.model_path:
+            raise ValueError(f"give the model once: {args.model_path!r} or --model {args.model!r}")
+        args.model = args.model_path
+    try:
+        import ember.serve.app  # noqa: F401 - fails early, before the model loads, without the extras
+        from ember.serve.server import main as serve_main
+    except ImportError as exc:
+        raise ValueError(f"ember serve needs the server extras ({exc.name} is missing): "
+                         f"pip install 'ember[serve]'") from None
+    return serve_main(args)
 
 
 def _backends(args) -> int:
@@ -58,6 +72,23 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--stop", action="append")
     g.set_defaults(func=_generate)
+
+    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (needs `pip install ember[serve]`)")
+    s.add_argument("model_path", nargs="?", default=None, metavar="MODEL",
+                   help="HF model folder (same as --model; default: the default model)")
+    add_engine_args(s)
+    s.add_argument("--config", default=None,
+                   help="a bundled model config (qwen3-0.6b, llama-3.2-1b, llama-3.1-8b) with random weights")
+    s.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                   help="'dummy' gives the model's architecture random weights")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--served-model-name", default=None, help="the name clients pass as `model`")
+    s.add_argument("--max-waiting", type=int, default=512,
+                   help="requests allowed to wait beyond the --max-num-seqs running; more get 503 + Retry-After")
+    s.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds requests in flight may run on after SIGTERM before they are aborted")
+    s.set_defaults(func=_serve)
 
     b = sub.add_parser("backends", help="list registered attention backends")
     b.set_defaults(func=_backends)

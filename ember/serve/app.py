@@ -1,0 +1,315 @@
+"""The ASGI app: `/v1/completions`, `/v1/chat/completions`, `/v1/models`, `/health`, `/metrics`.
+
+Every refusal is an OpenAI error body with a 4xx (503 with Retry-After when the server is full); a client that goes
+away, mid-stream or while waiting for a whole response, aborts its requests."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import AsyncIterator, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ember.engine.request import RequestOutput
+from ember.sampling_params import SamplingParams
+from ember.serve.async_engine import AsyncEngine, EngineFailed, RequestStream, ServerBusy
+from ember.serve.metrics import ServerMetrics
+from ember.serve.protocol import ApiError, ChatCompletionRequest, CompletionRequest, validation_error
+from ember.serve.render import DONE, ChoiceCursor, Renderer, TokenText, error_event, usage
+
+logger = logging.getLogger("ember.serve")
+
+RETRY_AFTER_S = 1
+
+
+class ClientGone(Exception):
+    """The client closed the connection before its response was complete."""
+
+
+class ServerState:
+    """What the routes share: the engine front, the tokenizer side of `LLM`, the metrics and the served name."""
+
+    def __init__(self, llm, model_name: str, max_waiting: int):
+        self.llm = llm
+        self.model_name = model_name
+        self.metrics = ServerMetrics(model_name)
+        self.front = AsyncEngine(llm.engine, max_waiting, self.metrics.on_tokens, self.metrics.on_finish)
+        self.token_text = TokenText(llm.tokenizer)
+        self.created = int(time.time())
+
+
+def build_app(llm, model_name: str, max_waiting: int = 512) -> FastAPI:
+    """The server's app around a loaded `LLM`; the engine thread runs while the app's lifespan does."""
+    state = ServerState(llm, model_name, max_waiting)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        state.front.start()
+        try:
+            yield
+        finally:
+            # uvicorn has already waited (up to its graceful-shutdown timeout) for responses in flight
+            aborted = await state.front.drain(0)
+            if aborted:
+                logger.warning("shut down with %d requests unfinished; they were aborted", aborted)
+            await state.front.stop()
+
+    app = FastAPI(title="ember", lifespan=lifespan)
+    app.state.ember = state
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError):
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError):
+        return await _api_error(request, validation_error(list(exc.errors())))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return await _api_error(request, ApiError(f"{request.method} {request.url.path}: {exc.detail}",
+                                                  exc.status_code, kind))
+
+    @app.get("/health")
+    async def health():
+        if not state.front.alive:
+            return JSONResponse({"status": "engine stopped"}, status_code=503)
+        return JSONResponse({"status": "draining" if state.front.draining else "ok"})
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": state.created,
+                                            "owned_by": "ember", "max_model_len": state.front.max_model_len}]}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(state.metrics.render(state.front.load), media_type="text/plain; version=0.0.4")
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        body.check_fields()
+        _check_model(state, body.model)
+        params = body.sampling_params(default_max_tokens=16)
+        prompts = [_tokenize(state.llm, p) for p in body.prompts()]
+        renderer = Renderer(False, state.model_name, state.token_text, params.logprobs, _hold_back(params),
+                            params.n)
+        return await _serve(state, request, prompts, params, renderer, body)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        body.check_fields()
+        _check_model(state, body.model)
+        params = body.sampling_params(default_max_tokens=None)
+        ids = _chat_prompt_ids(state.llm, body)
+        renderer = Renderer(True, state.model_name, state.token_text, params.logprobs, _hold_back(params), params.n)
+        return await _serve(state, request, [(ids, None)], params, renderer, body)
+
+    return app
+
+
+# ---- request preparation ----------------------------------------------------------------------------------------
+def _check_model(state: ServerState, model: str | None) -> None:
+    if model is not None and model != state.model_name:
+        raise ApiError(f"the model {model!r} does not exist; this server serves {state.model_name!r}", 404,
+                       "not_found_error", "model", "model_not_found")
+
+
+def _tokenize(llm, prompt: str | list[int]) -> tuple[list[int], str | None]:
+    if isinstance(prompt, str):
+        if llm.tokenizer is None:
+            raise ApiError("text prompts need a tokenizer and this model has none; send token ids", param="prompt")
+        return llm.tokenizer.encode(prompt), prompt
+    return list(prompt), None
+
+
+def _chat_prompt_ids(llm, body: ChatCompletionRequest) -> list[int]:
+    if llm.tokenizer is None or not getattr(llm.tokenizer, "chat_template", None):
+        raise ApiError("this model has no chat template; use /v1/completions", param="messages")
+    conversation = body.conversation()
+    kwargs = dict(body.chat_template_kwargs or {})
+    if body.continue_final_message:
+        kwargs["continue_final_message"] = True
+    try:
+        return llm.chat_prompt_ids(conversation, bool(body.add_generation_prompt), **kwargs)
+    except Exception as exc:   # noqa: BLE001 - a template that refuses the conversation (jinja raises its own types)
+        raise ApiError(f"the chat template refused the messages: {exc}", param="messages") from None
+
+
+def _hold_back(params: SamplingParams) -> int:
+    return max((len(s) for s in params.stop), default=1) - 1
+
+
+def _admit(state: ServerState, prompts: list[tuple[list[int], str | None]], params: SamplingParams, param: str
+           ) -> list[RequestStream]:
+    """Check every prompt, then queue them all, or none."""
+    front = state.front
+    for ids, _ in prompts:
+        try:
+            front.validate(ids, params)
+        except ValueError as exc:
+            raise ApiError(str(exc), param=param) from None
+        if params.max_tokens is not None and len(ids) + params.max_tokens > front.max_model_len:
+            raise ApiError(f"the prompt has {len(ids)} tokens and max_tokens is {params.max_tokens}: together they "
+                           f"exceed max_model_len {front.max_model_len}; lower max_tokens or shorten the prompt",
+                           param="max_tokens")
+    streams: list[RequestStream] = []
+    try:
+        for ids, text in prompts:
+            streams.append(front.add(ids, params, text))
+    except ServerBusy as exc:
+        for stream in streams:
+            front.abort(stream.request_id)
+        raise ApiError(str(exc), 503, "server_overloaded", code="server_busy",
+                       headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+    except EngineFailed as exc:
+        raise ApiError(str(exc), 503, "server_error", code="engine_stopped") from None
+    return streams
+
+
+async def _serve(state: ServerState, request: Request, prompts, params: SamplingParams, renderer: Renderer, body):
+    streams = _admit(state, prompts, params, "messages" if renderer.chat else "prompt")
+
+    def abort_all():
+        for stream in streams:
+            state.front.abort(stream.request_id)
+
+    if body.stream:
+        options = body.stream_options
+        include_usage = bool(options and (options.include_usage or options.continuous_usage_stats))
+        continuous = bool(options and options.continuous_usage_stats)
+        events = _events(renderer, streams, params.n, include_usage, continuous)
+        return EventStreamResponse(events, abort_all)
+    try:
+        outputs = await _until_disconnect(request.receive, _finals(streams))
+    except ClientGone:
+        return Response(status_code=499)
+    except ValueError as exc:
+        raise ApiError(str(exc)) from None
+    except (EngineFailed, ServerBusy) as exc:
+        raise ApiError(str(exc), 503, "server_error", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+    finally:
+        abort_all()
+    return JSONResponse(renderer.response(outputs))
+
+
+# ---- waiting for outputs ------------------------------------------------------------------------------------------
+async def _finals(streams: list[RequestStream]) -> list[RequestOutput]:
+    finals = []
+    for stream in streams:
+        last = None
+        async for last in stream:
+            pass
+        finals.append(last)
+    return finals
+
+
+async def _wait_disconnect(receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _until_disconnect(receive, coro):
+    """Run `coro` unless the client disconnects first (then raise ClientGone)."""
+    work = asyncio.ensure_future(coro)
+    watcher = asyncio.ensure_future(_wait_disconnect(receive))
+    try:
+        await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not work.done():
+            work.cancel()
+    if not work.done() or work.cancelled():
+        raise ClientGone()
+    return work.result()
+
+
+async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(prompt index, output) from several streams as they come."""
+    if len(streams) == 1:
+        async for output in streams[0]:
+            yield 0, output
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream: RequestStream):
+        try:
+            async for output in stream:
+                queue.put_nowait((i, output, None))
+        except Exception as exc:   # noqa: BLE001 - handed to the reader
+            queue.put_nowait((i, None, exc))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            i, output, error = await queue.get()
+            if error is not None:
+                raise error
+            yield i, output
+            remaining -= output.finished
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def _events(renderer: Renderer, streams: list[RequestStream], n: int, include_usage: bool,
+                  continuous: bool) -> AsyncIterator[bytes]:
+    """The SSE events of a streamed response, ending with `[DONE]`."""
+    if renderer.chat:
+        yield renderer.role_chunk(len(streams) * n)
+    cursors = [[ChoiceCursor() for _ in range(n)] for _ in streams]
+    prompt_tokens = [s.num_prompt_tokens for s in streams]
+    completion_tokens = [0] * len(streams)
+    try:
+        async for i, output in _merge(streams):
+            completion_tokens[i] = sum(len(c.token_ids) for c in output.outputs)
+            choices = renderer.chunk_choices(i, output, cursors[i])
+            if not choices:
+                continue
+            chunk = {"choices": choices}
+            if include_usage:
+                chunk["usage"] = usage(sum(prompt_tokens), sum(completion_tokens)) if continuous else None
+            yield renderer.event(chunk)
+        if include_usage:
+            yield renderer.event({"choices": [], "usage": usage(sum(prompt_tokens), sum(completion_tokens))})
+    except ValueError as exc:
+        yield error_event(ApiError(str(exc)).body())
+    except (EngineFailed, ServerBusy) as exc:
+        yield error_event(ApiError(str(exc), 503, "server_error").body())
+    yield DONE
+
+
+class EventStreamResponse(StreamingResponse):
+    """Server-sent events that call `on_close` however the response ends: complete, client gone, or cancelled
+    (a shutdown that runs out of time)."""
+
+    def __init__(self, events: AsyncIterator[bytes], on_close: Callable[[], None]):
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        sender = asyncio.ensure_future(self._send_all(send))
+        watcher = asyncio.ensure_future(_wait_disconnect(receive))
+        try:
+            await asyncio.wait({sender, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+            sender.cancel()
+            self._on_close()
+        if sender.done() and not sender.cancelled() and sender.exception() is not None:
+            if not isinstance(sender.exception(), OSError):   # OSError: the client went away mid-send
+                logger.error("streaming a response failed", exc_info=sender.exception())
+
+    async def _send_all(self, send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        async for chunk in self.body_iterator:
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})

@@ -1,0 +1,79 @@
+"""`ember serve`: load the model, then run the app under uvicorn until SIGINT or SIGTERM.
+
+On a signal the server stops accepting connections, refuses new requests on open ones (503), lets the requests in
+flight finish for up to `--drain-timeout` seconds, aborts what is left, stops the engine thread and exits 0."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+logger = logging.getLogger("ember.serve")
+
+
+def served_model_name(args) -> str:
+    """The name clients pass as `model`: --served-model-name, else the model or config as given, else the default
+    model's folder name."""
+    if args.served_model_name:
+        return args.served_model_name
+    if args.model or args.config:
+        return args.model or args.config
+    from ember.models.default_model import DEFAULT_MODEL_NAME
+    return DEFAULT_MODEL_NAME
+
+
+def make_server(app, host: str, port: int, drain_timeout: float, log_level: str = "warning"):
+    """A uvicorn server for `app` that marks the engine front as draining as soon as it is told to exit."""
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            app.state.ember.front.draining = True
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
+                            timeout_graceful_shutdown=drain_timeout, timeout_keep_alive=30)
+    return DrainingServer(config)
+
+
+def bound_port(server) -> int:
+    """The port a started uvicorn server listens on (useful with port 0)."""
+    return server.servers[0].sockets[0].getsockname()[1]
+
+
+def start_in_thread(server, timeout: float = 60.0) -> threading.Thread:
+    """Run a uvicorn server in a daemon thread (no signal handlers there) and wait until it listens."""
+    thread = threading.Thread(target=server.run, name="ember-uvicorn", daemon=True)
+    thread.start()
+    waited = 0.0
+    while not server.started:
+        if not thread.is_alive():
+            raise RuntimeError("the server failed to start; see the log above")
+        thread.join(0.02)
+        waited += 0.02
+        if waited > timeout:
+            raise RuntimeError(f"the server did not start within {timeout} s")
+    return thread
+
+
+def main(args) -> int:
+    """Run `ember serve` with parsed arguments."""
+    from ember import LLM
+    from ember.args import engine_kwargs
+    from ember.serve.app import build_app
+    if args.max_waiting < 0:
+        raise ValueError(f"--max-waiting {args.max_waiting} must be >= 0")
+    if args.drain_timeout < 0:
+        raise ValueError(f"--drain-timeout {args.drain_timeout} must be >= 0")
+    if args.config and args.model:
+        raise ValueError(f"give a model {args.model!r} or --config {args.config!r}, not both")
+    if args.config:
+        llm = LLM(args.config, load_format="dummy", **engine_kwargs(args))
+    else:
+        llm = LLM(args.model, load_format=args.load_format, **engine_kwargs(args))
+    name = served_model_name(args)
+    app = build_app(llm, name, max_waiting=args.max_waiting)
+    server = make_server(app, args.host, args.port, args.drain_timeout, "info" if args.verbose else "warning")
+    print(f"ember serve: {name} on http://{args.host}:{args.port}/v1", flush=True)
+    server.run()
+    return 0
