@@ -418,7 +418,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
 
 
 def add_bench_parser(subparsers) -> None:
-    """Add `bench throughput` and `bench latency` to the `ember` command line."""
+    """Add `bench throughput`, `bench latency` and `bench serve` to the `ember` command line."""
     bench = subparsers.add_parser("bench", help="benchmark throughput or latency against the memory roofline")
     kinds = bench.add_subparsers(dest="bench_command", required=True)
 
@@ -442,3 +442,6 @@ def add_bench_parser(subparsers) -> None:
     lat.add_argument("--num-iters", type=int, default=5)
     lat.add_argument("--hf-num-iters", type=int, default=3)
     lat.set_defaults(func=_latency)
+
+    from ember.bench.serve import add_serve_parser
+    add_serve_parser(kinds)

@@ -1,0 +1,256 @@
+"""`ember bench serve`: send a random-token workload to a running OpenAI-compatible server at a request rate
+(Poisson arrivals, or all at once with `inf`) and report time to first token, time per output token, inter-token
+latency and throughput, like `vllm bench serve`.
+
+Requests are streamed `/v1/completions` calls with token-id prompts and `ignore_eos`, so that every request
+produces exactly the tokens asked for; each chunk's token count comes from the server's running usage
+(`stream_options.continuous_usage_stats`). A chunk that carries k tokens counts as k inter-token gaps of 1/k of
+its delay."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ember.bench.commands import MAX_PROMPT_TOKEN_ID, Workload, parse_range, percentiles, random_workload
+
+
+@dataclass
+class RequestResult:
+    """What one request saw, in seconds since the benchmark's start."""
+    prompt_len: int
+    start: float = 0.0
+    ttft: float | None = None
+    latency: float | None = None
+    output_tokens: int = 0
+    itl: list[float] = field(default_factory=list)
+    chunk_times: list[float] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.latency is not None
+
+
+def parse_rate(text: str) -> float:
+    """"inf" or a positive number of requests per second."""
+    if str(text).lower() == "inf":
+        return float("inf")
+    try:
+        rate = float(text)
+    except ValueError:
+        raise ValueError(f"request rate {text!r} must be a positive number or 'inf'") from None
+    if not rate > 0:
+        raise ValueError(f"request rate {text!r} must be a positive number or 'inf'")
+    return rate
+
+
+def arrival_times(num: int, rate: float, seed: int) -> list[float]:
+    """Send times (s) of `num` requests: Poisson arrivals at `rate` per second, or all at 0 when rate is inf."""
+    if rate == float("inf"):
+        return [0.0] * num
+    rng = random.Random(seed)
+    times, now = [], 0.0
+    for _ in range(num):
+        times.append(now)
+        now += rng.expovariate(rate)
+    return times
+
+
+async def _one(session, url: str, body: dict, result: RequestResult, t0: float) -> None:
+    result.start = time.perf_counter() - t0
+    sent = time.perf_counter()
+    last = None
+    try:
+        async with session.post(url, json=body) as response:
+            if response.status != 200:
+                result.error = f"HTTP {response.status}: {(await response.text())[:200]}"
+                return
+            async for raw in response.content:
+                line = raw.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    result.error = chunk["error"].get("message", "error event")
+                    return
+                usage = chunk.get("usage")
+                if usage is None:
+                    continue
+                new = usage["completion_tokens"] - result.output_tokens
+                if new <= 0:
+                    continue
+                now = time.perf_counter()
+                if last is None:
+                    result.ttft = now - sent
+                    new_gaps = new - 1
+                    gap_from = now
+                else:
+                    new_gaps, gap_from = new, last
+                result.itl.extend([(now - gap_from) / new_gaps] * new_gaps if new_gaps else [])
+                result.chunk_times.append(now - t0)
+                result.output_tokens += new
+                last = now
+        result.latency = time.perf_counter() - sent
+    except Exception as exc:   # noqa: BLE001 - a failed request is counted and reported, not fatal
+        result.error = f"{type(exc).__name__}: {exc}"
+
+
+async def run_workload(base_url: str, model: str | None, workload: Workload, rate: float, seed: int = 0,
+                       temperature: float = 0.6, max_concurrency: int | None = None) -> tuple[list[RequestResult],
+                                                                                          float, str]:
+    """Send every request of `workload` at its arrival time; returns the results, the elapsed seconds (first send
+    to last response) and the served model's name."""
+    import aiohttp
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=30)
+    connector = aiohttp.TCPConnector(limit=0, force_close=False)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+        if model is None:
+            async with session.get(f"{base_url}/models") as response:
+                model = (await response.json())["data"][0]["id"]
+        url = f"{base_url}/completions"
+
+        def body(prompt: list[int], max_tokens: int) -> dict:
+            return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature,
+                    "ignore_eos": True, "stream": True,
+                    "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+
+        warm = RequestResult(len(workload.prompts[0]))
+        await _one(session, url, body(workload.prompts[0][:16], 4), warm, time.perf_counter())
+        if warm.error:
+            raise RuntimeError(f"the warm-up request failed: {warm.error}")
+
+        gate = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+        results = [RequestResult(len(p)) for p in workload.prompts]
+        sends = arrival_times(len(results), rate, seed)
+
+        async def scheduled(i: int, t0: float):
+            delay = sends[i] - (time.perf_counter() - t0)
+            if delay > 0:
+                await asyncio.sleep(delay)
+            if gate is None:
+                await _one(session, url, body(workload.prompts[i], workload.output_lens[i]), results[i], t0)
+            else:
+                async with gate:
+                    await _one(session, url, body(workload.prompts[i], workload.output_lens[i]), results[i], t0)
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(scheduled(i, t0) for i in range(len(results))))
+        elapsed = time.perf_counter() - t0
+    return results, elapsed, model
+
+
+def summarize(results: list[RequestResult], elapsed: float) -> dict:
+    """Throughput and latency statistics (ms) of a run."""
+    import numpy as np
+    done = [r for r in results if r.ok]
+    out_tokens = sum(r.output_tokens for r in done)
+    in_tokens = sum(r.prompt_len for r in done)
+    ttft = [r.ttft * 1e3 for r in done if r.ttft is not None]
+    tpot = [(r.latency - r.ttft) * 1e3 / (r.output_tokens - 1) for r in done if r.output_tokens > 1]
+    itl = [x * 1e3 for r in done for x in r.itl]
+    e2e = [r.latency * 1e3 for r in done]
+
+    def stats(values):
+        return {"mean": float(np.mean(values)) if values else float("nan"), **percentiles(values)}
+
+    errors = [r.error for r in results if not r.ok]
+    return {"num_requests": len(results), "completed": len(done), "failed": len(errors),
+            "errors": sorted(set(e or "no response" for e in errors))[:5], "elapsed_s": elapsed,
+            "input_tokens": in_tokens, "output_tokens": out_tokens, "requests_s": len(done) / elapsed,
+            "output_tok_s": out_tokens / elapsed, "total_tok_s": (in_tokens + out_tokens) / elapsed,
+            "ttft_ms": stats(ttft), "tpot_ms": stats(tpot), "itl_ms": stats(itl), "e2e_ms": stats(e2e)}
+
+
+def plot_latency(results: list[RequestResult], path: str, title: str) -> None:
+    """Save TTFT per request and inter-token latency per chunk against time since the start."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
+    done = [r for r in results if r.ok]
+    top.scatter([r.start for r in done], [r.ttft * 1e3 for r in done], s=6)
+    top.set_ylabel("TTFT (ms), at send time")
+    times = [t for r in done for t in r.chunk_times[1:]]
+    gaps = [(b - a) * 1e3 for r in done for a, b in zip(r.chunk_times, r.chunk_times[1:])]
+    bottom.scatter(times, gaps, s=2, alpha=0.4)
+    bottom.set_ylabel("gap between chunks (ms)")
+    bottom.set_xlabel("time since start (s)")
+    top.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _bench_serve(args) -> int:
+    _check_args(args)
+    rate = parse_rate(args.request_rate)
+    workload = random_workload(args.num_prompts, parse_range(args.input_len), parse_range(args.output_len),
+                               seed=args.seed, max_token_id=args.max_token_id)
+    base_url = args.base_url.rstrip("/")
+    if not base_url.endswith("/v1"):
+        base_url += "/v1"
+    results, elapsed, model = asyncio.run(run_workload(base_url, args.model, workload, rate, args.seed,
+                                                       args.temperature, args.max_concurrency))
+    summary = summarize(results, elapsed)
+    result = {"command": "serve", "base_url": base_url, "model": model, "request_rate": args.request_rate,
+              "max_concurrency": args.max_concurrency, **summary}
+    pct = lambda d: (f"{d['mean']:.2f} / {d['p50']:.2f} / {d['p90']:.2f} / {d['p99']:.2f} ms "   # noqa: E731
+                     f"(mean / p50 / p90 / p99)")
+    rows = [("requests", f"{summary['completed']} of {summary['num_requests']} completed at rate "
+                         f"{args.request_rate}, {summary['input_tokens']:,} input + {summary['output_tokens']:,} "
+                         f"output tokens in {elapsed:.2f} s"),
+            ("output", f"{summary['output_tok_s']:,.1f} tok/s"),
+            ("total", f"{summary['total_tok_s']:,.1f} tok/s"),
+            ("req/s", f"{summary['requests_s']:,.2f}"),
+            ("TTFT", pct(summary["ttft_ms"])), ("TPOT", pct(summary["tpot_ms"])), ("ITL", pct(summary["itl_ms"])),
+            ("E2E", pct(summary["e2e_ms"]))]
+    if args.compare_offline:
+        offline = json.loads(Path(args.compare_offline).read_text())
+        result["offline_output_tok_s"] = offline["output_tok_s"]
+        result["server_vs_offline"] = summary["output_tok_s"] / offline["output_tok_s"]
+        rows.append(("offline", f"{offline['output_tok_s']:,.1f} output tok/s (ember bench throughput); "
+                                f"server/offline {result['server_vs_offline']:.3f}"))
+    if summary["failed"]:
+        rows.append(("failed", f"{summary['failed']}: {'; '.join(summary['errors'])}"))
+    print(f"serve  {model}  {base_url}")
+    for name, value in rows:
+        print(f"  {name:<10s}{value}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    if args.plot:
+        plot_latency(results, args.plot, f"{model}, rate {args.request_rate}, {summary['completed']} requests")
+    return 0 if not summary["failed"] else 1
+
+
+def add_serve_parser(kinds) -> None:
+    """Add `bench serve` to the `ember bench` subcommands."""
+    s = kinds.add_parser("serve", help="TTFT, TPOT, ITL and throughput of a running server (like vllm bench serve)")
+    s.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server, with or without /v1")
+    s.add_argument("--model", default=None, help="the model name to send (default: the server's first model)")
+    s.add_argument("--num-prompts", type=int, default=256)
+    s.add_argument("--input-len", default="100:1024", help="prompt length, N or LOW:HIGH (inclusive)")
+    s.add_argument("--output-len", default="100:1024", help="output length, N or LOW:HIGH (inclusive)")
+    s.add_argument("--request-rate", default="inf", help="requests per second (Poisson arrivals), or inf")
+    s.add_argument("--max-concurrency", type=int, default=None, help="at most this many requests in flight")
+    s.add_argument("--temperature", type=float, default=0.6)
+    s.add_argument("--max-token-id", type=int, default=MAX_PROMPT_TOKEN_ID, help="prompt ids are drawn in [0, this]")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--json", default=None, metavar="PATH", help="write every number to this JSON file")
+    s.add_argument("--plot", default=None, metavar="PATH", help="save latency against time as a picture (PNG)")
+    s.add_argument("--compare-offline", default=None, metavar="JSON",
+                   help="an `ember bench throughput --json` result of the same workload, to print the ratio")
+    s.set_defaults(func=_bench_serve)
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise ValueError(f"--max-concurrency {args.max_concurrency} must be at least 1")
