@@ -14,6 +14,7 @@ import itertools
 import logging
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
@@ -100,6 +101,7 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._stop = False
         self._ids = itertools.count()
+        self._id_prefix = uuid.uuid4().hex[:12]
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._idle = asyncio.Event()
@@ -133,7 +135,8 @@ class AsyncEngine:
             raise EngineFailed(f"the engine has stopped: {self.error}")
         if len(self._streams) >= self.capacity:
             raise ServerBusy(f"{len(self._streams)} requests are unfinished, the most this server holds; retry later")
-        request_id = str(next(self._ids))
+        # unique beyond this front: another front may have run on the same engine before
+        request_id = f"{self._id_prefix}-{next(self._ids)}"
         stream = RequestStream(request_id, len(prompt_token_ids))
         self._streams[request_id] = stream
         self._idle.clear()

@@ -193,10 +193,13 @@ def test_full_server_answers_503_with_retry_after(llm, alone):
     with live_server(llm, max_waiting=2) as server:
         async def run():
             async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as client:
-                body = {"prompt": PROMPTS[3], "max_tokens": 100, "ignore_eos": True}
+                # long requests: none finishes while the server fills up
+                body = {"prompt": PROMPTS[3], "max_tokens": MAX_MODEL_LEN - 8, "ignore_eos": True}
                 pending = [asyncio.ensure_future(client.post("/completions", json=body))
                            for _ in range(MAX_NUM_SEQS + 2)]
+                deadline = time.monotonic() + 60
                 while server.front.num_unfinished < MAX_NUM_SEQS + 2:
+                    assert time.monotonic() < deadline, f"only {server.front.num_unfinished} requests arrived"
                     await asyncio.sleep(0.01)
                 refused = await client.post("/completions", json=body)
                 for task in pending:
