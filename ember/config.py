@@ -88,7 +88,10 @@ class EngineConfig:
         device = self.device
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
-        dev = torch.device(device)
+        try:
+            dev = torch.device(device)
+        except (RuntimeError, TypeError):
+            raise ValueError(f"device {device!r} is not supported; use 'cpu', 'cuda' or 'auto'") from None
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device {device!r} was asked for but CUDA is not available")
         if dev.type not in ("cuda", "cpu"):

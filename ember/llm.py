@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import logging
+import operator
 from pathlib import Path
 from typing import Iterator, Sequence
 
+from ember.chat_input import check_conversations, check_text
 from ember.config import CacheConfig, CompileConfig, EngineConfig, ModelConfig, SchedulerConfig
-from ember.engine.engine import Engine
+from ember.engine.engine import Engine, EngineStepError, token_id_list
 from ember.sampling_params import SamplingParams
 from ember.engine.request import RequestOutput
 
@@ -61,31 +63,43 @@ class LLM:
             tokenizer = _load_tokenizer(path)
         self.tokenizer = tokenizer
         self.engine = Engine(config, str(path), self.tokenizer, hf_config=hf_config, load_format=load_format)
+        # requests a live generate() or stream waits for: the latest output of each (outputs are cumulative, so
+        # the latest is all a waiter needs), and the error of each that a failed step aborted
+        self._latest: dict[str, RequestOutput | None] = {}
+        self._streams: set[str] = set()
+        self._errors: dict[str, EngineStepError] = {}
 
     # ---- prompts ----------------------------------------------------------------------------------------------
     def _tokenize(self, prompt: PromptType) -> tuple[list[int], str | None]:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                return list(prompt["prompt_token_ids"]), prompt.get("prompt")
+                return token_id_list(prompt["prompt_token_ids"]), prompt.get("prompt")
             if "prompt" in prompt:
                 prompt = prompt["prompt"]
+                if not isinstance(prompt, str):
+                    raise TypeError(f"prompt must be a str, got {type(prompt).__name__} {prompt!r}")
             else:
                 raise ValueError(f"a dict prompt needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("text prompts need a tokenizer, and this model folder has none; pass token ids")
-            return self.tokenizer.encode(prompt), prompt
+            return self.tokenizer.encode(check_text(prompt, "prompt")), prompt
         if isinstance(prompt, (list, tuple)):
-            return list(prompt), None
-        raise ValueError(f"a prompt must be a str, a list of token ids or a dict, got {type(prompt).__name__}")
+            return token_id_list(prompt), None
+        raise TypeError(f"a prompt must be a str, a list of token ids or a dict, got {type(prompt).__name__} "
+                        f"{prompt!r}")
 
     # ---- generation -------------------------------------------------------------------------------------------
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate for every prompt; returns outputs in input order. Bad input raises before anything runs."""
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
+                                                and _is_token_id(prompts[0])):
             prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise TypeError(f"prompts must be a str, a list of token ids, a dict or a list of these, got "
+                            f"{type(prompts).__name__} {prompts!r}")
         prompts = list(prompts)
         params = sampling_params if sampling_params is not None else SamplingParams()
         params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
@@ -94,56 +108,106 @@ class LLM:
         tokenized = [self._tokenize(p) for p in prompts]
         for (ids, _), p in zip(tokenized, params):
             self.engine.validate(ids, p)
-        ids = [self.engine.add_request(t, p, text) for (t, text), p in zip(tokenized, params)]
-        finished = {}
-        try:
-            for out in self._run(len(ids), use_tqdm):
-                finished[out.request_id] = out
-        except BaseException:
-            for rid in ids:
-                self.engine.abort(rid)
-            raise
-        return [finished[rid] for rid in ids]
-
-    def _run(self, total: int, use_tqdm: bool) -> Iterator[RequestOutput]:
         from tqdm.auto import tqdm
-        bar = tqdm(total=total, desc="Generating", unit="req", disable=not use_tqdm, dynamic_ncols=True)
-        with bar:
-            while self.engine.has_unfinished():
-                for out in self.engine.step():
-                    if out.finished:
-                        bar.update(1)
-                        yield out
+        ids = []
+        try:
+            for (t, text), p in zip(tokenized, params):
+                ids.append(self.engine.add_request(t, p, text))
+                self._latest[ids[-1]] = None
+            pending = list(ids)
+            with tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm, dynamic_ncols=True) as bar:
+                while pending:
+                    self._pump(pending)
+                    done = [rid for rid in pending if self._latest[rid] is not None and self._latest[rid].finished]
+                    bar.update(len(done))
+                    pending = [rid for rid in pending if rid not in done]
+            return [self._latest[rid] for rid in ids]
+        finally:
+            for rid in ids:
+                self._forget(rid)
+
+    def _pump(self, mine: list[str]) -> None:
+        """Run one engine step and keep each output for the call that waits for it; raise the error of a failed
+        step if it aborted one of `mine` (the caller's requests)."""
+        for rid in mine:
+            if rid in self._errors:
+                raise self._errors.pop(rid)
+        if not self.engine.has_unfinished():
+            raise RuntimeError(f"requests {mine} are no longer in the engine")
+        try:
+            outputs = self.engine.step(stream=bool(self._streams))
+        except EngineStepError as e:
+            # its requests' final outputs come with the next step; the error goes to whoever waits for them
+            for rid in e.request_ids:
+                if rid in self._latest:
+                    self._errors[rid] = e
+            if any(rid in self._errors for rid in mine):
+                raise
+            return
+        for out in outputs:
+            if out.request_id in self._latest and (out.finished or out.request_id in self._streams):
+                self._latest[out.request_id] = out
+
+    def _forget(self, rid: str) -> None:
+        """Drop a request this LLM waited for, aborting it in the engine if it is still there."""
+        self._latest.pop(rid, None)
+        self._streams.discard(rid)
+        self._errors.pop(rid, None)
+        self.engine.abort(rid)
 
     def generate_stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None
                         ) -> Iterator[RequestOutput]:
-        """Yield the growing output of one prompt after every step."""
+        """Yield the growing output of one prompt after every step. Bad input raises here; the request is queued
+        when the iteration starts and aborted if the iterator is closed before it finishes. Several streams may
+        be read in turns: each gets every output of its own request."""
         ids, text = self._tokenize(prompt)
-        rid = self.engine.add_request(ids, sampling_params or SamplingParams(), text)
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        self.engine.validate(ids, params)
+        return self._stream(ids, params, text)
+
+    def _stream(self, ids: list[int], params: SamplingParams, text: str | None) -> Iterator[RequestOutput]:
+        rid = self.engine.add_request(ids, params, text)
+        self._latest[rid] = None
+        self._streams.add(rid)
         try:
-            while self.engine.has_unfinished():
-                for out in self.engine.step(stream=True):
-                    if out.request_id == rid:
-                        yield out
-                        if out.finished:
-                            return
+            while True:
+                out = self._latest[rid]
+                if out is None:
+                    self._pump([rid])
+                    continue
+                self._latest[rid] = None
+                yield out
+                if out.finished:
+                    return
         finally:
-            self.engine.abort(rid)
+            self._forget(rid)
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True, **template_kwargs) -> list[RequestOutput]:
         """Apply the tokenizer's chat template to one conversation (or a list of them) and generate."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("chat needs a tokenizer with a chat template, and this model folder has none")
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        conversations = check_conversations(messages)
         prompts = [{"prompt_token_ids": self.chat_prompt_ids(c, add_generation_prompt, **template_kwargs)}
                    for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def chat_prompt_ids(self, conversation: list[dict], add_generation_prompt: bool = True, **kwargs) -> list[int]:
+        """The token ids of one checked conversation under the tokenizer's chat template."""
         text = self.tokenizer.apply_chat_template(conversation, tokenize=False,
                                                   add_generation_prompt=add_generation_prompt, **kwargs)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def get_tokenizer(self):
         return self.tokenizer
+
+
+def _is_token_id(value) -> bool:
+    """Whether `value` is an int or a numpy/torch integer (a bool is not a token id)."""
+    if isinstance(value, bool):
+        return False
+    try:
+        operator.index(value)
+        return True
+    except TypeError:
+        return False

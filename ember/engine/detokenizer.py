@@ -25,9 +25,11 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
-    def add(self, token_id: int) -> str | None:
-        """Append one token; returns the stop string if the text now contains one (the text is cut before it)."""
-        if self.tokenizer is None:
+    def add(self, token_id: int, add_text: bool = True, check_stop: bool = True) -> str | None:
+        """Append one token; returns the stop string if the text now contains one (the text is cut before it, or
+        after it with include_stop_str_in_output). `add_text=False` leaves the token's text out (a stop token);
+        `check_stop=False` looks for no stop string (min_tokens not reached yet)."""
+        if self.tokenizer is None or not add_text:
             return None
         self.token_ids.append(token_id)
         prefix = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
@@ -36,12 +38,13 @@ class IncrementalDetokenizer:
             start = len(self.text)
             self.text += full[len(prefix):]
             self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
-            return self._check_stop(start)
+            return self._check_stop(start) if check_stop else None
         return None
 
     def _check_stop(self, new_start: int) -> str | None:
         if not self.stop:
             return None
+        # only matches that end in the new text: one that ended earlier, before min_tokens, is never honoured
         search_from = max(0, new_start - self.max_stop_len + 1)
         best = None
         for s in self.stop:
@@ -53,3 +56,19 @@ class IncrementalDetokenizer:
         i, s = best
         self.text = self.text[:i + len(s)] if self.include_stop else self.text[:i]
         return s
+
+    def output_text(self, finished: bool) -> str:
+        """The text to show now. While unfinished, an end that could still grow into a stop string is held back
+        (it would be cut if it did), so that the text shown only ever grows."""
+        if finished or not self.stop or self.include_stop:
+            return self.text
+        return self.text[:len(self.text) - self._stop_prefix_len()]
+
+    def _stop_prefix_len(self) -> int:
+        """Length of the longest end of the text that is the start of some stop string."""
+        text = self.text
+        for n in range(min(self.max_stop_len - 1, len(text)), 0, -1):
+            tail = text[-n:]
+            if any(s.startswith(tail) for s in self.stop):
+                return n
+        return 0

@@ -14,11 +14,21 @@ from ember.config import EngineConfig
 from ember.engine.detokenizer import IncrementalDetokenizer
 from ember.engine.kv_manager import KVCacheCoordinator
 from ember.runner.model_runner import ModelRunner, ModelRunnerOutput
-from ember.sampling_params import SamplingParams
+from ember.sampling_params import SamplingParams, as_int
 from ember.engine.request import CompletionOutput, Logprob, Request, RequestOutput, RequestStatus
 from ember.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 
 logger = logging.getLogger("ember")
+
+
+class EngineStepError(RuntimeError):
+    """A step failed. The requests it held were aborted (each gets a final output with finish_reason "abort" from
+    the next `step()`); every other request goes on, and so does the engine."""
+
+    def __init__(self, request_ids: list[str], cause: BaseException):
+        self.request_ids = request_ids
+        super().__init__(f"a step failed with {type(cause).__name__}: {cause}; its requests {request_ids} were "
+                         f"aborted and the engine goes on serving the others")
 
 
 @dataclass
@@ -50,6 +60,7 @@ class Engine:
         self._rng = random.Random(config.model.seed)
         self._ids = itertools.count()
         self._tracked: dict[str, _Tracked] = {}
+        self._ready: list[RequestOutput] = []   # outputs made but not yet returned by step(): aborts, failures
         self._in_flight = None              # (SchedulerOutput, AsyncModelRunnerOutput) of the launched step
         self._in_flight_blocks_overlap = False
 
@@ -65,13 +76,15 @@ class Engine:
 
     # ---- requests ---------------------------------------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raise ValueError naming the value and the limit if the request cannot be served."""
+        """Raise ValueError naming the value and the limit if the request cannot be served (TypeError naming the
+        parameter for a value of the wrong type)."""
         if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+            raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__} {params!r}")
+        prompt_token_ids = token_id_list(prompt_token_ids)
         n = len(prompt_token_ids)
         if n == 0:
             raise ValueError("the prompt is empty; give at least one token")
-        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})")
         bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
@@ -84,7 +97,7 @@ class Engine:
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None,
                     request_id: str | None = None) -> str:
         """Validate and queue a request; returns its id."""
-        prompt_token_ids = list(prompt_token_ids)
+        prompt_token_ids = token_id_list(prompt_token_ids)
         self.validate(prompt_token_ids, params)
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self._tracked:
@@ -101,17 +114,24 @@ class Engine:
         return request_id
 
     def abort(self, request_id: str) -> bool:
-        """Stop a request; its blocks are freed at once. Returns whether it was found."""
+        """Stop a request and drop every trace of it at once (its blocks are freed); the next `step()` returns its
+        final output, with finish_reason "abort". Returns whether it was found unfinished."""
+        t = self._tracked.pop(request_id, None)
         found = self.scheduler.abort(request_id)
-        t = self._tracked.get(request_id)
-        if t is not None and t.finish_reason is None:
-            t.finish_reason = "abort"
-        return found
+        if t is None:
+            return found
+        t.finish_reason = "abort"
+        self._ready.append(self._output(t))
+        return True
 
     def has_unfinished(self) -> bool:
         # a step in flight holds only running requests, which the scheduler counts; once they are all finished or
         # aborted its tokens are of no use, and the next step drops them
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._ready)
+
+    def num_tracked(self) -> int:
+        """How many requests the engine holds output state for (those added and not yet finished or aborted)."""
+        return len(self._tracked)
 
     # ---- the step ---------------------------------------------------------------------------------------------
     def step(self, stream: bool = False) -> list[RequestOutput]:
@@ -130,47 +150,84 @@ class Engine:
             self.stats.host_s += time.perf_counter() - start - (self.stats.device_wait_s - waited_before)
 
     def _step(self, stream: bool) -> list[RequestOutput]:
-        outputs = []
+        # every output made goes to self._ready first, so that a failure later in the call loses none of them
         if self._in_flight is not None and self._in_flight_blocks_overlap:
-            outputs = self._resolve(stream)
+            self._resolve(stream)
         with record_function("ember.schedule"):
             out = self.scheduler.schedule()
         if out.is_empty:
-            return outputs + (self._resolve(stream) if self._in_flight is not None else [])
-        launched = self.runner.execute_async(out)
-        if self._in_flight is not None:
-            outputs += self._resolve(stream)
-        self._in_flight = (out, launched)
+            if self._in_flight is not None:
+                self._resolve(stream)
+            return self._take_ready()
+        try:
+            launched = self.runner.execute_async(out)
+        except Exception as e:
+            raise self._fail([s.request for s in out.scheduled], e) from e
+        # the new step is in flight before the previous one is processed, so that a failure there loses neither
+        previous, self._in_flight = self._in_flight, (out, launched)
         # penalties read every output token on the device, so the next step must wait for this one's
         self._in_flight_blocks_overlap = any(s.request.sampling_params.uses_penalties for s in out.scheduled)
+        if previous is not None:
+            self._process(previous, stream)
         if not self.config.scheduler.async_scheduling:
-            outputs += self._resolve(stream)
-        return outputs
+            self._resolve(stream)
+        return self._take_ready()
 
-    def _resolve(self, stream: bool) -> list[RequestOutput]:
+    def _take_ready(self) -> list[RequestOutput]:
+        ready, self._ready = self._ready, []
+        return ready
+
+    def _fail(self, requests: list[Request], error: BaseException) -> EngineStepError:
+        """Abort the requests of a failed step that are still unfinished; the error to raise names them."""
+        failed = []
+        for req in requests:
+            t = self._tracked.get(req.request_id)
+            if t is not None and t.request is req:    # not finished, aborted or replaced under the same id
+                self.abort(req.request_id)
+                failed.append(req.request_id)
+        logger.error("a step failed (%s: %s); aborted requests %s", type(error).__name__, error, failed)
+        return EngineStepError(failed, error)
+
+    def _resolve(self, stream: bool) -> None:
         """Wait for the step in flight and process its tokens."""
-        out, launched = self._in_flight
-        self._in_flight = None
+        step, self._in_flight = self._in_flight, None
+        self._process(step, stream)
+
+    def _process(self, step, stream: bool) -> None:
+        """Wait for a launched step and process its tokens; a failure aborts the step's requests."""
+        out, launched = step
         start = time.perf_counter()
-        result = launched.result()
+        try:
+            result = launched.result()
+        except Exception as e:
+            raise self._fail([s.request for s in out.scheduled], e) from e
         self.stats.device_wait_s += time.perf_counter() - start
         with record_function("ember.update"):
-            return self._update(out, result, stream)
+            self._update(out, result, stream)
 
-    def _update(self, out: SchedulerOutput, result: ModelRunnerOutput, stream: bool) -> list[RequestOutput]:
+    def _update(self, out: SchedulerOutput, result: ModelRunnerOutput, stream: bool) -> None:
         sampled = {s.request.request_id: tok for s, tok in zip(out.scheduled, result.sampled_token_ids) if s.samples}
-        updated = self.scheduler.update(out, sampled)
+        try:
+            updated = self.scheduler.update(out, sampled)
+        except Exception as e:
+            raise self._fail([s.request for s in out.scheduled], e) from e
         row_of = {s.request.request_id: i for i, s in enumerate(out.scheduled)}
-        outputs = []
+        failed, error = [], None
         for req in updated:
-            t = self._tracked[req.request_id]
-            self._record_logprobs(t, result, row_of[req.request_id])
-            self._check_stop(t)
-            if stream or t.finish_reason is not None:
-                outputs.append(self._output(t))
-            if t.finish_reason is not None:
-                del self._tracked[req.request_id]
-        return outputs
+            # one request's failure (a tokenizer error, say) aborts that request only
+            try:
+                t = self._tracked[req.request_id]
+                self._record_logprobs(t, result, row_of[req.request_id])
+                self._check_stop(t)
+                if stream or t.finish_reason is not None:
+                    self._ready.append(self._output(t))
+                if t.finish_reason is not None:
+                    del self._tracked[req.request_id]
+            except Exception as e:
+                failed.append(req)
+                error = e
+        if failed:
+            raise self._fail(failed, error) from error
 
     def _record_logprobs(self, t: _Tracked, result: ModelRunnerOutput, row: int) -> None:
         n = t.request.sampling_params.logprobs
@@ -187,15 +244,18 @@ class Engine:
         req, p = t.request, t.request.sampling_params
         token = req.output_token_ids[-1]
         num_out = len(req.output_token_ids)
-        stop_str = t.detokenizer.add(token)
+        may_stop = num_out >= p.min_tokens
+        stop_token = may_stop and (token in p.stop_token_ids or (not p.ignore_eos and token in req.eos_token_ids))
+        # as in vLLM, a stop token's text is left out of the text unless include_stop_str_in_output asks for it;
+        # stop strings are looked for only once min_tokens is reached, so one that ends earlier is never cut
+        stop_str = t.detokenizer.add(token, add_text=not stop_token or p.include_stop_str_in_output,
+                                     check_stop=may_stop)
         status = None
-        if num_out >= p.min_tokens:
-            if token in p.stop_token_ids:
-                status, t.stop_reason = RequestStatus.FINISHED_STOPPED, token
-            elif not p.ignore_eos and token in req.eos_token_ids:
-                status = RequestStatus.FINISHED_STOPPED
-            elif stop_str is not None:
-                status, t.stop_reason = RequestStatus.FINISHED_STOPPED, stop_str
+        if stop_token:
+            status = RequestStatus.FINISHED_STOPPED
+            t.stop_reason = token if token in p.stop_token_ids else None
+        elif stop_str is not None:
+            status, t.stop_reason = RequestStatus.FINISHED_STOPPED, stop_str
         if status is None and (num_out >= req.max_tokens or req.num_tokens >= self.max_model_len):
             status = RequestStatus.FINISHED_LENGTH
         if status is not None:
@@ -204,7 +264,8 @@ class Engine:
 
     def _output(self, t: _Tracked) -> RequestOutput:
         req = t.request
-        completion = CompletionOutput(0, t.detokenizer.text, list(req.output_token_ids), t.cumulative_logprob,
+        completion = CompletionOutput(0, t.detokenizer.output_text(t.finish_reason is not None),
+                                      list(req.output_token_ids), t.cumulative_logprob,
                                       list(t.logprobs) if t.logprobs is not None else None,
                                       t.finish_reason, t.stop_reason)
         return RequestOutput(req.request_id, t.prompt, req.prompt_token_ids, [completion],
@@ -231,3 +292,10 @@ class Engine:
     @property
     def stats(self):
         return self.scheduler.stats
+
+
+def token_id_list(ids) -> list[int]:
+    """A prompt's token ids as a list of Python ints; numpy and torch integers count (TypeError otherwise)."""
+    if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+        raise TypeError(f"prompt_token_ids must be a list of int, got {type(ids).__name__} {ids!r}")
+    return [as_int("prompt_token_ids entry", t) for t in ids]

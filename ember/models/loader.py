@@ -34,7 +34,10 @@ def load_config(path: str | Path):
         raise CheckpointError(f"model folder {str(path)!r} has no config.json; point to a folder saved with "
                               f"save_pretrained (or downloaded from the Hub)")
     from transformers import AutoConfig
-    return AutoConfig.from_pretrained(path)
+    try:
+        return AutoConfig.from_pretrained(path)
+    except (OSError, ValueError, KeyError) as e:
+        raise CheckpointError(f"{str(path / 'config.json')!r} cannot be read as a model config: {e}") from None
 
 
 def checkpoint_files(path: str | Path) -> list[Path]:
@@ -113,7 +116,6 @@ def _target_of(name: str, packed_modules: dict[str, list[str]]) -> tuple[str, in
 def _plan(model: nn.Module, config, files: list[Path]) -> dict[str, tuple[Path, str, int | None]]:
     """Read only the headers: map every needed checkpoint tensor to its destination, or raise naming what is
     missing or unexpected before any data is read."""
-    from safetensors import safe_open
 
     packed = getattr(model, "packed_modules", {})
     params = dict(model.named_parameters())
@@ -122,7 +124,7 @@ def _plan(model: nn.Module, config, files: list[Path]) -> dict[str, tuple[Path, 
     plan: dict[str, tuple[Path, str, int | None]] = {}
     unexpected: list[str] = []
     for file in files:
-        with safe_open(file, framework="pt") as f:
+        with _open_safetensors(file) as f:
             for name in f.keys():
                 target, shard_id = _target_of(name, packed)
                 if target in params:
@@ -158,7 +160,6 @@ def _plan(model: nn.Module, config, files: list[Path]) -> dict[str, tuple[Path, 
 
 def load_weights(model: nn.Module, config, files: list[Path], device: torch.device, progress: bool = True) -> None:
     """Fill a meta-built model from safetensors files, shard by shard, with a progress bar."""
-    from safetensors import safe_open
     from tqdm.auto import tqdm
 
     plan = _plan(model, config, files)
@@ -166,10 +167,25 @@ def load_weights(model: nn.Module, config, files: list[Path], device: torch.devi
     for name, (file, _, _) in plan.items():
         by_file.setdefault(file, []).append(name)
     for file in tqdm(files, desc="Loading safetensors shards", unit="shard", disable=not progress):
-        with safe_open(file, framework="pt") as f:
+        with _open_safetensors(file) as f:
             for name in by_file.get(file, []):
                 _, target, shard_id = plan[name]
-                _load_tensor(model, name, target, shard_id, f.get_tensor(name), device)
+                try:
+                    loaded = f.get_tensor(name)
+                except Exception as e:
+                    raise CheckpointError(f"tensor {name!r} of {str(file)!r} cannot be read ({e}); the file is "
+                                          f"truncated or corrupt") from None
+                _load_tensor(model, name, target, shard_id, loaded, device)
+
+
+def _open_safetensors(file: Path):
+    """`safe_open` of one file; a file that is empty, truncated or not safetensors is an error naming it."""
+    from safetensors import safe_open
+    try:
+        return safe_open(file, framework="pt")
+    except Exception as e:
+        raise CheckpointError(f"{str(file)!r} cannot be read as safetensors ({e}); the file is empty, truncated "
+                              f"or corrupt") from None
 
 
 def _load_tensor(model: nn.Module, name: str, target: str, shard_id: int | None, loaded: torch.Tensor,

@@ -104,7 +104,10 @@ def test_abort_and_stop_conditions(tiny_llama):
     rid = llm.engine.add_request(PROMPTS[1], GREEDY)
     llm.engine.step()
     assert llm.engine.abort(rid)
-    assert not llm.engine.has_unfinished() and llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks - 1
+    assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks - 1 and llm.engine.num_tracked() == 0
+    final = llm.engine.step()          # the abort's final output comes with the next step
+    assert [(o.request_id, o.finished, o.outputs[0].finish_reason) for o in final] == [(rid, True, "abort")]
+    assert not llm.engine.has_unfinished() and not llm.engine.abort(rid)
 
 
 def test_seeded_sampling_is_reproducible_across_batches(tiny_llama):

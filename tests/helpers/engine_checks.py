@@ -1,0 +1,25 @@
+"""Checks that an engine holds nothing of requests that are gone: no output state, no queued or running request,
+no block in use, no per-request block lists."""
+
+from __future__ import annotations
+
+
+def assert_engine_holds_nothing(engine) -> None:
+    """Every request has finished or been aborted: the engine must hold no trace of any of them."""
+    assert engine.num_tracked() == 0, f"{engine.num_tracked()} requests still tracked"
+    s = engine.scheduler
+    assert not s.waiting and not s.running and not s.requests, (list(s.waiting), s.running, list(s.requests))
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks - 1, \
+        f"{engine.kv.num_blocks - 1 - engine.kv.num_free_blocks} blocks still in use"
+    for manager in engine.kv.managers:
+        assert not manager.req_blocks and not manager.req_hashes and not manager.req_num_published
+
+
+def drain(engine) -> list:
+    """Step until the engine has nothing left; returns every output it gave."""
+    outputs = []
+    for _ in range(10_000):
+        if not engine.has_unfinished():
+            return outputs
+        outputs += engine.step()
+    raise AssertionError("the engine did not finish within 10000 steps")
