@@ -37,7 +37,15 @@ def check_conversations(messages) -> list[list[dict]]:
             raise ValueError(f"{where} is empty; give at least one message")
         for i, message in enumerate(conversation):
             _check_message(message, f"message {i} of {where}")
-    return [list(c) for c in conversations]
+    return [[_flatten(m) for m in c] for c in conversations]
+
+
+def _flatten(message: dict) -> dict:
+    """A message whose content is a list of text parts, with the parts joined into one string (as vLLM does for
+    chat templates that expect a string)."""
+    if not isinstance(message["content"], list):
+        return message
+    return {**message, "content": "\n".join(part["text"] for part in message["content"])}
 
 
 def _check_message(message, where: str) -> None:

@@ -45,10 +45,9 @@ class IncrementalDetokenizer:
         if not self.stop:
             return None
         # only matches that end in the new text: one that ended earlier, before min_tokens, is never honoured
-        search_from = max(0, new_start - self.max_stop_len + 1)
         best = None
         for s in self.stop:
-            i = self.text.find(s, search_from)
+            i = self.text.find(s, max(0, new_start - len(s) + 1))
             if i != -1 and (best is None or i < best[0]):
                 best = (i, s)
         if best is None:

@@ -112,3 +112,21 @@ def test_stop_token_ids_outside_the_vocabulary(llm, min_tokens):
         llm.generate([good, good], [GREEDY, bad], use_tqdm=False)
     assert not llm.engine.has_unfinished()
     assert len(llm.generate(good, GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 4
+
+
+@pytest.mark.parametrize("damage", ["empty", "truncated", "corrupt"])
+def test_damaged_safetensors_name_the_file(tmp_path, folder, damage):
+    (tmp_path / "config.json").write_text((folder / "config.json").read_text())
+    data = (folder / "model.safetensors").read_bytes()
+    data = {"empty": b"", "truncated": data[:len(data) // 2], "corrupt": b"\xff" * 64 + data[64:]}[damage]
+    (tmp_path / "model.safetensors").write_bytes(data)
+    with pytest.raises(ValueError, match=rf"{tmp_path / 'model.safetensors'}.*(truncated or corrupt)"):
+        LLM(str(tmp_path), device="cpu")
+
+
+@pytest.mark.parametrize("text", ["{not json", "", "[1, 2]"])
+def test_invalid_config_json_names_the_file(tmp_path, folder, text):
+    (tmp_path / "config.json").write_text(text)
+    (tmp_path / "model.safetensors").write_bytes((folder / "model.safetensors").read_bytes())
+    with pytest.raises(ValueError, match=rf"{tmp_path / 'config.json'}.* cannot be read as a model config"):
+        LLM(str(tmp_path), device="cpu")
