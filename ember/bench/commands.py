@@ -122,7 +122,8 @@ def _latency_iteration(engine, prompts: list[list[int]], params) -> tuple[list[f
         if len(first) == len(ids):   # every request had its first token before this step: a pure decode step
             decode_steps.append(now - last)
         for out in outputs:
-            first.setdefault(out.request_id, now - start)
+            if out.request_id in ids:     # not the final output of a request aborted earlier
+                first.setdefault(out.request_id, now - start)
         last = now
     return [first[i] for i in ids], decode_steps, last - start
 

@@ -11,8 +11,12 @@ def assert_engine_holds_nothing(engine) -> None:
     assert not s.waiting and not s.running and not s.requests, (list(s.waiting), s.running, list(s.requests))
     assert engine.kv.num_free_blocks == engine.kv.num_blocks - 1, \
         f"{engine.kv.num_blocks - 1 - engine.kv.num_free_blocks} blocks still in use"
-    for manager in engine.kv.managers:
-        assert not manager.req_blocks and not manager.req_hashes and not manager.req_num_published
+    for owner in (engine.kv, *engine.kv.managers):
+        per_request = {name: value for name, value in vars(owner).items()
+                       if name.startswith("req_") and isinstance(value, dict)}
+        assert per_request, f"{type(owner).__name__} keeps no per-request table to check"
+        for name, table in per_request.items():
+            assert not table, f"{type(owner).__name__}.{name} still holds {list(table)}"
 
 
 def drain(engine) -> list:
