@@ -70,3 +70,26 @@ def test_max_model_len_beyond_the_global_layers_cache_names_both(tmp_path):
     with pytest.raises(ValueError, match="max_model_len 512 exceeds the KV cache capacity of 128 tokens"):
         LLM(str(tmp_path), device="cpu", block_size=8, num_kv_blocks=20, max_num_batched_tokens=16,
             max_model_len=512)
+
+
+@pytest.mark.slow   # about a minute each in the interpreter
+@pytest.mark.parametrize("backend, block_size, prompts", [
+    ("triton_unified", 8, PROMPTS),
+    ("flash", 64, [list(range(3, 80)), [5, 17, 300], list(range(100, 180))]),   # flash pages are 64 tokens
+])
+def test_triton_backends_serve_the_groups_like_the_reference(backend, block_size, prompts, tmp_path, monkeypatch):
+    """Local blocks released and reused by other requests stay in the device block table before the window: the
+    kernels' narrowed loops never read them unmasked."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    random_hf_model(tiny_config("gemma2")).save_pretrained(tmp_path)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    # a pool that cannot hold every request's whole history: local blocks are released and handed on
+    num_blocks = 24 if block_size == 8 else 6
+    common = dict(device="cpu", block_size=block_size, max_num_batched_tokens=16, num_kv_blocks=num_blocks,
+                  max_model_len=128)
+    requests = [{"prompt_token_ids": p} for p in prompts]
+    ref = LLM(str(tmp_path), attention_backend="torch_ref", **common).generate(requests, params, use_tqdm=False)
+    llm = LLM(str(tmp_path), attention_backend=backend, **common)
+    assert [b.name for b in llm.engine.runner.attn.backends] == [backend, backend]
+    got = llm.generate(requests, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
