@@ -1,8 +1,9 @@
 """One engine step per batch bucket and CUDA-graph mode on the Qwen3-0.6B config (random bf16 weights), each
 beside its memory roofline: the step's weights plus the KV it attends to, over the measured copy bandwidth.
 
-Steps are built by hand (requests with allocated blocks and a computed context) and handed to
-`ModelRunner.execute`, which returns host data, so a call's wall time is the step's time.
+Steps are built by hand as `StepInput`s (requests with allocated blocks and a computed context): the requests
+enter the runner's table once, then the timed step schedules them as running requests. `ModelRunner.execute`
+returns host data, so a call's wall time is the step's time.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from ember import LLM, SamplingParams
 from ember.bench.commands import model_bytes
 from ember.bench.roofline import measure_copy_bandwidth, step_bytes
 from ember.engine.request import Request, RequestStatus
-from ember.engine.scheduler import ScheduledRequest, SchedulerOutput
+from ember.runner.step_input import NewRequest, RunningRequest, StepInput
 
 try:   # benches/ as a plain folder of files, or as a package
     from workloads import STEP_BATCH_SIZES, STEP_CONTEXT_LEN, STEP_PREFILL_LEN
@@ -68,23 +69,34 @@ def llm(request, bandwidth):
     torch.cuda.empty_cache()
 
 
-def _request(kv, index: int, context_len: int, decode: bool) -> ScheduledRequest:
-    """A running request with `context_len` tokens already cached (decode), or a fresh prompt of that length."""
+def _request(kv, index: int, context_len: int, decode: bool) -> tuple[Request, NewRequest, int]:
+    """A running request with `context_len` tokens already cached (decode), or a fresh prompt of that length;
+    returns it, its arrival in the runner's table and its query length."""
     prompt = [(index * 7919 + i) % 10_000 for i in range(context_len)]
-    req = Request(f"step-{index}", prompt, SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=1 << 20),
-                  output_token_ids=[index % 10_000] if decode else [], status=RequestStatus.RUNNING)
+    params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=1 << 20)
+    output = [index % 10_000] if decode else []
+    req = Request(f"step-{index}", prompt, params, output_token_ids=output, status=RequestStatus.RUNNING)
     if not kv.try_allocate(req, req.num_tokens):
         raise ValueError(f"{req.num_tokens} tokens do not fit in {NUM_KV_BLOCKS} KV blocks; raise NUM_KV_BLOCKS")
-    if decode:
-        req.num_computed_tokens = context_len
-        return ScheduledRequest(req, context_len, 1, kv.block_ids(req))
-    return ScheduledRequest(req, 0, context_len, kv.block_ids(req))
+    blocks = tuple(tuple(b) for b in kv.block_ids(req))
+    computed = context_len if decode else 0
+    new = NewRequest(req.request_id, tuple(prompt), params, index, blocks, computed, tuple(output))
+    return req, new, 1 if decode else context_len
 
 
-def _step(kv, num_decodes: int, prefill_len: int) -> SchedulerOutput:
-    decodes = [_request(kv, i, STEP_CONTEXT_LEN, True) for i in range(num_decodes)]
-    prefills = [_request(kv, num_decodes, prefill_len, False)] if prefill_len else []
-    return SchedulerOutput(tuple(decodes + prefills), num_decodes)
+def _steps(kv, num_decodes: int, prefill_len: int) -> tuple[list[Request], StepInput, StepInput]:
+    """The requests, the step that adds them to the runner's table, and the step that runs them again."""
+    made = [_request(kv, i, STEP_CONTEXT_LEN, True) for i in range(num_decodes)]
+    if prefill_len:
+        made.append(_request(kv, num_decodes, prefill_len, False))
+    ids = tuple(n.req_id for _, n, _ in made)
+    lens = tuple(q for *_, q in made)
+    arrive = StepInput(new_requests=tuple(n for _, n, _ in made), req_ids=ids, num_scheduled_tokens=lens,
+                       num_decodes=num_decodes)
+    again = StepInput(running_requests=tuple(RunningRequest(n.req_id, n.num_computed_tokens, ((),) * len(n.block_ids))
+                                             for _, n, _ in made),
+                      req_ids=ids, num_scheduled_tokens=lens, num_decodes=num_decodes)
+    return [r for r, _, _ in made], arrive, again
 
 
 @pytest.mark.parametrize("kind", ["decode", "mixed"])
@@ -93,13 +105,15 @@ def test_step(benchmark, llm, bandwidth, batch_size, kind, capsys):
     mode, engine = llm
     kv, runner = engine.engine.kv, engine.engine.runner
     prefill_len = STEP_PREFILL_LEN if kind == "mixed" else 0
-    out = _step(kv, batch_size, prefill_len)
+    reqs, arrive, again = _steps(kv, batch_size, prefill_len)
     try:
-        sampled = benchmark.pedantic(runner.execute, args=(out,), rounds=30, iterations=1, warmup_rounds=5)
+        runner.execute(arrive)
+        sampled = benchmark.pedantic(runner.execute, args=(again,), rounds=30, iterations=1, warmup_rounds=5)
     finally:
-        for s in out.scheduled:
-            kv.free(s.request)
-    assert len(sampled.sampled_token_ids) == len(out.scheduled)
+        runner.update_table(StepInput(finished_ids=arrive.req_ids))
+        for r in reqs:
+            kv.free(r)
+    assert len(sampled.sampled_token_ids) == arrive.num_reqs
     assert all(0 <= t < runner.vocab_size for t in sampled.sampled_token_ids)
     if benchmark.stats is None:   # --benchmark-disable: the step ran once, untimed
         return
@@ -108,8 +122,8 @@ def test_step(benchmark, llm, bandwidth, batch_size, kind, capsys):
     contexts = [STEP_CONTEXT_LEN + 1] * batch_size + ([prefill_len] if prefill_len else [])
     floor_s = step_bytes(weight_bytes, kv_token_bytes, contexts) / bandwidth
     median_s = benchmark.stats.stats.median
-    benchmark.extra_info.update(mode=mode, num_tokens=out.total_num_tokens, roofline_s=floor_s,
+    benchmark.extra_info.update(mode=mode, num_tokens=again.total_num_tokens, roofline_s=floor_s,
                                 pct_of_roofline=100 * floor_s / median_s, bandwidth_gb_s=bandwidth / 1e9)
     with capsys.disabled():
-        print(f"\n  step {mode:10s} {kind:6s} batch {batch_size:3d} ({out.total_num_tokens:4d} tokens): "
+        print(f"\n  step {mode:10s} {kind:6s} batch {batch_size:3d} ({again.total_num_tokens:4d} tokens): "
               f"{median_s * 1e3:7.3f} ms, roofline {floor_s * 1e3:6.3f} ms ({100 * floor_s / median_s:5.1f}%)")

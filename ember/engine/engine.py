@@ -14,9 +14,10 @@ from ember.config import EngineConfig
 from ember.engine.detokenizer import IncrementalDetokenizer
 from ember.engine.kv_manager import KVCacheCoordinator
 from ember.runner.model_runner import ModelRunner, ModelRunnerOutput
+from ember.runner.step_input import NewRequest, StepInput
 from ember.sampling_params import SamplingParams, as_int
 from ember.engine.request import CompletionOutput, Logprob, Request, RequestOutput, RequestStatus
-from ember.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
+from ember.engine.scheduler import Scheduler, SchedulerOutput
 
 logger = logging.getLogger("ember")
 
@@ -62,7 +63,6 @@ class Engine:
         self._tracked: dict[str, _Tracked] = {}
         self._ready: list[RequestOutput] = []   # outputs made but not yet returned by step(): aborts, failures
         self._in_flight = None              # (SchedulerOutput, AsyncModelRunnerOutput) of the launched step
-        self._in_flight_blocks_overlap = False
 
     def _eos_ids(self) -> tuple[int, ...]:
         ids: set[int] = set()
@@ -151,22 +151,20 @@ class Engine:
 
     def _step(self, stream: bool) -> list[RequestOutput]:
         # every output made goes to self._ready first, so that a failure later in the call loses none of them
-        if self._in_flight is not None and self._in_flight_blocks_overlap:
-            self._resolve(stream)
         with record_function("ember.schedule"):
             out = self.scheduler.schedule()
         if out.is_empty:
+            if out.step.finished_ids:     # the runner drops their rows
+                self.runner.update_table(out.step)
             if self._in_flight is not None:
                 self._resolve(stream)
             return self._take_ready()
         try:
-            launched = self.runner.execute_async(out)
+            launched = self.runner.execute_async(out.step)
         except Exception as e:
             raise self._fail([s.request for s in out.scheduled], e) from e
         # the new step is in flight before the previous one is processed, so that a failure there loses neither
         previous, self._in_flight = self._in_flight, (out, launched)
-        # penalties read every output token on the device, so the next step must wait for this one's
-        self._in_flight_blocks_overlap = any(s.request.sampling_params.uses_penalties for s in out.scheduled)
         if previous is not None:
             self._process(previous, stream)
         if not self.config.scheduler.async_scheduling:
@@ -284,8 +282,12 @@ class Engine:
         if not self.kv.try_allocate(req, len(token_ids)):
             raise ValueError(f"{len(token_ids)} tokens do not fit in the KV cache")
         try:
-            sched = ScheduledRequest(req, 0, len(token_ids), self.kv.block_ids(req), samples=True)
-            return self.runner.all_logits(SchedulerOutput((sched,), 1 if len(token_ids) == 1 else 0))
+            blocks = tuple(tuple(b) for b in self.kv.block_ids(req))
+            step = StepInput(new_requests=(NewRequest(req.request_id, tuple(token_ids), req.sampling_params, 0,
+                                                      blocks, 0),),
+                             req_ids=(req.request_id,), num_scheduled_tokens=(len(token_ids),),
+                             num_decodes=1 if len(token_ids) == 1 else 0)
+            return self.runner.all_logits(step)
         finally:
             self.kv.free(req)
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from ember.config import SchedulerConfig
 from ember.engine.kv_manager import KVCacheCoordinator
 from ember.engine.request import Request, RequestStatus
+from ember.runner.step_input import NewRequest, RunningRequest, StepInput
 
 
 @dataclass(frozen=True)
@@ -31,10 +32,11 @@ class ScheduledRequest:
 
 @dataclass(frozen=True)
 class SchedulerOutput:
-    """One step's batch: decodes (single-token queries) first, then prefills."""
+    """One step's batch: decodes (single-token queries) first, then prefills; `step` is what the runner gets."""
     scheduled: tuple[ScheduledRequest, ...]
     num_decodes: int
     preempted_ids: tuple[str, ...] = ()
+    step: StepInput = StepInput()
 
     @property
     def total_num_tokens(self) -> int:
@@ -67,6 +69,9 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.stats = SchedulerStats()
+        # what the runner has been told: blocks sent per running request and group, and ids to drop from its table
+        self._sent_blocks: dict[str, list[int]] = {}
+        self._finished_ids: list[str] = []
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -81,6 +86,8 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
+        new_reqs: list[NewRequest] = []
+        running_reqs: list[RunningRequest] = []
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -96,6 +103,7 @@ class Scheduler:
                 if victim is req:
                     break
             else:
+                running_reqs.append(RunningRequest(req.request_id, req.num_computed_tokens, self._new_blocks(req)))
                 scheduled.append(self._schedule(req, num_new))
                 budget -= num_new
                 i += 1
@@ -117,13 +125,42 @@ class Scheduler:
             req.num_cached_prompt_tokens = num_cached_tokens
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+            new_reqs.append(self._new_request(req))
             scheduled.append(self._schedule(req, num_new))
             budget -= num_new
 
         decodes = [s for s in scheduled if s.num_new_tokens == 1]
         prefills = [s for s in scheduled if s.num_new_tokens != 1]
+        ordered = tuple(decodes + prefills)
         self.stats.num_steps += 1
-        return SchedulerOutput(tuple(decodes + prefills), len(decodes), tuple(preempted))
+        step = StepInput(tuple(new_reqs), tuple(running_reqs), tuple(self._finished_ids),
+                         tuple(s.request.request_id for s in ordered), tuple(s.num_new_tokens for s in ordered),
+                         len(decodes))
+        self._finished_ids.clear()
+        return SchedulerOutput(ordered, len(decodes), tuple(preempted), step)
+
+    def _new_request(self, req: Request) -> NewRequest:
+        """The runner's first view of a request (again, after a preemption: with the tokens it generated)."""
+        blocks = self.kv.block_ids(req)
+        self._sent_blocks[req.request_id] = [len(b) for b in blocks]
+        return NewRequest(req.request_id, tuple(req.prompt_token_ids), req.sampling_params, req.sampling_seed,
+                          tuple(tuple(b) for b in blocks), req.num_computed_tokens, tuple(req.output_token_ids),
+                          req.eos_token_ids)
+
+    def _new_blocks(self, req: Request) -> tuple[tuple[int, ...], ...]:
+        """Per group, the blocks the request gained since the runner last heard of it."""
+        sent = self._sent_blocks[req.request_id]
+        blocks = self.kv.block_ids(req)
+        new = []
+        for g, b in enumerate(blocks):
+            new.append(tuple(b[sent[g]:]) if len(b) > sent[g] else ())
+            sent[g] = len(b)
+        return tuple(new)
+
+    def _forget(self, req: Request) -> None:
+        """The runner drops the request's row at the next step."""
+        if self._sent_blocks.pop(req.request_id, None) is not None:
+            self._finished_ids.append(req.request_id)
 
     def _last_token_in_flight(self, req: Request) -> bool:
         """Whether the token a step in flight samples for `req` reaches its max_tokens or max_model_len."""
@@ -140,6 +177,7 @@ class Scheduler:
         return s
 
     def _preempt(self, req: Request) -> None:
+        self._forget(req)
         self.kv.free(req)
         req.num_computed_tokens = 0
         req.num_pending = 0      # a token in flight is dropped; recomputation samples it again (same seed, counter)
@@ -172,6 +210,7 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         req.status = status
+        self._forget(req)
         self.kv.free(req)
         self.requests.pop(req.request_id, None)
 

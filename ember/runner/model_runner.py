@@ -1,5 +1,10 @@
 """Coordinates one device: load the model, compile it, profile memory, allocate the KV cache, capture CUDA graphs,
-and run `execute(SchedulerOutput) -> ModelRunnerOutput` with one device-to-host copy per step."""
+and run `execute(StepInput) -> ModelRunnerOutput` with one device-to-host copy per step.
+
+Each step: the `StepInput`'s deltas go into the request table and the batch layout into one packed upload; one
+host-to-device copy moves them; the table scatters its writes; the prepare-inputs kernel fills the persistent input
+buffers from the table; forward; the sampler reads its parameters from the table and writes the sampled tokens back
+into it, where the next step (possibly launched before this one's tokens reach the host) reads them."""
 
 from __future__ import annotations
 
@@ -7,6 +12,7 @@ import logging
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch.profiler import record_function
 
@@ -18,12 +24,15 @@ from ember.graphs.cuda_graph import CUDAGraphManager
 from ember.graphs.dispatcher import CudaGraphDispatcher, resolve_modes
 from ember.graphs.modes import BatchDescriptor, CUDAGraphMode
 from ember.models.loader import load_config, load_model, random_model
-from ember.runner.input_batch import InputBatch, PreparedBatch
 from ember.kv_spec import blocks_per_request
+from ember.runner.input_batch import BatchLayout, InputBatch, PreparedBatch
 from ember.runner.kv_cache_setup import allocate_kv_caches, make_builders, select_backends
-from ember.sampling_params import SamplingParams
+from ember.runner.request_table import RequestTable
 from ember.runner.sampler import Sampler, SamplingMetadata
-from ember.engine.scheduler import SchedulerOutput
+from ember.runner.sampling_inputs import SamplingPlan, plan_sampling, sampling_metadata
+from ember.runner.step_input import NewRequest, StepInput
+from ember.runner.upload import PackedUpload
+from ember.sampling_params import SamplingParams
 
 logger = logging.getLogger("ember")
 
@@ -38,6 +47,17 @@ class ModelRunnerOutput:
     logprob_token_ids: list[list[int]] | None = None
     logprobs: list[list[float]] | None = None
     ranks: list[int] | None = None
+
+
+@dataclass(frozen=True)
+class PreparedStep:
+    """A step ready to run: its inputs in the persistent buffers, its graph mode, its sampling plan."""
+    batch: PreparedBatch
+    mode: CUDAGraphMode
+    desc: BatchDescriptor | None
+    plan: SamplingPlan
+    sample_index: tuple[int, int]      # upload segment: flat token_ids index each row's sampled token goes to
+    buf: torch.Tensor                  # the step's flushed upload
 
 
 @dataclass
@@ -76,24 +96,23 @@ class ModelRunner:
                                               self.modes.support)
         # buffers are sized for the longest context the model allows; the KV cache may cap it lower below
         upper_len = config.model.max_model_len or self.model_max_len()
+        self.table = RequestTable(len(self.attn.groups), cc.block_size, self.max_num_reqs, upper_len,
+                                  self.vocab_size, self.device)
         # a tail of KV-sharing layers runs on the logits tokens only, with metadata of its own (one query per
         # request) from builders of its own; eager only for now: compiled pieces and CUDA graphs see one token count
         has_tail = bool(getattr(self.model, "skips_prefill", False))
-        self.skip_prefill = (has_tail and self.modes.compile_mode == "none"
-                             and self.modes.cudagraph_mode == CUDAGraphMode.NONE)
+        self.skip_prefill = has_tail and self.modes.compile_mode == "none" and not self.capture_sizes
         if has_tail and not self.skip_prefill:
             logger.info("KV-sharing layers run on every token: the prefill skip needs eager mode (compile_mode "
                         "'none', no CUDA graphs)")
-        self.input_batch = InputBatch(len(self.attn.groups), cc.block_size, self.max_num_reqs, self.max_num_tokens,
-                                      upper_len, self.device, tail_metadata=has_tail)
+        self.input_batch = InputBatch(len(self.attn.groups), self.max_num_reqs, self.max_num_tokens,
+                                      self.table.max_blocks, self.device, tail_metadata=has_tail)
+        self.upload = PackedUpload(4 * self.max_num_tokens + 16 * self.max_num_reqs + 1024, self.device)
         builder_args = (self.attn, self.dtype, self.device, self.max_num_reqs, self.max_num_tokens, upper_len,
                         self.capture_sizes, config.attention_backend_options)
         self.builders = make_builders(*builder_args)
         self.tail_builders = make_builders(*builder_args) if has_tail else []
         self.sampler = Sampler()
-        # the last launched step's sampled tokens on the device, and each sampling request's row in them
-        self._prev_sampled: torch.Tensor | None = None
-        self._prev_rows: dict[str, int] | None = None
         self.graphs = (CUDAGraphManager(self.device, lazy=config.compile.cudagraph_capture == "lazy")
                        if self.modes.cudagraph_mode != CUDAGraphMode.NONE else None)
         self.forward_fn = self._build_forward()
@@ -171,8 +190,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         # on the CPU there is no memory to measure: a small step suffices to compile
         num_tokens = self.max_num_tokens if cuda else min(self.max_num_tokens, 64)
-        batch = self.input_batch.prepare_dummy(num_tokens, self.max_num_reqs, uniform_decode=False)
-        hidden = self._run(batch, skip=self.skip_prefill)
+        hidden = self._dummy_forward(num_tokens, self.max_num_reqs, skip=self.skip_prefill)
         stats = self.compile_stats
         if stats is not None:
             self.times.compile_s = stats.seconds
@@ -243,9 +261,7 @@ class ModelRunner:
     def _capture(self) -> None:
         def run_step(mode: CUDAGraphMode, desc: BatchDescriptor) -> None:
             num_reqs = desc.num_reqs if desc.uniform_decode else 1
-            batch = self.input_batch.prepare_dummy(desc.num_tokens, num_reqs, desc.uniform_decode,
-                                                   desc.padded_num_reqs(num_reqs))
-            self._run(batch, mode, desc)
+            self._dummy_forward(desc.num_tokens, num_reqs, mode, desc)
 
         captures = self.dispatcher.capture_list()
         if self.graphs.lazy:
@@ -255,49 +271,129 @@ class ModelRunner:
         self.times.capture_s = report.seconds
         self.times.graph_memory_bytes = report.memory_bytes
 
+    def _dummy_forward(self, num_tokens: int, num_reqs: int, mode: CUDAGraphMode = CUDAGraphMode.NONE,
+                       desc: BatchDescriptor | None = None, skip: bool = False) -> torch.Tensor:
+        """Run a step of the given shape for warm-up, profiling or capture: requests of token 0 whose blocks are
+        all the null block, added to the table and dropped again. Returns the hidden states."""
+        width = self.table.max_model_len
+        num_reqs = max(1, min(num_reqs, num_tokens), -(-num_tokens // width))
+        per_req, extra = divmod(num_tokens, num_reqs)
+        lens = [per_req + (r < extra) for r in range(num_reqs)]
+        bs, groups = self.config.cache.block_size, len(self.attn.groups)
+        new = tuple(NewRequest(f"__dummy_{r}__", (0,) * n, _DUMMY_PARAMS, 0, ((0,) * -(-n // bs),) * groups, 0)
+                    for r, n in enumerate(lens))
+        # single-token queries (decodes) lead the batch
+        lens_sorted = sorted(range(num_reqs), key=lambda r: lens[r] != 1)
+        step = StepInput(new_requests=new, req_ids=tuple(new[r].req_id for r in lens_sorted),
+                         num_scheduled_tokens=tuple(lens[r] for r in lens_sorted),
+                         num_decodes=sum(1 for n in lens if n == 1))
+        padded = num_reqs if desc is None else max(desc.padded_num_reqs(num_reqs), num_reqs)
+        try:
+            layout, seg, buf = self._stage(step, padded)
+            batch = self.input_batch.prepare(self.table, layout, seg, buf, num_tokens if desc is None
+                                             else desc.num_tokens, padded,
+                                             None if desc is None else desc.uniform_decode)
+            return self._run(batch, mode, desc, skip)
+        finally:
+            for r in new:
+                self.table.remove(r.req_id)
+
     # ---- the step -------------------------------------------------------------------------------------------
-    def _forward(self, out: SchedulerOutput, skip: bool | None = None) -> tuple[PreparedBatch, torch.Tensor]:
-        num_reqs = len(out.scheduled)
-        uniform = out.num_decodes == num_reqs
-        mode, desc = self.dispatcher.dispatch(out.total_num_tokens, num_reqs, uniform)
-        with record_function("ember.prepare"):
-            batch = self.input_batch.prepare(out, desc.num_tokens, desc.padded_num_reqs(num_reqs),
-                                             desc.uniform_decode if mode == CUDAGraphMode.FULL else uniform,
-                                             self._prev_sampled, self._prev_rows)
-        with record_function("ember.forward"):
-            return batch, self._run(batch, mode, desc, self.skip_prefill if skip is None else skip)
+    def _stage(self, step: StepInput, num_reqs_padded: int | None = None
+               ) -> tuple[BatchLayout, tuple[int, int], torch.Tensor]:
+        """Apply a step that samples nothing to the table and flush its one upload; returns the layout, the
+        segment of its batch rows and the flushed device buffer."""
+        upload = self.upload
+        upload.begin()
+        self.table.apply(step, upload)
+        layout = self._layout(step)
+        seg = self.input_batch.stage(layout, num_reqs_padded or layout.num_reqs, upload)
+        buf = upload.flush()
+        self.table.commit(buf)
+        return layout, seg, buf
+
+    def _layout(self, step: StepInput) -> BatchLayout:
+        rows = self.table.rows_of(step.req_ids)
+        return BatchLayout(rows, self.table.num_computed[rows],
+                           np.fromiter(step.num_scheduled_tokens, dtype=np.int64, count=len(rows)), step.num_decodes)
+
+    def update_table(self, step: StepInput) -> None:
+        """Apply a step that schedules nothing (rows of finished requests leave the table)."""
+        if not step.is_empty:
+            raise ValueError(f"update_table takes a step without a batch; this one schedules {step.num_reqs} requests")
+        self.upload.begin()
+        self.table.apply(step, self.upload)
+        self.table.commit(self.upload.flush())
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(self, step: StepInput) -> ModelRunnerOutput:
         """Run one step and wait for its tokens."""
-        return self.execute_async(out).result()
+        return self.execute_async(step).result()
 
     @torch.inference_mode()
-    def execute_async(self, out: SchedulerOutput) -> "AsyncModelRunnerOutput":
+    def execute_async(self, step: StepInput) -> "AsyncModelRunnerOutput":
         """Launch one step (forward, sampling, the copy of its tokens to the host) without waiting for the device.
-        Decodes whose input token the previous step sampled read it on the device, so this may run while that
-        step is still in flight."""
-        batch, hidden = self._forward(out)
+        The sampled tokens are written into the request table on the device, so the next step may be launched
+        while this one is still in flight."""
+        prepared = self.prepare_step(step)
+        with record_function("ember.forward"):
+            hidden = self._run(prepared.batch, prepared.mode, prepared.desc, self.skip_prefill)
+        return self.sample_step(prepared, hidden)
+
+    def prepare_step(self, step: StepInput) -> "PreparedStep":
+        """Apply the step to the table, send its one upload and fill the input buffers; picks the graph mode."""
+        if step.is_empty:
+            raise ValueError("a step needs at least one scheduled request; use update_table for table changes only")
+        table, upload = self.table, self.upload
+        num_reqs = step.num_reqs
+        mode, desc = self.dispatcher.dispatch(step.total_num_tokens, num_reqs, step.num_decodes == num_reqs)
+        num_reqs_padded = desc.padded_num_reqs(num_reqs)
+        with record_function("ember.prepare"):
+            upload.begin()
+            table.apply(step, upload)
+            layout = self._layout(step)
+            batch_seg = self.input_batch.stage(layout, num_reqs_padded, upload)
+            ends = layout.starts + layout.query_lens
+            index_seg = upload.put(table.sample_index(layout.rows, ends))
+            plan = plan_sampling(table, layout.rows, ends, upload)
+            buf = upload.flush()
+            table.commit(buf)
+            batch = self.input_batch.prepare(table, layout, batch_seg, buf, desc.num_tokens, num_reqs_padded,
+                                             desc.uniform_decode if mode == CUDAGraphMode.FULL else None)
+        return PreparedStep(batch, mode, desc, plan, index_seg, buf)
+
+    def sample_step(self, prepared: "PreparedStep", hidden: torch.Tensor) -> "AsyncModelRunnerOutput":
+        """Sample from the step's hidden states, write the tokens into the table and start their copy to the host."""
+        batch = prepared.batch
         with record_function("ember.sample"):
             logits = self.model.compute_logits(self._logits_hidden(batch, hidden))
-            reqs = [s.request for s in out.scheduled]
-            meta = SamplingMetadata.build(
-                [r.sampling_params for r in reqs], [r.sampling_seed for r in reqs], [r.output_token_ids for r in reqs],
-                [r.prompt_token_ids for r in reqs], [r.eos_token_ids for r in reqs], self.vocab_size, self.device,
-                # tokens still in flight before this step's own: they advance the noise counter
-                # (a step built without the scheduler has none counted, hence the floor)
-                num_pending=[max(s.request.num_pending - s.samples, 0) for s in out.scheduled])
+            meta = sampling_metadata(self.table, prepared.plan, batch.idx_mapping,
+                                     batch.common.seq_lens[:batch.common.num_reqs], prepared.buf)
             sampled = self.sampler(logits, meta)
-        self._prev_sampled = sampled.sampled_token_ids
-        self._prev_rows = {s.request.request_id: i for i, s in enumerate(out.scheduled) if s.samples}
+            self.table.write_sampled(PackedUpload.segment(prepared.buf, prepared.sample_index), sampled.sampled_token_ids)
         with record_function("ember.to_host"):
             return AsyncModelRunnerOutput(sampled, self.device)
 
     @torch.inference_mode()
-    def all_logits(self, out: SchedulerOutput) -> torch.Tensor:
-        """Logits of every scheduled token [num_tokens, V] (for scoring and teacher-forced checks)."""
-        batch, hidden = self._forward(out, skip=False)
-        return self.model.compute_logits(hidden[:batch.common.num_actual_tokens])
+    def all_logits(self, step: StepInput) -> torch.Tensor:
+        """Logits of every scheduled token [num_tokens, V] (for scoring and teacher-forced checks). The step's
+        new requests leave the table afterwards: scoring is one step."""
+        try:
+            num_reqs = step.num_reqs
+            mode, desc = self.dispatcher.dispatch(step.total_num_tokens, num_reqs, step.num_decodes == num_reqs)
+            num_reqs_padded = desc.padded_num_reqs(num_reqs)
+            layout, seg, buf = self._stage(step, num_reqs_padded)
+            batch = self.input_batch.prepare(self.table, layout, seg, buf, desc.num_tokens, num_reqs_padded,
+                                             desc.uniform_decode if mode == CUDAGraphMode.FULL else None)
+            hidden = self._run(batch, mode, desc)
+            return self.model.compute_logits(hidden[:batch.common.num_actual_tokens])
+        finally:
+            for new in step.new_requests:
+                self.table.remove(new.req_id)
+
+
+# warm-up rows sample greedily (the profile run measures sampling separately, with filters on)
+_DUMMY_PARAMS = SamplingParams(temperature=0.0, max_tokens=1)
 
 
 class AsyncModelRunnerOutput:

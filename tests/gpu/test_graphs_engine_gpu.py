@@ -10,7 +10,6 @@ from tests.helpers.bf16_check import bf16_report
 
 from ember import LLM, SamplingParams
 from ember.graphs.modes import CUDAGraphMode
-from ember.runner.model_runner import AsyncModelRunnerOutput
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -115,36 +114,34 @@ def test_bfloat16_modes_close_to_eager(mode, eager_scores):
 
 
 def test_full_replay_bitwise_equals_compiled_without_graphs():
+    """Per step: the FULL replay's hidden states equal the graph-free forward's at the same padded size, and the
+    sampler (reading its parameters from the request table) gives the same tokens from both, greedy and seeded;
+    the sampled tokens reach the next step through the table."""
     llm = LLM("qwen3-0.6b", load_format="dummy", dtype="bfloat16", max_model_len=1024, max_num_seqs=64,
               max_num_batched_tokens=512, cudagraph_capture_sizes=CAPTURE, gpu_memory_utilization=0.4,
               cudagraph_mode="full")
     engine, runner = llm.engine, llm.engine.runner
-    for p in workload()[:5]:                  # 3 + 7 + 8 + 9 + 31 = 58 prompt tokens: bucket 64
-        engine.add_request(p, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    params = [SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=11, max_tokens=4, ignore_eos=True),
+              SamplingParams(temperature=1.0, top_p=0.9, top_k=40, seed=12, max_tokens=4, ignore_eos=True)]
+    for i, p in enumerate(workload()[:5]):    # 3 + 7 + 8 + 9 + 31 = 58 prompt tokens: bucket 64
+        engine.add_request(p, params[i % len(params)])
     seen = set()
-    for _ in range(2):                        # the prefill step (mixed), then a decode step (uniform, 5 of 8)
+    for _ in range(3):                        # the prefill step (mixed), then decode steps (uniform, 5 of 8)
         out = engine.scheduler.schedule()
         n, t = len(out.scheduled), out.total_num_tokens
-        uniform = out.num_decodes == n
-        mode, desc = runner.dispatcher.dispatch(t, n, uniform)
-        assert mode == CUDAGraphMode.FULL and desc.num_tokens > t      # live batch smaller than its bucket
         with torch.inference_mode():
-            batch = runner.input_batch.prepare(out, desc.num_tokens, desc.padded_num_reqs(n), desc.uniform_decode)
-            no_graph = runner._run(batch, CUDAGraphMode.NONE, None)[:t].clone()
-            replay = runner._run(batch, CUDAGraphMode.FULL, desc)[:t].clone()
-        assert torch.equal(no_graph, replay)
-        seen.add(uniform)
-        result = AsyncModelRunnerOutput(runner.sampler(runner.model.compute_logits(replay[batch.logits_indices]),
-                                                       _greedy_meta(runner, out)), runner.device).result()
+            prepared = runner.prepare_step(out.step)
+            assert prepared.mode == CUDAGraphMode.FULL and prepared.desc.num_tokens > t   # smaller than its bucket
+            batch = prepared.batch
+            no_graph = runner._run(batch, CUDAGraphMode.NONE, None).clone()
+            eager_tokens = runner.sample_step(prepared, no_graph).result().sampled_token_ids
+            replay = runner._run(batch, CUDAGraphMode.FULL, prepared.desc)
+            assert torch.equal(no_graph[:t], replay[:t])
+            result = runner.sample_step(prepared, replay).result()
+        assert result.sampled_token_ids == eager_tokens
+        seen.add(out.num_decodes == n)
         sampled = {s.request.request_id: tok for s, tok in zip(out.scheduled, result.sampled_token_ids)}
         engine.scheduler.update(out, sampled)
     assert seen == {False, True}
     assert runner.graphs.num_descriptors(CUDAGraphMode.FULL) == len(runner.dispatcher.capture_list())
-
-
-def _greedy_meta(runner, out):
-    from ember.runner.sampler import SamplingMetadata
-    reqs = [s.request for s in out.scheduled]
-    return SamplingMetadata.build([r.sampling_params for r in reqs], [0] * len(reqs), [[]] * len(reqs),
-                                  [r.prompt_token_ids for r in reqs], [()] * len(reqs), runner.vocab_size,
-                                  runner.device)

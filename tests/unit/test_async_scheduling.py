@@ -113,14 +113,38 @@ def test_sync_engine_never_overlaps(tiny_llama, monkeypatch):
     assert log.overlapped_launches == 0 and log.events.count("launch") == log.events.count("wait")
 
 
-def test_penalties_wait_for_the_previous_step(tiny_llama, monkeypatch):
-    params = SamplingParams(temperature=0.0, max_tokens=12, repetition_penalty=1.3, frequency_penalty=0.5,
-                            ignore_eos=True)
-    expected = _run(LLM(tiny_llama, device="cpu", async_scheduling=False), params)
-    llm = LLM(tiny_llama, device="cpu")
+def _penalty_params() -> list[SamplingParams]:
+    return [
+        SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=12, repetition_penalty=1.3, frequency_penalty=0.5,
+                       ignore_eos=True),
+        SamplingParams(temperature=0.9, top_k=30, seed=5, max_tokens=10, presence_penalty=0.8, ignore_eos=True,
+                       logprobs=1),
+        SamplingParams(temperature=1.0, seed=3, max_tokens=11, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=13, frequency_penalty=0.7, min_tokens=4, ignore_eos=True),
+    ]
+
+
+@pytest.mark.parametrize("engine_kwargs", [
+    {"max_num_seqs": 2},                                                                   # staggered arrivals
+    {"max_num_seqs": 3, "max_num_batched_tokens": 6, "enable_prefix_caching": False},      # and chunked prefill
+], ids=["staggered", "staggered_chunked"])
+def test_penalties_async_equal_sync(tiny_llama, engine_kwargs, monkeypatch):
+    """Penalty requests join while others decode (max_num_seqs holds them back) and read their output tokens from
+    the device, so async scheduling stays on and the tokens equal the synchronous engine's."""
+    sync = LLM(tiny_llama, device="cpu", async_scheduling=False, **engine_kwargs)
+    expected = _run(sync, _penalty_params())
+    # the penalties change the tokens, or this test would prove nothing
+    plain = _run(sync, [SamplingParams(temperature=p.temperature, top_k=p.top_k, seed=p.seed, max_tokens=p.max_tokens,
+                                       ignore_eos=True, logprobs=p.logprobs) for p in _penalty_params()])
+    assert [e[0] for e in expected[1:3]] != [p[0] for p in plain[1:3]]
+    assert expected[4][0] != plain[4][0]
+
+    llm = LLM(tiny_llama, device="cpu", **engine_kwargs)
     log = _LaunchLog(monkeypatch, llm)
-    _assert_same(_run(llm, params), expected)
-    assert log.overlapped_launches == 0    # penalties read every output token on the device
+    _assert_same(_run(llm, _penalty_params()), expected)
+    assert log.overlapped_launches > 0
+    assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks - 1
 
 
 def test_abort_while_a_step_is_in_flight(tiny_llama):

@@ -1,4 +1,4 @@
-"""`SamplingMetadata`: the per-step device tensors the batched sampler reads, built from the live requests."""
+"""`SamplingMetadata`: the per-step device tensors the batched sampler reads."""
 
 from __future__ import annotations
 
@@ -44,16 +44,10 @@ class SamplingMetadata:
     @classmethod
     def build(cls, params: list[SamplingParams], seeds: list[int], output_token_ids: list[list[int]],
               prompt_token_ids: list[list[int]], eos_token_ids: list[tuple[int, ...]], vocab_size: int,
-              device: torch.device, num_pending: list[int] | None = None) -> "SamplingMetadata":
-        """Build the metadata for one step; only the tensors some request needs are made.
-
-        `num_pending` counts, per request, output tokens sampled by a step still in flight: they are not in
-        `output_token_ids` yet but advance the noise counter and min_tokens (penalties need their values, so
-        a request with penalties must have none)."""
+              device: torch.device) -> "SamplingMetadata":
+        """Build the metadata from host lists (tests and the profile run; the engine's steps read the request
+        table instead, see `ember.runner.sampling_inputs`); only the tensors some request needs are made."""
         n = len(params)
-        num_pending = num_pending if num_pending is not None else [0] * n
-        if len(num_pending) != n:
-            raise ValueError(f"num_pending has {len(num_pending)} entries but there are {n} requests")
         for name, values in (("seeds", seeds), ("output_token_ids", output_token_ids),
                              ("prompt_token_ids", prompt_token_ids), ("eos_token_ids", eos_token_ids)):
             if len(values) != n:
@@ -99,10 +93,7 @@ class SamplingMetadata:
         use_freq = any(v != 0.0 for v in freq)
         use_penalties = use_rep or use_pres or use_freq
 
-        if use_penalties and any(num_pending):
-            raise ValueError("penalties need every output token on the host; a request with penalties has tokens "
-                             "still in flight")
-        out_lens = [len(out) + k for out, k in zip(output_token_ids, num_pending)]
+        out_lens = [len(out) for out in output_token_ids]
         blocked = [
             (tuple(eos) + tuple(p.stop_token_ids)) if n_out < p.min_tokens else ()
             for p, n_out, eos in zip(params, out_lens, eos_token_ids)

@@ -1,0 +1,197 @@
+"""`RequestTable`: the runner's persistent record of every running request, one row each, in device tensors
+allocated once, with host mirrors of what the host needs to decide a step (counts, sampling flags).
+
+The scheduler's `StepInput` changes the table by deltas only: a new request writes its row once (tokens, blocks,
+sampling parameters); a running one appends the blocks it gained; a finished one frees its row. The device side
+of these writes is staged in the step's `PackedUpload` and scattered after its one copy (`commit`).
+
+Sampled tokens never come back through the host: the step writes them into the table's token ids on the device
+(`write_sampled`), where the next step's prepare-inputs kernel reads them. So a request whose last token is still
+in flight needs nothing from the engine, and penalties read every output token from the table.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ember.runner.step_input import NewRequest, StepInput
+from ember.runner.upload import PackedUpload
+
+# columns of the float and int parameter tables
+TEMPERATURE, TOP_P, MIN_P, REPETITION, PRESENCE, FREQUENCY, GREEDY = range(7)
+TOP_K, SEED, NUM_PROMPT = range(3)
+
+
+@dataclass
+class _Writes:
+    """One step's device writes, as segments of the packed upload."""
+    token_index: tuple[int, int] | None = None     # flat indices into token_ids
+    token_values: tuple[int, int] | None = None
+    block_index: tuple[int, int] | None = None     # flat indices into block_tables
+    block_values: tuple[int, int] | None = None
+    param_rows: tuple[int, int] | None = None
+    params_f: tuple[int, int] | None = None        # [n, 7] float (as float64 bits)
+    params_i: tuple[int, int] | None = None        # [n, 3] int
+
+
+class RequestTable:
+    """Rows of running requests: token ids, block rows per KV-cache group, sampling parameters."""
+
+    def __init__(self, num_groups: int, block_size: int, max_num_reqs: int, max_model_len: int, vocab_size: int,
+                 device: torch.device):
+        self.num_groups, self.block_size, self.max_num_reqs = num_groups, block_size, max_num_reqs
+        self.max_model_len, self.vocab_size, self.device = max_model_len, vocab_size, device
+        # one spare column: rows that do not sample this step write their (discarded) token there
+        self.width = max_model_len + 1
+        self.max_blocks = -(-max_model_len // block_size)
+        self.token_ids = torch.zeros(max_num_reqs, self.width, dtype=torch.int32, device=device)    # [R, L + 1]
+        self.block_tables = torch.zeros(num_groups, max_num_reqs, self.max_blocks, dtype=torch.int32,
+                                        device=device)                                             # [G, R, B]
+        self.params_f = torch.ones(max_num_reqs, 7, dtype=torch.float32, device=device)             # [R, 7]
+        self.params_i = torch.zeros(max_num_reqs, 3, dtype=torch.int64, device=device)              # [R, 3]
+        # host mirrors
+        self.params_f_np = np.ones((max_num_reqs, 7), dtype=np.float32)
+        self.params_i_np = np.zeros((max_num_reqs, 3), dtype=np.int64)
+        self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)       # tokens the row holds, sampled ones included
+        self.num_computed = np.zeros(max_num_reqs, dtype=np.int64)     # start of the row's chunk this step
+        self.num_blocks = np.zeros((num_groups, max_num_reqs), dtype=np.int64)
+        self.min_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.logprobs = np.full(max_num_reqs, -1, dtype=np.int64)       # -1: none asked
+        self.stop_ids: list[tuple[int, ...]] = [()] * max_num_reqs     # blocked while under min_tokens
+        self.rows: dict[str, int] = {}
+        self._free = list(range(max_num_reqs))                          # a heap: the lowest free row first
+        self._writes = _Writes()
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.rows)
+
+    # ---- host side: deltas into the upload ---------------------------------------------------------------------
+    def apply(self, step: StepInput, upload: PackedUpload) -> None:
+        """Drop finished rows, add new ones, extend running ones; stage the device writes in `upload`."""
+        for req_id in step.finished_ids:
+            self.remove(req_id)
+        token_index, token_values, block_index, block_values = [], [], [], []
+        new_rows = []
+        for new in step.new_requests:
+            row = self._add(new, token_index, token_values, block_index, block_values)
+            new_rows.append((row, new))
+        for run in step.running_requests:
+            row = self.rows.get(run.req_id)
+            if row is None:
+                raise ValueError(f"request {run.req_id!r} is scheduled as running but has no row in the table; "
+                                 f"a request must arrive as a NewRequest first")
+            self.num_computed[row] = run.num_computed_tokens
+            for g, blocks in enumerate(run.new_block_ids):
+                if blocks:
+                    self._stage_blocks(g, row, blocks, block_index, block_values)
+        w = _Writes()
+        if token_index:
+            w.token_index, w.token_values = upload.put(np.concatenate(token_index)), upload.put(
+                np.concatenate(token_values))
+        if block_index:
+            w.block_index, w.block_values = upload.put(np.concatenate(block_index)), upload.put(
+                np.concatenate(block_values))
+        if new_rows:
+            rows = np.array([r for r, _ in new_rows], dtype=np.int64)
+            w.param_rows = upload.put(rows)
+            w.params_f = upload.put(self.params_f_np[rows])
+            w.params_i = upload.put(self.params_i_np[rows])
+        self._writes = w
+
+    def _add(self, new: NewRequest, token_index, token_values, block_index, block_values) -> int:
+        if new.req_id in self.rows:
+            raise ValueError(f"request {new.req_id!r} already has a row in the table")
+        if not self._free:
+            raise ValueError(f"the request table is full ({self.max_num_reqs} rows); no room for {new.req_id!r}")
+        n = new.num_tokens
+        if n > self.max_model_len:
+            raise ValueError(f"request {new.req_id!r} has {n} tokens, more than max_model_len {self.max_model_len}")
+        p, V = new.sampling_params, self.vocab_size
+        stop = tuple(new.eos_token_ids) + tuple(p.stop_token_ids) if p.min_tokens > 0 else ()
+        bad = [t for t in stop if not 0 <= t < V]
+        if bad:
+            raise ValueError(f"stop/eos token id {bad[0]} is outside the vocabulary of size {V}")
+        if not 0 <= new.seed < 2**63:
+            raise ValueError(f"seed {new.seed} must be in [0, 2**63)")
+        row = heapq.heappop(self._free)
+        self.rows[new.req_id] = row
+        tokens = np.asarray(tuple(new.prompt_token_ids) + tuple(new.output_token_ids), dtype=np.int64)
+        token_index.append(row * self.width + np.arange(n, dtype=np.int64))
+        token_values.append(tokens)
+        self.num_tokens[row] = n
+        self.num_computed[row] = new.num_computed_tokens
+        self.num_blocks[:, row] = 0
+        for g, blocks in enumerate(new.block_ids):
+            if blocks:
+                self._stage_blocks(g, row, blocks, block_index, block_values)
+        greedy = p.temperature == 0.0
+        # greedy rows hold neutral values: their random draw is computed but discarded
+        self.params_f_np[row] = (1.0 if greedy else p.temperature, 1.0 if greedy else p.top_p,
+                                 0.0 if greedy else p.min_p, p.repetition_penalty, p.presence_penalty,
+                                 p.frequency_penalty, 1.0 if greedy else 0.0)
+        top_k = V if greedy or p.top_k < 0 or p.top_k >= V else p.top_k
+        self.params_i_np[row] = (top_k, new.seed, len(new.prompt_token_ids))
+        self.min_tokens[row] = p.min_tokens
+        self.logprobs[row] = -1 if p.logprobs is None else p.logprobs
+        self.stop_ids[row] = stop
+        return row
+
+    def _stage_blocks(self, g: int, row: int, blocks, block_index, block_values) -> None:
+        start = int(self.num_blocks[g, row])
+        n = len(blocks)
+        if start + n > self.max_blocks:
+            raise ValueError(f"row {row} would hold {start + n} blocks in group {g}, more than {self.max_blocks}")
+        base = (g * self.max_num_reqs + row) * self.max_blocks + start
+        block_index.append(base + np.arange(n, dtype=np.int64))
+        block_values.append(np.asarray(blocks, dtype=np.int64))
+        self.num_blocks[g, row] = start + n
+
+    def remove(self, req_id: str) -> bool:
+        """Free a request's row (no device work: the row is overwritten when reused). Returns whether it had one."""
+        row = self.rows.pop(req_id, None)
+        if row is None:
+            return False
+        heapq.heappush(self._free, row)
+        return True
+
+    def rows_of(self, req_ids) -> np.ndarray:
+        """Table rows of the batch's requests, in batch order."""
+        rows = self.rows
+        try:
+            return np.fromiter((rows[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
+        except KeyError as exc:
+            raise ValueError(f"request {exc.args[0]!r} is in the batch but has no row in the table") from None
+
+    def sample_index(self, rows: np.ndarray, ends: np.ndarray) -> np.ndarray:
+        """Flat token_ids index of each batch row's sampled token, and count the tokens: a row samples when its
+        chunk reaches the end of its tokens (`ends`), and the token lands at position `ends`; a row part-way
+        through its prompt samples a token nobody reads, into its spare column."""
+        samples = ends == self.num_tokens[rows]
+        self.num_tokens[rows[samples]] += 1
+        return rows * self.width + np.where(samples, ends, self.width - 1)
+
+    # ---- device side ---------------------------------------------------------------------------------------------
+    def commit(self, buf: torch.Tensor) -> None:
+        """Scatter the staged writes from the flushed upload into the device tables."""
+        w, seg = self._writes, PackedUpload.segment
+        if w.token_index is not None:
+            self.token_ids.view(-1).index_copy_(0, seg(buf, w.token_index),
+                                                seg(buf, w.token_values).to(torch.int32))
+        if w.block_index is not None:
+            self.block_tables.view(-1).index_copy_(0, seg(buf, w.block_index),
+                                                   seg(buf, w.block_values).to(torch.int32))
+        if w.param_rows is not None:
+            rows = seg(buf, w.param_rows)
+            self.params_f.index_copy_(0, rows, seg(buf, w.params_f, torch.float32).view(-1, 7))
+            self.params_i.index_copy_(0, rows, seg(buf, w.params_i).view(-1, 3))
+        self._writes = _Writes()
+
+    def write_sampled(self, sample_index: torch.Tensor, sampled: torch.Tensor) -> None:
+        """Put each batch row's sampled token at its flat index in token_ids (a spare column for rows that were
+        only part-way through their prompt)."""
+        self.token_ids.view(-1).index_copy_(0, sample_index, sampled.to(torch.int32))

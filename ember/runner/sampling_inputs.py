@@ -1,0 +1,115 @@
+"""The step's `SamplingMetadata`, read from the request table: host flags from its mirrors (which optional work the
+sampler does), device tensors gathered from its rows (no per-step host lists)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ember.runner.request_table import (FREQUENCY, GREEDY, MIN_P, NUM_PROMPT, PRESENCE, REPETITION, SEED,
+                                        TEMPERATURE, TOP_K, TOP_P, RequestTable)
+from ember.runner.sampler import SamplingMetadata
+from ember.runner.upload import PackedUpload
+
+
+@dataclass(frozen=True)
+class SamplingPlan:
+    """What the host decided for one step's sampling, before the upload is flushed."""
+    num_reqs: int
+    all_greedy: bool
+    all_random: bool
+    use_temperature: bool
+    max_top_k: int                        # 0: no top-k
+    use_top_p: bool
+    use_min_p: bool
+    use_repetition: bool
+    use_presence: bool
+    use_frequency: bool
+    max_prompt_len: int                   # widths of the penalty token tensors
+    max_output_len: int
+    blocked: tuple[int, int] | None       # upload segment of [N, width] blocked ids (min_tokens), or None
+    blocked_width: int
+    max_num_logprobs: int | None
+
+
+def plan_sampling(table: RequestTable, rows: np.ndarray, seq_ends: np.ndarray, upload: PackedUpload) -> SamplingPlan:
+    """Host flags for the batch rows `rows` whose queries end at `seq_ends`; stages the min_tokens block list."""
+    V = table.vocab_size
+    pf, pi = table.params_f_np[rows], table.params_i_np[rows]        # [N, 7], [N, 3]
+    greedy = pf[:, GREEDY] > 0.5
+    all_greedy, all_random = bool(greedy.all()), not bool(greedy.any())
+    top_k = pi[:, TOP_K]
+    limited = top_k < V
+    use_rep = bool((pf[:, REPETITION] != 1.0).any())
+    use_pres = bool((pf[:, PRESENCE] != 0.0).any())
+    use_freq = bool((pf[:, FREQUENCY] != 0.0).any())
+    num_prompt = pi[:, NUM_PROMPT]
+    # output tokens known before this step's own sample (a row part-way through its prompt has none)
+    num_out = np.maximum(seq_ends - num_prompt, 0)
+    blocked_seg, width = None, 0
+    under = np.nonzero(num_out < table.min_tokens[rows])[0]
+    if under.size:
+        lists = [table.stop_ids[rows[i]] for i in under]
+        width = max(len(x) for x in lists)
+        if width:
+            blocked = np.full((len(rows), width), V, dtype=np.int64)   # padded with the out-of-range id V
+            for i, ids in zip(under, lists):
+                blocked[i, :len(ids)] = ids
+            blocked_seg = upload.put(blocked)
+    logprobs = table.logprobs[rows]
+    return SamplingPlan(
+        num_reqs=len(rows), all_greedy=all_greedy, all_random=all_random,
+        use_temperature=not all_greedy and bool((pf[:, TEMPERATURE] != 1.0).any()),
+        max_top_k=int(top_k[limited].max()) if not all_greedy and limited.any() else 0,
+        use_top_p=not all_greedy and bool((pf[:, TOP_P] < 1.0).any()),
+        use_min_p=not all_greedy and bool((pf[:, MIN_P] > 0.0).any()),
+        use_repetition=use_rep, use_presence=use_pres, use_frequency=use_freq,
+        max_prompt_len=int(num_prompt.max()) if use_rep else 0,
+        max_output_len=int(num_out.max()) if use_rep or use_pres or use_freq else 0,
+        blocked=blocked_seg, blocked_width=width,
+        max_num_logprobs=int(logprobs.max()) if (logprobs >= 0).any() else None)
+
+
+def sampling_metadata(table: RequestTable, plan: SamplingPlan, idx: torch.Tensor, seq_lens: torch.Tensor,
+                      buf: torch.Tensor) -> SamplingMetadata:
+    """Gather the batch rows `idx` [N] of the table on the device; `seq_lens` [N] are the step's (device)."""
+    n, V = plan.num_reqs, table.vocab_size
+    pf, pi = table.params_f[idx], table.params_i[idx]                  # [N, 7], [N, 3]
+    num_prompt = pi[:, NUM_PROMPT]
+    num_out = (seq_lens.to(torch.int64) - num_prompt).clamp_(min=0)   # [N]: the noise counter
+    mixed = not plan.all_greedy and not plan.all_random
+
+    def col(t, c):
+        return t[:, c].contiguous()
+
+    use_penalties = plan.use_repetition or plan.use_presence or plan.use_frequency
+    blocked = None
+    if plan.blocked is not None:
+        blocked = PackedUpload.segment(buf, plan.blocked).view(n, plan.blocked_width)
+    return SamplingMetadata(
+        num_reqs=n, vocab_size=V, all_greedy=plan.all_greedy, all_random=plan.all_random,
+        greedy_mask=pf[:, GREEDY] > 0.5 if mixed else None,
+        temperature=col(pf, TEMPERATURE) if plan.use_temperature else None,
+        top_k=col(pi, TOP_K) if plan.max_top_k else None,
+        max_top_k=plan.max_top_k,
+        top_p=col(pf, TOP_P) if plan.use_top_p else None,
+        min_p=col(pf, MIN_P) if plan.use_min_p else None,
+        seeds=col(pi, SEED), output_lens=num_out,
+        prompt_token_ids=_tokens(table, idx, torch.zeros_like(num_prompt), num_prompt, plan.max_prompt_len)
+        if plan.use_repetition else None,
+        output_token_ids=_tokens(table, idx, num_prompt, num_out, plan.max_output_len) if use_penalties else None,
+        repetition_penalty=col(pf, REPETITION) if plan.use_repetition else None,
+        presence_penalty=col(pf, PRESENCE) if plan.use_presence else None,
+        frequency_penalty=col(pf, FREQUENCY) if plan.use_frequency else None,
+        blocked_token_ids=blocked, max_num_logprobs=plan.max_num_logprobs)
+
+
+def _tokens(table: RequestTable, idx: torch.Tensor, start: torch.Tensor, count: torch.Tensor,
+            width: int) -> torch.Tensor:
+    """[N, max(width, 1)] int64: per row, `count` token ids of the table from `start`, padded with vocab_size."""
+    cols = torch.arange(max(width, 1), device=idx.device)                               # [W]
+    pos = (start[:, None] + cols[None, :]).clamp_(max=table.width - 1)                  # [N, W]
+    ids = table.token_ids[idx[:, None], pos].to(torch.int64)
+    return ids.masked_fill_(cols[None, :] >= count[:, None], table.vocab_size)

@@ -1,0 +1,74 @@
+"""The contract between the scheduler and the runner: plain, frozen data, one `StepInput` per step.
+
+A request arrives once, as a `NewRequest`, with everything the runner needs to keep it in its table. After that,
+each step names it only by id, with the start of its chunk and the blocks it gained (`RunningRequest`). A request
+that finished, was aborted or was preempted is named once in `finished_ids`, and the runner drops its row; a
+preempted request comes back later as a new request that carries the tokens it had already generated.
+
+Block lists only grow at the end: `new_block_ids` are appended to the blocks the runner already holds for the
+request, per KV-cache group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ember.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class NewRequest:
+    """A request the runner has not seen (or has dropped since): its tokens, how to sample it, its blocks."""
+    req_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling_params: SamplingParams
+    seed: int
+    block_ids: tuple[tuple[int, ...], ...]     # per KV-cache group, every block the request holds
+    num_computed_tokens: int                   # tokens whose KV is already in the cache (prefix-cache hits)
+    output_token_ids: tuple[int, ...] = ()     # tokens generated before a preemption
+    eos_token_ids: tuple[int, ...] = ()        # blocked while fewer than min_tokens tokens are out
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+
+@dataclass(frozen=True)
+class RunningRequest:
+    """A request already in the runner's table, scheduled again: where its chunk starts and the blocks it gained."""
+    req_id: str
+    num_computed_tokens: int
+    new_block_ids: tuple[tuple[int, ...], ...]  # per KV-cache group, blocks appended since the last step
+
+
+@dataclass(frozen=True)
+class StepInput:
+    """One step: the table changes, then the batch in order (decodes, i.e. single-token queries, first).
+
+    `req_ids[i]` runs `num_scheduled_tokens[i]` tokens starting at its computed count. A batch request is either
+    in `new_requests` or in `running_requests`; the runner applies `finished_ids` before adding new rows.
+    """
+    new_requests: tuple[NewRequest, ...] = ()
+    running_requests: tuple[RunningRequest, ...] = ()
+    finished_ids: tuple[str, ...] = ()          # finished, aborted or preempted since the last step
+    req_ids: tuple[str, ...] = ()
+    num_scheduled_tokens: tuple[int, ...] = ()
+    num_decodes: int = 0
+
+    def __post_init__(self):
+        if len(self.req_ids) != len(self.num_scheduled_tokens):
+            raise ValueError(f"{len(self.req_ids)} request ids but {len(self.num_scheduled_tokens)} token counts")
+        if any(n < 1 for n in self.num_scheduled_tokens):
+            raise ValueError(f"every scheduled request runs at least one token, got {self.num_scheduled_tokens}")
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
+
+    @property
+    def total_num_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.req_ids

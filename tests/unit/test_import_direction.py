@@ -1,0 +1,104 @@
+"""Imports point down the layers: ground floor (config, sampling_params, kv_spec, args, kernels) -> attention_backends,
+graphs -> models -> runner -> engine -> llm, serve, bench, cli. A module may import its own layer and those below,
+never one above; kernels import nothing from ember. The package root (the public API) sits with llm; only its
+`__version__` may be read from below. Every import counts, lazy ones inside functions included."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2] / "ember"
+
+LAYERS = {
+    "config": 0, "sampling_params": 0, "kv_spec": 0, "args": 0, "kernels": 0,
+    "attention_backends": 1, "graphs": 1,
+    "models": 2,
+    "runner": 3,
+    "engine": 4,
+    "llm": 5, "serve": 5, "bench": 5, "cli": 5,
+    "": 5, "__main__": 5,                    # the package root (the public API) and `python -m ember`
+}
+SELF_CONTAINED = {"kernels"}             # may import nothing from ember outside themselves
+
+
+def _part(module: str) -> str:
+    """The top-level part of an `ember.` module name ("" for the package root)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def _imports(path: Path, module: str) -> list[tuple[int, str]]:
+    """(line, absolute module name) of every ember import in a file."""
+    is_package = path.name == "__init__.py"
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = module.split(".")
+                base = base[:len(base) - node.level + (1 if is_package else 0)]
+                name = ".".join(base + ([node.module] if node.module else []))
+            else:
+                name = node.module or ""
+            if name == "ember" and all(a.name == "__version__" for a in node.names):
+                continue          # the version string is plain metadata, readable from any layer
+            found.append((node.lineno, name))
+    return [(line, name) for line, name in found if name == "ember" or name.startswith("ember.")]
+
+
+def upward_imports(root: Path) -> list[str]:
+    """Every import in the package at `root` that points to a higher layer, or out of a self-contained one."""
+    problems = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root.parent).with_suffix("")
+        module = ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+        part = _part(module)
+        if part not in LAYERS:
+            problems.append(f"{path}: {module} is in no layer; add {part!r} to LAYERS in {Path(__file__).name}")
+            continue
+        for line, target in _imports(path, module):
+            to = _part(target)
+            if to not in LAYERS:
+                problems.append(f"{path}:{line}: imports {target}, which is in no layer")
+            elif LAYERS[to] > LAYERS[part]:
+                problems.append(f"{path}:{line}: {module} (layer {LAYERS[part]}) imports {target} "
+                                f"(layer {LAYERS[to]})")
+            elif part in SELF_CONTAINED and to != part:
+                problems.append(f"{path}:{line}: {module} must import nothing from ember, but imports {target}")
+    return problems
+
+
+def test_ember_imports_point_down():
+    assert upward_imports(ROOT) == []
+
+
+def _write(root: Path, files: dict[str, str]) -> Path:
+    for name, text in files.items():
+        path = root / "ember" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return root / "ember"
+
+
+@pytest.mark.parametrize("files, culprit", [
+    ({"models/llama.py": "from ember.runner.step_input import StepInput\n"}, "models/llama.py:1"),
+    ({"runner/x.py": "def f():\n    import ember.engine.scheduler\n"}, "runner/x.py:2"),              # lazy
+    ({"runner/sub/x.py": "from ...engine import scheduler\n"}, "runner/sub/x.py:1"),                 # relative
+    ({"kernels/k.py": "from ember.config import EngineConfig\n"}, "kernels/k.py:1"),                 # self-contained
+    ({"graphs/g.py": "from ember import LLM\n"}, "graphs/g.py:1"),                                    # package root
+    ({"newthing.py": "x = 1\n"}, "newthing.py"),                                                      # no layer
+], ids=["upward", "lazy", "relative", "kernels", "root", "unlayered"])
+def test_an_upward_import_is_reported(tmp_path, files, culprit):
+    root = _write(tmp_path, {"__init__.py": "", "engine/__init__.py": "", "config.py": "", **files})
+    problems = upward_imports(root)
+    assert len(problems) == 1 and culprit in problems[0], problems
+
+
+def test_downward_and_sideways_imports_pass(tmp_path):
+    root = _write(tmp_path, {"__init__.py": "from ember.llm import LLM\n",
+                             "engine/e.py": "from ember.runner.step_input import StepInput\nfrom . import f\n",
+                             "graphs/g.py": "from ember.attention_backends.op import x\n",
+                             "kernels/k.py": "from ember.kernels.other import y\n"})
+    assert upward_imports(root) == []

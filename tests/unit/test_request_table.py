@@ -1,0 +1,151 @@
+"""The runner's request table under random sequences of arrival, finish, abort and preemption, driven by the real
+scheduler through `StepInput` only, with a step in flight as in async scheduling: every row holds its request's
+tokens, blocks, sampling parameters and computed count, and no row or block leaks."""
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from ember.config import SchedulerConfig
+from ember.engine.kv_manager import KVCacheCoordinator
+from ember.engine.request import Request, RequestStatus
+from ember.engine.scheduler import Scheduler
+from ember.kv_spec import KVCacheGroup, KVCacheSpec
+from ember.runner.request_table import NUM_PROMPT, SEED, TEMPERATURE, RequestTable
+from ember.runner.step_input import StepInput
+from ember.runner.upload import PackedUpload
+from ember.sampling_params import SamplingParams
+
+BS, VOCAB, MAX_LEN, MAX_SEQS = 4, 50, 48, 6
+CPU = torch.device("cpu")
+
+
+class _Harness:
+    """The scheduler, a KV manager and the runner's table, joined the way the engine and runner join them."""
+
+    def __init__(self, rng: random.Random, num_blocks: int, budget: int):
+        spec = KVCacheSpec(BS, 1, 8, torch.float32)
+        self.kv = KVCacheCoordinator([KVCacheGroup(("l0",), spec)], num_blocks, enable_prefix_caching=True)
+        config = SchedulerConfig(max_num_seqs=MAX_SEQS, max_num_batched_tokens=budget)
+        self.scheduler = Scheduler(config, self.kv, MAX_LEN)
+        self.table = RequestTable(1, BS, MAX_SEQS, MAX_LEN, VOCAB, CPU)
+        self.upload = PackedUpload(64, CPU)
+        self.rng = rng
+        self.in_flight = None
+        self.next_id = 0
+        self.num_preemptions_seen = 0
+
+    def add(self) -> None:
+        rng = self.rng
+        prompt = [rng.randrange(VOCAB) for _ in range(rng.randint(1, 20))]
+        # a shared prefix now and then, so prefix-cache hits start some rows part-way
+        if rng.random() < 0.3:
+            prompt = [7] * 8 + prompt
+        params = SamplingParams(temperature=rng.choice([0.0, 0.7]), max_tokens=rng.randint(1, 12), ignore_eos=True)
+        req = Request(f"r{self.next_id}", prompt, params, sampling_seed=self.next_id,
+                      max_tokens=min(params.max_tokens, MAX_LEN - len(prompt)))
+        self.next_id += 1
+        self.scheduler.add_request(req)
+
+    def step(self) -> None:
+        """Schedule, apply to the table, 'sample' into the table, then resolve the previous step (async)."""
+        out = self.scheduler.schedule()
+        step = out.step
+        self.upload.begin()
+        self.table.apply(step, self.upload)
+        if not step.is_empty:
+            rows = self.table.rows_of(step.req_ids)
+            starts = self.table.num_computed[rows]
+            for s, start in zip(out.scheduled, starts):
+                assert start == s.num_computed_tokens, s.request.request_id
+            ends = starts + np.array(step.num_scheduled_tokens)
+            seg = self.upload.put(self.table.sample_index(rows, ends))
+        buf = self.upload.flush()
+        self.table.commit(buf)
+        self.check(out)
+        sampled = None
+        if not step.is_empty:
+            tokens = torch.tensor([self.rng.randrange(VOCAB) for _ in rows])
+            self.table.write_sampled(PackedUpload.segment(buf, seg), tokens)
+            sampled = {s.request.request_id: int(t) for s, t in zip(out.scheduled, tokens) if s.samples}
+        previous, self.in_flight = self.in_flight, (out, sampled) if sampled is not None else None
+        if previous is not None:
+            self.resolve(*previous)
+
+    def resolve(self, out, sampled) -> None:
+        for req in self.scheduler.update(out, sampled):
+            if len(req.output_token_ids) >= req.max_tokens or req.num_tokens >= MAX_LEN:
+                self.scheduler.finish(req, RequestStatus.FINISHED_LENGTH)
+
+    def check(self, out) -> None:
+        """Every running request's row matches it; nothing else holds a row."""
+        running = {r.request_id: r for r in self.scheduler.running}
+        assert set(self.table.rows) == set(running)
+        assert len(self.table._free) + len(self.table.rows) == MAX_SEQS
+        for rid, req in running.items():
+            row = self.table.rows[rid]
+            # the tokens the host knows (those sampled by a step in flight are on the device only)
+            known = req.all_token_ids
+            assert self.table.token_ids[row, :len(known)].tolist() == known, rid
+            assert self.table.num_tokens[row] == req.num_tokens + req.num_pending, rid
+            blocks = self.kv.block_ids(req)[0]
+            assert self.table.num_blocks[0, row] == len(blocks)
+            assert self.table.block_tables[0, row, :len(blocks)].tolist() == blocks, rid
+            assert self.table.params_i[row, SEED] == req.sampling_seed
+            assert self.table.params_i[row, NUM_PROMPT] == req.num_prompt_tokens
+            temp = req.sampling_params.temperature
+            assert self.table.params_f[row, TEMPERATURE] == pytest.approx(temp if temp > 0 else 1.0)
+
+    def random_event(self) -> None:
+        rng, sched = self.rng, self.scheduler
+        ids = list(sched.requests)
+        roll = rng.random()
+        if roll < 0.35:
+            self.add()
+        elif roll < 0.45 and ids:
+            sched.abort(rng.choice(ids))
+        elif roll < 0.55 and sched.running:
+            sched.finish(rng.choice(sched.running), RequestStatus.FINISHED_STOPPED)   # e.g. a stop string
+        self.step()
+
+
+@pytest.mark.parametrize("seed, num_blocks, budget", [(0, 14, 8), (1, 14, 64), (2, 20, 16), (3, 40, 16)])
+def test_table_rows_follow_requests(seed, num_blocks, budget):
+    rng = random.Random(seed)
+    # few blocks and a small budget: preemptions and chunked prefills happen often
+    h = _Harness(rng, num_blocks, budget)
+    for _ in range(120):
+        h.random_event()
+    while h.scheduler.has_unfinished() or h.in_flight is not None:
+        if not h.scheduler.has_unfinished():
+            h.resolve(*h.in_flight)
+            h.in_flight = None
+            continue
+        h.step()
+    # the last finished requests leave the table with the next step's input, even an empty one
+    last = h.scheduler.schedule().step
+    assert last.is_empty
+    h.upload.begin()
+    h.table.apply(last, h.upload)
+    assert h.table.rows == {} and sorted(h.table._free) == list(range(MAX_SEQS))
+    assert h.kv.num_free_blocks == h.kv.num_blocks - 1
+    assert h.scheduler.stats.num_steps > 80
+    if num_blocks == 14:
+        assert h.scheduler.stats.num_preemptions > 0     # the tight caches do exercise preemption
+
+
+def test_new_request_with_a_used_id_or_a_full_table_is_refused():
+    table = RequestTable(1, BS, 1, MAX_LEN, VOCAB, CPU)
+    upload = PackedUpload(8, CPU)
+    from ember.runner.step_input import NewRequest
+    new = NewRequest("a", (1, 2), SamplingParams(), 0, ((1,),), 0)
+    upload.begin()
+    table.apply(StepInput(new_requests=(new,)), upload)
+    with pytest.raises(ValueError, match="already has a row"):
+        table.apply(StepInput(new_requests=(new,)), upload)
+    with pytest.raises(ValueError, match="table is full"):
+        table.apply(StepInput(new_requests=(NewRequest("b", (1,), SamplingParams(), 0, ((2,),), 0),)), upload)
+    with pytest.raises(ValueError, match="no row in the table"):
+        table.rows_of(["zzz"])
