@@ -283,8 +283,10 @@ class Engine:
             raise ValueError(f"{len(token_ids)} tokens do not fit in the KV cache")
         try:
             blocks = tuple(tuple(b) for b in self.kv.block_ids(req))
+            # rows of requests that finished in the last step leave the runner's table first
             step = StepInput(new_requests=(NewRequest(req.request_id, tuple(token_ids), req.sampling_params, 0,
                                                       blocks, 0),),
+                             finished_ids=self.scheduler.take_finished_ids(),
                              req_ids=(req.request_id,), num_scheduled_tokens=(len(token_ids),),
                              num_decodes=1 if len(token_ids) == 1 else 0)
             return self.runner.all_logits(step)

@@ -72,6 +72,7 @@ class Scheduler:
         # what the runner has been told: blocks sent per running request and group, and ids to drop from its table
         self._sent_blocks: dict[str, list[int]] = {}
         self._finished_ids: list[str] = []
+        self._no_new_blocks = ((),) * len(kv.managers)
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -103,8 +104,10 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                running_reqs.append(RunningRequest(req.request_id, req.num_computed_tokens, self._new_blocks(req)))
-                scheduled.append(self._schedule(req, num_new))
+                blocks = self.kv.block_ids(req)
+                running_reqs.append(RunningRequest(req.request_id, req.num_computed_tokens,
+                                                   self._new_blocks(req, blocks)))
+                scheduled.append(self._schedule(req, num_new, blocks))
                 budget -= num_new
                 i += 1
                 continue
@@ -133,11 +136,17 @@ class Scheduler:
         prefills = [s for s in scheduled if s.num_new_tokens != 1]
         ordered = tuple(decodes + prefills)
         self.stats.num_steps += 1
-        step = StepInput(tuple(new_reqs), tuple(running_reqs), tuple(self._finished_ids),
+        step = StepInput(tuple(new_reqs), tuple(running_reqs), self.take_finished_ids(),
                          tuple(s.request.request_id for s in ordered), tuple(s.num_new_tokens for s in ordered),
                          len(decodes))
-        self._finished_ids.clear()
         return SchedulerOutput(ordered, len(decodes), tuple(preempted), step)
+
+    def take_finished_ids(self) -> tuple[str, ...]:
+        """Ids of requests the runner holds that finished, were aborted or preempted since the last step; the
+        caller passes them to the runner (in a `StepInput`), which drops their rows."""
+        ids = tuple(self._finished_ids)
+        self._finished_ids.clear()
+        return ids
 
     def _new_request(self, req: Request) -> NewRequest:
         """The runner's first view of a request (again, after a preemption: with the tokens it generated)."""
@@ -147,15 +156,14 @@ class Scheduler:
                           tuple(tuple(b) for b in blocks), req.num_computed_tokens, tuple(req.output_token_ids),
                           req.eos_token_ids)
 
-    def _new_blocks(self, req: Request) -> tuple[tuple[int, ...], ...]:
+    def _new_blocks(self, req: Request, blocks: tuple[list[int], ...]) -> tuple[tuple[int, ...], ...]:
         """Per group, the blocks the request gained since the runner last heard of it."""
         sent = self._sent_blocks[req.request_id]
-        blocks = self.kv.block_ids(req)
-        new = []
-        for g, b in enumerate(blocks):
-            new.append(tuple(b[sent[g]:]) if len(b) > sent[g] else ())
-            sent[g] = len(b)
-        return tuple(new)
+        if all(len(b) == n for b, n in zip(blocks, sent)):
+            return self._no_new_blocks           # the common decode step: a block lasts block_size steps
+        new = tuple(tuple(b[n:]) for b, n in zip(blocks, sent))
+        sent[:] = [len(b) for b in blocks]
+        return new
 
     def _forget(self, req: Request) -> None:
         """The runner drops the request's row at the next step."""
@@ -167,10 +175,10 @@ class Scheduler:
         return req.num_pending > 0 and (len(req.output_token_ids) + req.num_pending >= req.max_tokens
                                         or req.num_tokens + req.num_pending >= self.max_model_len)
 
-    def _schedule(self, req: Request, num_new: int) -> ScheduledRequest:
+    def _schedule(self, req: Request, num_new: int, blocks: tuple[list[int], ...] | None = None) -> ScheduledRequest:
         """The request's share of this step; its computed count advances now, so that the next step can be
         scheduled before this one's tokens reach the host (a sampled token stays pending until `update`)."""
-        s = ScheduledRequest(req, req.num_computed_tokens, num_new, self.kv.block_ids(req))
+        s = ScheduledRequest(req, req.num_computed_tokens, num_new, blocks or self.kv.block_ids(req))
         req.num_computed_tokens += num_new
         if s.samples:
             req.num_pending += 1

@@ -26,12 +26,13 @@ def prepare_inputs(idx_mapping: torch.Tensor, starts: torch.Tensor, query_lens: 
                    token_ids: torch.Tensor, block_tables: torch.Tensor, block_size: int, num_tokens: int,
                    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, logits_indices: torch.Tensor,
                    input_ids: torch.Tensor, positions: torch.Tensor, slot_mappings: torch.Tensor,
-                   use_triton: bool | None = None) -> None:
+                   use_triton: bool | None = None, max_num_rows: int = 0) -> None:
     """Fill the output buffers for R_pad = len(idx_mapping) rows and T_pad = input_ids.numel() tokens.
 
     token_ids [num_table_rows, width] (any int dtype), block_tables [G, num_table_rows, max_blocks] int32;
     `num_tokens` is the live token count, sum(query_lens), known on the host. use_triton: None picks Triton
-    for CUDA tensors."""
+    for CUDA tensors. `max_num_rows`, the most rows any step has, fixes the kernel's row tile so that one
+    compiled kernel serves every batch size."""
     num_rows = idx_mapping.numel()
     if not (starts.numel() == query_lens.numel() == num_rows and query_start_loc.numel() >= num_rows + 1):
         raise ValueError(f"idx_mapping ({num_rows}), starts ({starts.numel()}), query_lens ({query_lens.numel()}) "
@@ -42,7 +43,7 @@ def prepare_inputs(idx_mapping: torch.Tensor, starts: torch.Tensor, query_lens: 
         use_triton = input_ids.is_cuda
     if use_triton:
         _prepare_triton(idx_mapping, starts, query_lens, token_ids, block_tables, block_size, query_start_loc,
-                        seq_lens, logits_indices, input_ids, positions, slot_mappings)
+                        seq_lens, logits_indices, input_ids, positions, slot_mappings, max(max_num_rows, num_rows))
     else:
         _prepare_torch(idx_mapping, starts, query_lens, token_ids, block_tables, block_size, num_tokens,
                        query_start_loc, seq_lens, logits_indices, input_ids, positions, slot_mappings)
@@ -73,7 +74,7 @@ def _prepare_torch(idx_mapping, starts, query_lens, token_ids, block_tables, blo
 
 
 def _prepare_triton(idx_mapping, starts, query_lens, token_ids, block_tables, block_size, query_start_loc,
-                    seq_lens, logits_indices, input_ids, positions, slot_mappings) -> None:
+                    seq_lens, logits_indices, input_ids, positions, slot_mappings, max_num_rows: int) -> None:
     kernel = _kernel(not input_ids.is_cuda)
     num_rows = idx_mapping.numel()
     num_groups = block_tables.shape[0]
@@ -83,7 +84,7 @@ def _prepare_triton(idx_mapping, starts, query_lens, token_ids, block_tables, bl
         idx_mapping, starts, query_lens, token_ids, token_ids.stride(0), block_tables, block_tables.stride(0),
         block_tables.stride(1), query_start_loc, seq_lens, logits_indices, input_ids, positions, slot_mappings,
         slot_mappings.stride(0), num_rows, input_ids.numel(), block_size,
-        NUM_GROUPS=num_groups, BLOCK_ROWS=_next_pow2(num_rows), BLOCK_TOKENS=128)
+        NUM_GROUPS=num_groups, BLOCK_ROWS=_next_pow2(max_num_rows), BLOCK_TOKENS=128)
 
 
 def _next_pow2(n: int) -> int:

@@ -11,7 +11,9 @@ def _add(a, b):
     return a + b
 
 
-@triton.jit
+# batch sizes and the upload's segment offsets change every step: keep them out of the specialization key, so one
+# compiled kernel serves every step
+@triton.jit(do_not_specialize=["idx_mapping", "starts", "query_lens", "num_rows", "num_tokens_padded"])
 def prepare_inputs_kernel(idx_mapping, starts, query_lens, token_ids, token_stride, block_tables, bt_group_stride,
                           bt_row_stride, query_start_loc, seq_lens, logits_indices, input_ids, positions,
                           slot_mappings, slot_group_stride, num_rows, num_tokens_padded, block_size,

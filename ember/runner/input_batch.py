@@ -86,7 +86,8 @@ class InputBatch:
         R, T = num_reqs_padded, num_tokens_padded
         prepare_inputs(idx, starts, qlens, table.token_ids, table.block_tables, table.block_size, num_tokens,
                        self.query_start_loc[:R + 1], self.seq_lens[:R], self.logits_indices[:R],
-                       self.input_ids[:T], self.positions[:T], self.slot_mappings[:, :T])
+                       self.input_ids[:T], self.positions[:T], self.slot_mappings[:, :T],
+                       max_num_rows=self.max_num_reqs)
         for g in range(table.num_groups):
             torch.index_select(table.block_tables[g], 0, idx, out=self.block_tables[g, :R])
         # host copies of query_start_loc and seq_lens for backends that plan on the host (and the reference)

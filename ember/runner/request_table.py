@@ -80,15 +80,17 @@ class RequestTable:
         for new in step.new_requests:
             row = self._add(new, token_index, token_values, block_index, block_values)
             new_rows.append((row, new))
+        rows, num_computed = self.rows, self.num_computed
         for run in step.running_requests:
-            row = self.rows.get(run.req_id)
+            row = rows.get(run.req_id)
             if row is None:
                 raise ValueError(f"request {run.req_id!r} is scheduled as running but has no row in the table; "
                                  f"a request must arrive as a NewRequest first")
-            self.num_computed[row] = run.num_computed_tokens
-            for g, blocks in enumerate(run.new_block_ids):
-                if blocks:
-                    self._stage_blocks(g, row, blocks, block_index, block_values)
+            num_computed[row] = run.num_computed_tokens
+            if any(run.new_block_ids):
+                for g, blocks in enumerate(run.new_block_ids):
+                    if blocks:
+                        self._stage_blocks(g, row, blocks, block_index, block_values)
         w = _Writes()
         if token_index:
             w.token_index, w.token_values = upload.put(np.concatenate(token_index)), upload.put(

@@ -41,10 +41,10 @@ class PackedUpload:
         if arr.dtype.kind == "f":
             arr = arr.astype(np.float64).view(np.int64)
         n = arr.size
-        self._reserve(self._used + n)
+        self._reserve(self._used + n + 1)
         start = self._used
         self._ring[self._turn][1][start:start + n] = arr.reshape(-1)
-        self._used += n
+        self._used += n + (n & 1)       # segments start 16-byte aligned, as kernels like their pointers
         return start, n
 
     def _reserve(self, size: int) -> None:

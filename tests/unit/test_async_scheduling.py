@@ -164,6 +164,10 @@ def test_abort_while_a_step_is_in_flight(tiny_llama):
     assert [(o.request_id, o.outputs[0].finish_reason) for o in finished] == [(drop, "abort"), (keep, "length")]
     assert finished[1].outputs[0].token_ids == alone
     assert engine.kv.num_free_blocks == engine.kv.num_blocks - 1
+    # the finished request's row leaves the runner's table with the next step's input (here a scoring step)
+    assert set(engine.runner.table.rows) <= {keep, drop}
+    engine.score(PROMPTS[0])
+    assert engine.runner.table.num_rows == 0
 
 
 def test_streaming_returns_every_token_once(tiny_llama):
