@@ -115,10 +115,11 @@ class InputBatch:
         """`common` with one query per request, its last token (padding requests keep zero-length queries)."""
         num_reqs, R = common.num_reqs, common.num_reqs_padded
         qsl = self.tail_query_start_loc[:R + 1]
-        # 0, 1, ..., num_reqs, then num_reqs for the padding rows (the buffer starts as an arange)
+        # 0, 1, ..., num_reqs, then num_reqs for the padding rows
         torch.clamp(torch.arange(R + 1, dtype=torch.int32, device=qsl.device), max=num_reqs, out=qsl)
         return dataclasses.replace(
-            common, query_start_loc=qsl, query_start_loc_cpu=torch.arange(R + 1, dtype=torch.int32).clamp_(max=num_reqs),
+            common, query_start_loc=qsl,
+            query_start_loc_cpu=torch.arange(R + 1, dtype=torch.int32).clamp_(max=num_reqs),
             slot_mappings=tuple(self.tail_slot_mappings[g, :R] for g in range(self.tail_slot_mappings.shape[0])),
             num_actual_tokens=num_reqs, num_tokens_padded=R, max_query_len=1 if num_reqs else 0,
             num_decodes=num_reqs, uniform_decode=True)

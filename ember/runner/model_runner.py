@@ -370,7 +370,8 @@ class ModelRunner:
             meta = sampling_metadata(self.table, prepared.plan, batch.idx_mapping,
                                      batch.common.seq_lens[:batch.common.num_reqs], prepared.buf)
             sampled = self.sampler(logits, meta)
-            self.table.write_sampled(PackedUpload.segment(prepared.buf, prepared.sample_index), sampled.sampled_token_ids)
+            self.table.write_sampled(PackedUpload.segment(prepared.buf, prepared.sample_index),
+                                     sampled.sampled_token_ids)
         with record_function("ember.to_host"):
             return AsyncModelRunnerOutput(sampled, self.device)
 
