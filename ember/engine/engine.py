@@ -162,6 +162,8 @@ class Engine:
         try:
             launched = self.runner.execute_async(out.step)
         except Exception as e:
+            # the runner may not have dropped these rows yet; dropping one twice is harmless
+            self.scheduler.requeue_finished_ids(out.step.finished_ids)
             raise self._fail([s.request for s in out.scheduled], e) from e
         # the new step is in flight before the previous one is processed, so that a failure there loses neither
         previous, self._in_flight = self._in_flight, (out, launched)

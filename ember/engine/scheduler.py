@@ -148,6 +148,10 @@ class Scheduler:
         self._finished_ids.clear()
         return ids
 
+    def requeue_finished_ids(self, ids: tuple[str, ...]) -> None:
+        """Send these ids again with the next step (the step that carried them failed)."""
+        self._finished_ids.extend(ids)
+
     def _new_request(self, req: Request) -> NewRequest:
         """The runner's first view of a request (again, after a preemption: with the tokens it generated)."""
         blocks = self.kv.block_ids(req)
