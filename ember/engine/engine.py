@@ -106,11 +106,12 @@ class Engine:
         req = Request(request_id, prompt_token_ids, params, eos_token_ids=self.eos_token_ids,
                       sampling_seed=params.seed if params.seed is not None else self._rng.getrandbits(63),
                       max_tokens=min(params.max_tokens or room, room))
-        self.scheduler.add_request(req)
         detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens, params.stop,
                                        params.include_stop_str_in_output)
-        self._tracked[request_id] = _Tracked(req, prompt, detok, [] if params.logprobs is not None else None,
-                                             0.0 if params.logprobs is not None else None)
+        tracked = _Tracked(req, prompt, detok, [] if params.logprobs is not None else None,
+                           0.0 if params.logprobs is not None else None)
+        self.scheduler.add_request(req)      # last: nothing after it can fail and leave the request half added
+        self._tracked[request_id] = tracked
         return request_id
 
     def abort(self, request_id: str) -> bool:
@@ -126,7 +127,7 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         # a step in flight holds only running requests, which the scheduler counts; once they are all finished or
-        # aborted its tokens are of no use, and the next step drops them
+        # aborted its tokens are of no use, and a step drops them (at once when the last request ends in a step)
         return self.scheduler.has_unfinished() or bool(self._ready)
 
     def num_tracked(self) -> int:
@@ -169,7 +170,8 @@ class Engine:
         previous, self._in_flight = self._in_flight, (out, launched)
         if previous is not None:
             self._process(previous, stream)
-        if not self.config.scheduler.async_scheduling:
+        if not self.config.scheduler.async_scheduling or not self.scheduler.has_unfinished():
+            # sync; or every request of the step in flight has ended: drop its tokens now rather than hold it
             self._resolve(stream)
         return self._take_ready()
 

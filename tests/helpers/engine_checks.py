@@ -6,6 +6,8 @@ from __future__ import annotations
 
 def assert_engine_holds_nothing(engine) -> None:
     """Every request has finished or been aborted: the engine must hold no trace of any of them."""
+    assert not engine.has_unfinished(), "the engine has a request or an output left"
+    assert engine._in_flight is None, "the engine holds a launched step"
     assert engine.num_tracked() == 0, f"{engine.num_tracked()} requests still tracked"
     s = engine.scheduler
     assert not s.waiting and not s.running and not s.requests, (list(s.waiting), s.running, list(s.requests))
