@@ -159,7 +159,7 @@ class Engine:
                 self.runner.update_table(out.step)
             if self._in_flight is not None:
                 self._resolve(stream)
-            return self._take_ready()
+            return self._end_step()
         try:
             launched = self.runner.execute_async(out.step)
         except Exception as e:
@@ -173,6 +173,14 @@ class Engine:
         if not self.config.scheduler.async_scheduling or not self.scheduler.has_unfinished():
             # sync; or every request of the step in flight has ended: drop its tokens now rather than hold it
             self._resolve(stream)
+        return self._end_step()
+
+    def _end_step(self) -> list[RequestOutput]:
+        if self._in_flight is None and not self.scheduler.has_unfinished():
+            # nothing left to run: the runner drops the rows of requests that just ended now, not at a later step
+            finished_ids = self.scheduler.take_finished_ids()
+            if finished_ids:
+                self.runner.update_table(StepInput(finished_ids=finished_ids))
         return self._take_ready()
 
     def _take_ready(self) -> list[RequestOutput]:

@@ -1,5 +1,5 @@
 """Checks that an engine holds nothing of requests that are gone: no output state, no queued or running request,
-no block in use, no per-request block lists."""
+no block in use, no per-request block lists, no runner rows."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ def assert_engine_holds_nothing(engine) -> None:
     """Every request has finished or been aborted: the engine must hold no trace of any of them."""
     assert not engine.has_unfinished(), "the engine has a request or an output left"
     assert engine._in_flight is None, "the engine holds a launched step"
+    assert engine.runner.table.num_rows == 0, f"the runner still has rows {engine.runner.table.rows}"
     assert engine.num_tracked() == 0, f"{engine.num_tracked()} requests still tracked"
     s = engine.scheduler
     assert not s.waiting and not s.running and not s.requests, (list(s.waiting), s.running, list(s.requests))

@@ -107,6 +107,8 @@ def _lifecycle(folder, pool, seed: int, async_scheduling: bool, rounds: int, mon
         assert set(engine.scheduler.requests) == set(live)
         for manager in engine.kv.managers:
             assert set(manager.req_blocks) <= set(live)
+        # the runner's rows: live requests, and ended ones whose removal goes with the next step
+        assert set(engine.runner.table.rows) <= set(live) | set(engine.scheduler._finished_ids)
         if not live and not engine.has_unfinished():
             assert_engine_holds_nothing(engine)
     monkeypatch.setattr(engine.runner, "execute_async", real_launch)
