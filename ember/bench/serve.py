@@ -190,45 +190,75 @@ def plot_latency(results: list[RequestResult], path: str, title: str) -> None:
     plt.close(fig)
 
 
-def _bench_serve(args) -> int:
-    _check_args(args)
-    rate = parse_rate(args.request_rate)
-    workload = random_workload(args.num_prompts, parse_range(args.input_len), parse_range(args.output_len),
-                               seed=args.seed, max_token_id=args.max_token_id)
-    base_url = args.base_url.rstrip("/")
-    if not base_url.endswith("/v1"):
-        base_url += "/v1"
-    results, elapsed, model = asyncio.run(run_workload(base_url, args.model, workload, rate, args.seed,
-                                                       args.temperature, args.max_concurrency))
-    summary = summarize(results, elapsed)
-    result = {"command": "serve", "base_url": base_url, "model": model, "request_rate": args.request_rate,
-              "max_concurrency": args.max_concurrency, **summary}
-    pct = lambda d: (f"{d['mean']:.2f} / {d['p50']:.2f} / {d['p90']:.2f} / {d['p99']:.2f} ms "   # noqa: E731
-                     f"(mean / p50 / p90 / p99)")
-    rows = [("requests", f"{summary['completed']} of {summary['num_requests']} completed at rate "
-                         f"{args.request_rate}, {summary['input_tokens']:,} input + {summary['output_tokens']:,} "
-                         f"output tokens in {elapsed:.2f} s"),
+def _pct(d: dict) -> str:
+    return f"{d['mean']:.2f} / {d['p50']:.2f} / {d['p90']:.2f} / {d['p99']:.2f} ms (mean / p50 / p90 / p99)"
+
+
+def _report_rows(rate: str, summary: dict, offline: dict | None) -> list[tuple[str, str]]:
+    rows = [("requests", f"{summary['completed']} of {summary['num_requests']} completed at rate {rate}, "
+                         f"{summary['input_tokens']:,} input + {summary['output_tokens']:,} output tokens in "
+                         f"{summary['elapsed_s']:.2f} s"),
             ("output", f"{summary['output_tok_s']:,.1f} tok/s"),
             ("total", f"{summary['total_tok_s']:,.1f} tok/s"),
             ("req/s", f"{summary['requests_s']:,.2f}"),
-            ("TTFT", pct(summary["ttft_ms"])), ("TPOT", pct(summary["tpot_ms"])), ("ITL", pct(summary["itl_ms"])),
-            ("E2E", pct(summary["e2e_ms"]))]
-    if args.compare_offline:
-        offline = json.loads(Path(args.compare_offline).read_text())
-        result["offline_output_tok_s"] = offline["output_tok_s"]
-        result["server_vs_offline"] = summary["output_tok_s"] / offline["output_tok_s"]
+            ("TTFT", _pct(summary["ttft_ms"])), ("TPOT", _pct(summary["tpot_ms"])), ("ITL", _pct(summary["itl_ms"])),
+            ("E2E", _pct(summary["e2e_ms"]))]
+    if offline is not None:
         rows.append(("offline", f"{offline['output_tok_s']:,.1f} output tok/s (ember bench throughput); "
-                                f"server/offline {result['server_vs_offline']:.3f}"))
+                                f"server/offline {summary['output_tok_s'] / offline['output_tok_s']:.3f}"))
     if summary["failed"]:
         rows.append(("failed", f"{summary['failed']}: {'; '.join(summary['errors'])}"))
-    print(f"serve  {model}  {base_url}")
-    for name, value in rows:
-        print(f"  {name:<10s}{value}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
-    if args.plot:
-        plot_latency(results, args.plot, f"{model}, rate {args.request_rate}, {summary['completed']} requests")
-    return 0 if not summary["failed"] else 1
+    return rows
+
+
+def _split(text: str, what: str) -> list[str]:
+    items = [t.strip() for t in str(text).split(",") if t.strip()]
+    if not items:
+        raise ValueError(f"{what} {text!r} is empty")
+    return items
+
+
+def _bench_serve(args) -> int:
+    _check_args(args)
+    rates = _split(args.request_rate, "--request-rate")
+    counts = [int(n) for n in _split(args.num_prompts, "--num-prompts")]
+    if len(counts) == 1:
+        counts = counts * len(rates)
+    if len(counts) != len(rates):
+        raise ValueError(f"--num-prompts {args.num_prompts!r} needs one count, or one per rate of "
+                         f"--request-rate {args.request_rate!r}")
+    parsed = [parse_rate(r) for r in rates]
+    lengths = parse_range(args.input_len), parse_range(args.output_len)
+    base_url = args.base_url.rstrip("/")
+    if not base_url.endswith("/v1"):
+        base_url += "/v1"
+    offline = json.loads(Path(args.compare_offline).read_text()) if args.compare_offline else None
+    report = {"command": "serve", "base_url": base_url, "model": args.model, "runs": []}
+    failed = 0
+    for rate_text, rate, count in zip(rates, parsed, counts):
+        # the same draw as `ember bench throughput --num-prompts N --seed S`, so the two compare
+        workload = random_workload(count, *lengths, seed=args.seed, max_token_id=args.max_token_id)
+        results, elapsed, model = asyncio.run(run_workload(base_url, args.model, workload, rate, args.seed,
+                                                           args.temperature, args.max_concurrency))
+        summary = summarize(results, elapsed)
+        run = {"request_rate": rate_text, "num_prompts": count, "max_concurrency": args.max_concurrency, **summary}
+        if offline is not None:
+            run["offline_output_tok_s"] = offline["output_tok_s"]
+            run["server_vs_offline"] = summary["output_tok_s"] / offline["output_tok_s"]
+        report["model"] = model
+        report["runs"].append(run)
+        failed += summary["failed"]
+        print(f"serve  {model}  {base_url}  rate {rate_text}")
+        for name, value in _report_rows(rate_text, summary, offline):
+            print(f"  {name:<10s}{value}")
+        if args.json:   # after every rate, so that a later failure keeps the earlier numbers
+            Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        if args.plot:
+            path = Path(args.plot)
+            if len(rates) > 1:
+                path = path.with_name(f"{path.stem}_rate{rate_text}{path.suffix or '.png'}")
+            plot_latency(results, str(path), f"{model}, rate {rate_text}, {summary['completed']} requests")
+    return 0 if not failed else 1
 
 
 def add_serve_parser(kinds) -> None:
@@ -236,16 +266,18 @@ def add_serve_parser(kinds) -> None:
     s = kinds.add_parser("serve", help="TTFT, TPOT, ITL and throughput of a running server (like vllm bench serve)")
     s.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server, with or without /v1")
     s.add_argument("--model", default=None, help="the model name to send (default: the server's first model)")
-    s.add_argument("--num-prompts", type=int, default=256)
+    s.add_argument("--num-prompts", default="256", help="requests per run; one count, or one per rate")
     s.add_argument("--input-len", default="100:1024", help="prompt length, N or LOW:HIGH (inclusive)")
     s.add_argument("--output-len", default="100:1024", help="output length, N or LOW:HIGH (inclusive)")
-    s.add_argument("--request-rate", default="inf", help="requests per second (Poisson arrivals), or inf")
+    s.add_argument("--request-rate", default="inf",
+                   help="requests per second (Poisson arrivals), or inf; several (8,32,inf) run one after another")
     s.add_argument("--max-concurrency", type=int, default=None, help="at most this many requests in flight")
     s.add_argument("--temperature", type=float, default=0.6)
     s.add_argument("--max-token-id", type=int, default=MAX_PROMPT_TOKEN_ID, help="prompt ids are drawn in [0, this]")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--json", default=None, metavar="PATH", help="write every number to this JSON file")
-    s.add_argument("--plot", default=None, metavar="PATH", help="save latency against time as a picture (PNG)")
+    s.add_argument("--plot", default=None, metavar="PATH",
+                   help="save latency against time as a picture (PNG; one per rate, suffixed, for several rates)")
     s.add_argument("--compare-offline", default=None, metavar="JSON",
                    help="an `ember bench throughput --json` result of the same workload, to print the ratio")
     s.set_defaults(func=_bench_serve)
@@ -254,3 +286,7 @@ def add_serve_parser(kinds) -> None:
 def _check_args(args: argparse.Namespace) -> None:
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ValueError(f"--max-concurrency {args.max_concurrency} must be at least 1")
+    if args.plot:
+        import importlib.util
+        if importlib.util.find_spec("matplotlib") is None:
+            raise ValueError("--plot needs matplotlib: pip install matplotlib")

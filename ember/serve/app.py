@@ -232,10 +232,6 @@ async def _until_disconnect(receive, coro):
 
 async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """(prompt index, output) from several streams as they come."""
-    if len(streams) == 1:
-        async for output in streams[0]:
-            yield 0, output
-        return
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(i: int, stream: RequestStream):
@@ -267,16 +263,26 @@ async def _events(renderer: Renderer, streams: list[RequestStream], n: int, incl
     cursors = [[ChoiceCursor() for _ in range(n)] for _ in streams]
     prompt_tokens = [s.num_prompt_tokens for s in streams]
     completion_tokens = [0] * len(streams)
+
+    def event(i: int, output: RequestOutput) -> bytes | None:
+        completion_tokens[i] = sum(len(c.token_ids) for c in output.outputs)
+        choices = renderer.chunk_choices(i, output, cursors[i])
+        if not choices:
+            return None
+        chunk = {"choices": choices}
+        if include_usage:
+            chunk["usage"] = usage(sum(prompt_tokens), sum(completion_tokens)) if continuous else None
+        return renderer.event(chunk)
+
     try:
-        async for i, output in _merge(streams):
-            completion_tokens[i] = sum(len(c.token_ids) for c in output.outputs)
-            choices = renderer.chunk_choices(i, output, cursors[i])
-            if not choices:
-                continue
-            chunk = {"choices": choices}
-            if include_usage:
-                chunk["usage"] = usage(sum(prompt_tokens), sum(completion_tokens)) if continuous else None
-            yield renderer.event(chunk)
+        if len(streams) == 1:   # the usual case: read the stream directly, no merging task
+            async for output in streams[0]:
+                if (data := event(0, output)) is not None:
+                    yield data
+        else:
+            async for i, output in _merge(streams):
+                if (data := event(i, output)) is not None:
+                    yield data
         if include_usage:
             yield renderer.event({"choices": [], "usage": usage(sum(prompt_tokens), sum(completion_tokens))})
     except ValueError as exc:

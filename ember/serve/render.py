@@ -88,6 +88,7 @@ class Renderer:
         self.created = int(time.time())
         self.hold_back = hold_back   # characters a stop string could still claim
         self.n = n
+        self._head: str | None = None
 
     # ---- whole responses ----------------------------------------------------------------------------------------
     def response(self, outputs: list[RequestOutput]) -> dict:
@@ -154,12 +155,20 @@ class Renderer:
 
     def event(self, body: dict) -> bytes:
         """One SSE event carrying a chunk with `body`'s fields."""
-        chunk = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
-                 "created": self.created, "model": self.model, **body}
-        return b"data: " + json.dumps(chunk, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+        # the fields every chunk of the response shares are encoded once: this runs once per token per stream
+        if self._head is None:
+            head = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                    "created": self.created, "model": self.model}
+            self._head = "data: " + _dumps(head)[:-1]
+        parts = [self._head]
+        for key, value in body.items():
+            parts.append(f',"{key}":{_dumps(value)}')
+        parts.append("}\n\n")
+        return "".join(parts).encode()
 
 
 DONE = b"data: [DONE]\n\n"
+_dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
 
 
 def error_event(body: dict) -> bytes:

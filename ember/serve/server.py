@@ -6,9 +6,12 @@ flight finish for up to `--drain-timeout` seconds, aborts what is left, stops th
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 
 logger = logging.getLogger("ember.serve")
+
+SWITCH_INTERVAL_S = 0.0005
 
 
 def served_model_name(args) -> str:
@@ -71,6 +74,9 @@ def main(args) -> int:
         llm = LLM(args.config, load_format="dummy", **engine_kwargs(args))
     else:
         llm = LLM(args.model, load_format=args.load_format, **engine_kwargs(args))
+    # the engine thread and the event loop share the GIL: a thread that asks for it waits up to the switch
+    # interval, and the default 5 ms is a third of a decode step
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     name = served_model_name(args)
     app = build_app(llm, name, max_waiting=args.max_waiting)
     server = make_server(app, args.host, args.port, args.drain_timeout, "info" if args.verbose else "warning")

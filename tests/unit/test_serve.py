@@ -320,17 +320,87 @@ def test_metrics_count_tokens_and_latencies(server):
 def test_bench_serve_reports_every_request(server, tmp_path, capsys):
     from ember.cli import main
     out = tmp_path / "serve.json"
-    code = main(["bench", "serve", "--base-url", server.url, "--num-prompts", "6", "--input-len", "4:8",
-                 "--output-len", "2:4", "--request-rate", "50", "--json", str(out)])
+    code = main(["bench", "serve", "--base-url", server.url, "--num-prompts", "6,3", "--input-len", "4:8",
+                 "--output-len", "2:4", "--request-rate", "50,inf", "--json", str(out)])
     assert code == 0
-    result = json.loads(out.read_text())
+    report = json.loads(out.read_text())
+    assert report["model"] == "test-model"
     from ember.bench.commands import random_workload
-    workload = random_workload(6, (4, 8), (2, 4), seed=0)
-    assert (result["completed"], result["failed"]) == (6, 0)
-    assert result["input_tokens"] == workload.input_tokens
-    assert result["output_tokens"] == workload.output_tokens
-    assert result["model"] == "test-model"
-    assert 0 < result["ttft_ms"]["p50"] <= result["ttft_ms"]["p99"]
-    assert result["output_tok_s"] == pytest.approx(workload.output_tokens / result["elapsed_s"])
+    for run, count in zip(report["runs"], (6, 3)):
+        workload = random_workload(count, (4, 8), (2, 4), seed=0)
+        assert (run["completed"], run["failed"]) == (count, 0)
+        assert run["input_tokens"] == workload.input_tokens
+        assert run["output_tokens"] == workload.output_tokens
+        assert 0 < run["ttft_ms"]["p50"] <= run["ttft_ms"]["p99"]
+        assert run["output_tok_s"] == pytest.approx(workload.output_tokens / run["elapsed_s"])
+    assert [run["request_rate"] for run in report["runs"]] == ["50", "inf"]
     printed = capsys.readouterr().out
-    assert "TTFT" in printed and "ITL" in printed and "6 of 6 completed" in printed
+    assert "TTFT" in printed and "ITL" in printed and "6 of 6 completed" in printed and "3 of 3" in printed
+
+
+# ---- slow: load and a real SIGTERM --------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_load_1000_streams_at_most_100_at_a_time(server):
+    """1,000 streaming requests of 1 to 4 tokens, at most 100 in flight: none lost, no block leaked."""
+    before = _used_blocks(server)
+
+    async def run():
+        gate = asyncio.Semaphore(100)
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=300,
+                                     limits=httpx.Limits(max_connections=100)) as client:
+            async def one(i):
+                body = {"prompt": PROMPTS[i % len(PROMPTS)] + f" {i}", "max_tokens": 1 + i % 4, "temperature": 0,
+                        "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+                async with gate:
+                    async with client.stream("POST", "/completions", json=body) as response:
+                        assert response.status_code == 200
+                        lines = [line async for line in response.aiter_lines() if line.startswith("data: ")]
+                assert lines[-1] == "data: [DONE]"
+                return json.loads(lines[-2][6:])["usage"]["completion_tokens"], 1 + i % 4
+            return await asyncio.gather(*(one(i) for i in range(1000)))
+
+    results = asyncio.run(run())
+    assert len(results) == 1000 and all(got == asked for got, asked in results)
+    assert _used_blocks(server) == before
+    assert _metric(server, "ember_request_success_total", 'finished_reason="length"') == 1000
+    assert _metric(server, "ember_generation_tokens_total") == sum(asked for _, asked in results)
+
+
+@pytest.mark.slow
+def test_ember_serve_process_drains_on_sigterm_and_exits_0(converted, tmp_path):
+    import os
+    import socket
+    import subprocess
+    import sys
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "ember", "serve", str(converted["folder"]), "--device", "cpu",
+                             "--port", str(port), "--max-model-len", "128", "--num-kv-blocks", "64",
+                             "--drain-timeout", "60"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 300
+        while True:
+            assert proc.poll() is None, proc.stdout.read().decode()
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.5)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        model = client.models.list().data[0].id
+        stream = client.completions.create(model=model, prompt=PROMPTS[0], stream=True, max_tokens=12,
+                                           temperature=0, extra_body={"ignore_eos": True})
+        chunks = [next(iter(stream))]
+        proc.send_signal(signal.SIGTERM)
+        chunks += list(stream)
+        assert chunks[-1].choices[0].finish_reason == "length"
+        assert sum(1 for c in chunks if c.choices[0].text) >= 1
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
