@@ -5,7 +5,9 @@ flight finish for up to `--drain-timeout` seconds, aborts what is left, stops th
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import signal
 import sys
 import threading
 
@@ -33,6 +35,20 @@ def make_server(app, host: str, port: int, drain_timeout: float, log_level: str 
         def handle_exit(self, sig, frame) -> None:
             app.state.ember.front.draining = True
             super().handle_exit(sig, frame)
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            # uvicorn re-raises the signal after its shutdown, so a drained server would die of SIGTERM (exit
+            # status 143); one that drained has finished its work and exits 0
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
 
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
                             timeout_graceful_shutdown=drain_timeout, timeout_keep_alive=30)
