@@ -236,12 +236,13 @@ class AsyncEngine:
                 try:
                     outputs = self.engine.step(stream=True)
                 except Exception as exc:   # noqa: BLE001 - a failed step fails its requests, not the server
-                    logger.exception("engine step failed; dropping %d requests", len(live))
-                    for request_id in live:
+                    # an engine that names the requests the step held has aborted them and serves the rest
+                    failed = [r for r in getattr(exc, "request_ids", None) or live if r in live]
+                    logger.exception("engine step failed; dropping %d requests", len(failed))
+                    for request_id in failed:
                         self._abort_in_engine(request_id)
-                    self._call(self._fail, list(live), EngineFailed(f"the engine step failed: {exc}"),
-                               self._snapshot())
-                    live.clear()
+                        live.discard(request_id)
+                    self._call(self._fail, failed, EngineFailed(f"the engine step failed: {exc}"), self._snapshot())
                     continue
                 for output in outputs:
                     if output.finished:

@@ -59,6 +59,15 @@ def _short(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+def check_text(text: str, where: str) -> None:
+    """Refuse text no tokenizer can encode (a lone surrogate, which JSON's \\ud800 escapes can produce)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ApiError(f"{where} has a lone surrogate U+{ord(text[exc.start]):04X} at index {exc.start}; text must be "
+                       f"valid Unicode", param=where.split("[")[0].split(".")[0]) from None
+
+
 class StreamOptions(BaseModel):
     """`stream_options`: a usage chunk at the end, or usage on every chunk (`continuous_usage_stats`)."""
     model_config = ConfigDict(extra="forbid", strict=True)
@@ -131,6 +140,12 @@ class CompletionRequest(_Request):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = None
 
+    def check_fields(self) -> None:
+        super().check_fields()
+        for i, prompt in enumerate(self.prompts()):
+            if isinstance(prompt, str):
+                check_text(prompt, "prompt" if isinstance(self.prompt, str) else f"prompt[{i}]")
+
     def prompts(self) -> list[str | list[int]]:
         """The prompts of the request: one, or each of a list."""
         p = self.prompt
@@ -168,6 +183,8 @@ class ChatMessage(BaseModel):
                                    f"text parts are", param=f"{where}.content", code="unsupported_field")
                 texts.append(part["text"])
             content = "".join(texts)
+        if content:
+            check_text(content, f"{where}.content")
         message = {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
         if self.name is not None:
             message["name"] = self.name

@@ -274,6 +274,7 @@ BAD_INPUTS = [
     ("completions", {"prompt": "x", "max_tokens": MAX_MODEL_LEN}, 400, "exceed max_model_len"),
     ("completions", {"prompt": [1, 2, 10 ** 9]}, 400, "outside the vocabulary"),
     ("completions", {"prompt": ""}, 400, "empty"),
+    ("completions", '{"prompt": "x\\ud800"}', 400, "lone surrogate"),
     ("completions", {"prompt": "x", "frobnicate": 1}, 400, "unknown field 'frobnicate'"),
     ("completions", {"prompt": "x", "logit_bias": {"5": 10}}, 400, "'logit_bias' is not supported"),
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, 400,

@@ -35,6 +35,7 @@ def _error(model, body) -> ApiError:
     ({"prompt": "x", "seed": -1}, "seed", "seed -1"),
     ({"prompt": "x", "best_of": 3}, "best_of", "'best_of' is not supported"),
     ({"prompt": "x", "mystery": None}, "mystery", "unknown field 'mystery'"),
+    ({"prompt": ["ok", "bad \ud800"]}, "prompt", "prompt[1] has a lone surrogate U+D800"),
 ])
 def test_completion_request_errors_name_the_field(body, param, words):
     error = _error(CompletionRequest, body)
