@@ -153,7 +153,7 @@ def _admit(state: ServerState, prompts: list[tuple[list[int], str | None]], para
     for ids, _ in prompts:
         try:
             front.validate(ids, params)
-        except ValueError as exc:
+        except (ValueError, TypeError) as exc:
             raise ApiError(str(exc), param=param) from None
         if params.max_tokens is not None and len(ids) + params.max_tokens > front.max_model_len:
             raise ApiError(f"the prompt has {len(ids)} tokens and max_tokens is {params.max_tokens}: together they "
@@ -190,7 +190,7 @@ async def _serve(state: ServerState, request: Request, prompts, params: Sampling
         outputs = await _until_disconnect(request.receive, _finals(streams))
     except ClientGone:
         return Response(status_code=499)
-    except ValueError as exc:
+    except (ValueError, TypeError) as exc:   # the engine refused the request
         raise ApiError(str(exc)) from None
     except (EngineFailed, ServerBusy) as exc:
         raise ApiError(str(exc), 503, "server_error", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
@@ -285,7 +285,7 @@ async def _events(renderer: Renderer, streams: list[RequestStream], n: int, incl
                     yield data
         if include_usage:
             yield renderer.event({"choices": [], "usage": usage(sum(prompt_tokens), sum(completion_tokens))})
-    except ValueError as exc:
+    except (ValueError, TypeError) as exc:
         yield error_event(ApiError(str(exc)).body())
     except (EngineFailed, ServerBusy) as exc:
         yield error_event(ApiError(str(exc), 503, "server_error").body())

@@ -262,7 +262,7 @@ class AsyncEngine:
                 _, request_id, prompt_token_ids, params, prompt = command
                 try:
                     self.engine.add_request(prompt_token_ids, params, prompt, request_id=request_id)
-                except ValueError as exc:
+                except Exception as exc:   # noqa: BLE001 - a request the engine refuses must not stop the loop
                     self._call(self._fail, [request_id], exc)
                 else:
                     live.add(request_id)
