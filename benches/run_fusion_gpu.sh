@@ -10,7 +10,7 @@ LATENCY="python3 -m ember bench latency --batch-size 1 --input-len 32 --output-l
 [ -n "${SKIP_OP_CHECK:-}" ] || run fused_op 90 python3 -m pytest -q -m gpu -p no:cacheprovider -x tests/gpu/test_fused_linear_gpu.py
 run qwen3_fused 130 $LATENCY --config qwen3-0.6b --json "$OUT/qwen3_fused.json"
 run qwen3_unfused 130 $LATENCY --config qwen3-0.6b --disable-fusion all --json "$OUT/qwen3_unfused.json"
-run llama1b_fused 120 $LATENCY --config llama-3.2-1b --json "$OUT/llama1b_fused.json"
+[ -n "${SKIP_LLAMA:-}" ] || run llama1b_fused 120 $LATENCY --config llama-3.2-1b --json "$OUT/llama1b_fused.json"
 echo "== summary"
 grep -h "passed\|failed" "$OUT/fused_op.log" | tail -1
 for f in qwen3_fused qwen3_unfused llama1b_fused; do

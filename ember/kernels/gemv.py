@@ -17,8 +17,8 @@ output, plus bias and residual in float32, is rounded once to x's dtype.
   the CUDA-core multiply-adds alone would take ~40% as long as reading W at full bandwidth.
 
 Fusions (`ember::fused_linear`, put in place by the compile passes in ember.graphs.passes): an RMSNorm prologue
-(each program sums the squares of its rows' x, then norms every x tile as it loads it, rounding as the unfused ops
-do), a SiLU·mul epilogue (W holds gate rows then up rows; each program reads both rows of its columns and writes
+(a per-row scale: the products take x * norm weight while the program sums x^2 beside them, and the sums are
+scaled by 1/rms at the end; a K split first sums the squares over all of K), a SiLU·mul epilogue (W holds gate rows then up rows; each program reads both rows of its columns and writes
 silu(gate) * up), and the residual epilogue. Decode then writes no normed activations and no [M, 2N] projection.
 
 When N / BLOCK_N gives fewer programs than SMs, K is split over a second grid axis: each split writes float32
@@ -67,8 +67,9 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, residual_ptr, norm_weight_ptr, out_ptr,
                  DOT_IN_FP32: tl.constexpr, IEEE_DOT: tl.constexpr):
     """Program (n block, K split): out[:M, n block] over K range [split * k_per_split, + k_per_split).
 
-    NORM: x is RMS-normed on the fly (Llama form, rounded as the unfused ops round), each program first summing
-    the squares of its rows. GATED: W is [2N, K] (gate rows, then up rows) and the output silu(gate) * up [M, N].
+    NORM: x is RMS-normed on the fly (Llama form). Unsplit, in one pass: x * norm weight streams into the products
+    while its squares are summed, and the sums are scaled by each row's 1/rms at the end. Split over K, each program
+    first sums its rows' squares over all of K and norms x as it loads it, rounding as the unfused ops round. GATED: W is [2N, K] (gate rows, then up rows) and the output silu(gate) * up [M, N].
     PARTIAL: out_ptr is float32 partials [SPLIT_K, M, N] ([SPLIT_K, M, 2N] when GATED), bias, activation and
     residual left to the reduce kernel."""
     pid_n = tl.program_id(0)
@@ -101,8 +102,16 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, residual_ptr, norm_weight_ptr, out_ptr,
             acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
     acc_up = acc
 
-    if NORM:
-        # every program (and split) needs its rows' full mean square; x is small and stays in L1/L2
+    if NORM and not PARTIAL:
+        # one pass: the norm is a per-row scale, so sum x^2 beside the products and scale the sums at the end
+        if USE_DOT:
+            sum_sq = tl.full((BLOCK_M,), 0.0, tl.float32)
+        elif ACC_3D:
+            sum_sq = tl.full((BLOCK_M, BLOCK_N, BLOCK_K), 0.0, tl.float32)
+        else:
+            sum_sq = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+    if NORM and PARTIAL:
+        # a split sees part of K: every program first sums its rows' squares over all of K (x stays in L1/L2)
         if USE_DOT:
             sum_sq = tl.full((BLOCK_M,), 0.0, tl.float32)
         else:
@@ -154,10 +163,19 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, residual_ptr, norm_weight_ptr, out_ptr,
                 w_up = tl.load(w_ptrs + up_offset + k, mask=k_ok, other=0.0)
             if NORM:
                 nw = tl.load(nw_ptrs + k, mask=k_ok, other=0.0)
-        if NORM:
+        if NORM and PARTIAL:
             # the unfused RMSNorm rounds twice: the normed value to x's dtype, then its product with the weight
             x = (x.to(tl.float32) * rstd).to(x.dtype)
             x = (nw.to(tl.float32) * x.to(tl.float32)).to(x.dtype)
+        elif NORM:
+            xf = x.to(tl.float32)
+            if USE_DOT:
+                sum_sq += tl.reduce(xf * xf, 1, tl.standard._sum_combine)
+            elif ACC_3D:
+                sum_sq += xf * xf
+            else:
+                sum_sq += tl.reduce(xf * xf, 2, tl.standard._sum_combine)
+            x = (nw.to(tl.float32) * xf).to(x.dtype)
         if USE_DOT:
             if DOT_IN_FP32:
                 # the interpreter's tl.dot multiplies bfloat16 bit patterns as integers
@@ -185,6 +203,15 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, residual_ptr, norm_weight_ptr, out_ptr,
         acc = tl.reduce(acc, 2, tl.standard._sum_combine)    # [BLOCK_M, BLOCK_N]
         if GATED:
             acc_up = tl.reduce(acc_up, 2, tl.standard._sum_combine)
+    if NORM and not PARTIAL:
+        if ACC_3D:
+            sum_sq = tl.reduce(sum_sq, 2, tl.standard._sum_combine)
+        rstd = tl.math.rsqrt(sum_sq / K + eps)
+        if USE_DOT:
+            rstd = rstd[:, None]
+        acc = acc * rstd
+        if GATED:
+            acc_up = acc_up * rstd
 
     out_mask = (rows < M)[:, None] & (cols < N)[None, :]
     if PARTIAL:
