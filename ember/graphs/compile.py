@@ -372,7 +372,7 @@ class CompiledModel:
                         "%d artifacts saved to %s", s.num_pieces, s.num_distinct, s.num_attention_splits, s.seconds,
                         s.backend_seconds, c["fxgraph_cache_hit"], c["fxgraph_cache_miss"], c["autograd_cache_hit"],
                         c["autograd_cache_miss"], s.artifacts_saved, self.cache_dir)
-            logger.info("%s", self.fusion.summary())
+            logger.info("%s", self.fusion.summary(c["fxgraph_cache_hit"]))
         return out
 
 

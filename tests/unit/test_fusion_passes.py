@@ -92,8 +92,9 @@ def test_pass_names_are_checked_and_part_of_the_cache_key():
 def test_summary_lists_matches_and_disabled_passes():
     pipeline = FusionPipeline(("silu_mul_epilogue",))
     pipeline.counts["rms_norm_prologue"] = 4
-    assert pipeline.summary() == ("fusion passes: rms_norm_prologue 4, residual_epilogue 0; "
-                                  "off: silu_mul_epilogue")
+    pipeline.num_graphs = 3
+    assert pipeline.summary(26) == ("fusion passes over 3 compiled graphs, 26 more from the cache: "
+                                    "rms_norm_prologue 4, residual_epilogue 0; off: silu_mul_epilogue")
 
 
 def test_norm_feeding_two_users_stays_for_the_other_one():

@@ -40,8 +40,10 @@ class FusionPipeline(CustomGraphPass):
         self.disabled = check_pass_names(disabled)
         self.enabled = tuple(n for n in PASSES if n not in self.disabled)
         self.counts = {name: 0 for name in self.enabled}
+        self.num_graphs = 0           # graphs passed through (a piece loaded from the FX graph cache is not)
 
     def __call__(self, graph: Graph) -> None:
+        self.num_graphs += 1
         changed = False
         for name in self.enabled:
             found = PASSES[name](graph)
@@ -58,8 +60,10 @@ class FusionPipeline(CustomGraphPass):
             digest.update(inspect.getsource(module).encode())
         return digest.digest()
 
-    def summary(self) -> str:
-        """One line for the start-up log: matches per pass, and the passes turned off."""
+    def summary(self, num_cached: int = 0) -> str:
+        """One line for the start-up log: matches per pass over the graphs compiled now (`num_cached` more came
+        from Inductor's cache, fused when they were first compiled), and the passes turned off."""
         fired = ", ".join(f"{name} {count}" for name, count in self.counts.items()) or "none enabled"
+        cached = f", {num_cached} more from the cache" if num_cached else ""
         off = f"; off: {', '.join(self.disabled)}" if self.disabled else ""
-        return f"fusion passes: {fired}{off}"
+        return f"fusion passes over {self.num_graphs} compiled graphs{cached}: {fired}{off}"
