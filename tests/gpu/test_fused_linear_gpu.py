@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import ember.kernels.fused_linear  # noqa: F401  (registers the op)
+import ember.kernels.qk_norm_rope  # noqa: F401  (registers the op)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -67,3 +68,22 @@ def test_fused_linear_replays_in_a_cuda_graph():
     graph.replay()
     expected = torch.ops.ember.fused_linear(x, weight, None, norm_weight, 1e-6, True, None)
     assert torch.equal(captured, expected) and not torch.equal(captured, eager)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 16, 300])
+def test_qk_norm_rope_matches_the_model_ops(num_tokens):
+    """Qwen3-0.6B heads (16 q, 8 kv, 128 wide), q and k read in place from the qkv output: bitwise where the roundings
+    agree; within one bf16 ulp of the scale (2**-7 s) where float32 sums of squares differ in order."""
+    from ember.kernels.qk_norm_rope import qk_norm_rope_reference
+    hq, hkv, d = 16, 8, 128
+    g = torch.Generator(device="cuda").manual_seed(num_tokens)
+    qkv = 2 * torch.randn(num_tokens, (hq + 2 * hkv) * d, generator=g, device="cuda", dtype=DTYPE)
+    q, k, _ = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    q_weight, k_weight = 1 + 0.2 * torch.randn(2, d, generator=g, device="cuda", dtype=DTYPE)
+    angles = 100 * torch.rand(num_tokens, d // 2, generator=g, device="cuda")
+    cos, sin = torch.cat([angles.cos(), angles.sin()], dim=-1).chunk(2, dim=-1)
+    got = torch.ops.ember.qk_norm_rope(q, k, q_weight, k_weight, cos, sin, 1e-6)
+    for out, ref in zip(got, qk_norm_rope_reference(q, k, q_weight, k_weight, cos, sin, 1e-6)):
+        assert out.shape == ref.shape and out.is_contiguous()
+        scale = ref.float().abs().max().item()
+        assert (out.float() - ref.float()).abs().max().item() <= 2.0 ** -7 * scale

@@ -19,6 +19,7 @@ from tests.helpers.model_harness import ModelHarness, tiny_config
 from tests.helpers.post_grad import count_calls, post_grad_graph
 
 FUSED = torch.ops.ember.fused_linear.default
+QK = torch.ops.ember.qk_norm_rope.default
 LINEAR = torch.ops.ember.linear.default
 TOLERANCE = {torch.float32: 1e-6, torch.bfloat16: 2.0 ** -8}
 
@@ -54,7 +55,7 @@ def _assert_close(out, ref, dtype):
     assert err <= TOLERANCE[dtype] * scale, f"max abs error {err:.3g} at scale {scale:.3g}"
 
 
-EXPECTED = {"rms_norm_prologue": 1, "silu_mul_epilogue": 1, "residual_epilogue": 2}
+EXPECTED = {"rms_norm_prologue": 1, "silu_mul_epilogue": 1, "residual_epilogue": 2, "qk_norm_rope": 0}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -94,7 +95,8 @@ def test_summary_lists_matches_and_disabled_passes():
     pipeline.counts["rms_norm_prologue"] = 4
     pipeline.num_graphs = 3
     assert pipeline.summary(26) == ("fusion passes over 3 compiled graphs, 26 more from the cache: "
-                                    "rms_norm_prologue 4, residual_epilogue 0; off: silu_mul_epilogue")
+                                    "rms_norm_prologue 4, residual_epilogue 0, qk_norm_rope 0; "
+                                    "off: silu_mul_epilogue")
 
 
 def test_norm_feeding_two_users_stays_for_the_other_one():
@@ -143,9 +145,11 @@ def test_fused_model_equals_unfused_model(family, dtype):
         gm.recompile()
     with torch.inference_mode(), forward_context(context):
         out = gm(ids, positions)
+    qk = layers if family == "qwen3" else 0
     assert pipeline.counts == {"rms_norm_prologue": 2 * layers, "silu_mul_epilogue": layers,
-                               "residual_epilogue": 2 * layers}
+                               "residual_epilogue": 2 * layers, "qk_norm_rope": qk}
     assert count_calls(gm, LINEAR) == 0 and count_calls(gm, FUSED) == 4 * layers
+    assert count_calls(gm, QK) == qk and count_calls(gm, torch.ops.aten.rsqrt.default) == 1   # the final norm
     _assert_close(out, reference, dtype)
 
 
@@ -163,8 +167,35 @@ def test_compiled_model_runs_the_passes(tmp_path):
         counts.append(dict(compiled.fusion.counts))
     layers = 2
     assert counts == [{"rms_norm_prologue": 2 * layers, "silu_mul_epilogue": layers,
-                       "residual_epilogue": 2 * layers}, {}]
+                       "residual_epilogue": 2 * layers, "qk_norm_rope": layers}, {}]
     # Inductor's C++ kernels round the unfused norm and residual adds their own way: one bf16 ulp of the largest
     # output (at most 2**-6 of the scale) apart
     scale = outputs[1].float().abs().max().item()
     assert (outputs[0].float() - outputs[1].float()).abs().max().item() <= 2.0 ** -6 * scale
+
+
+@pytest.mark.parametrize("disabled", [(), ("qk_norm_rope",)], ids=["on", "off"])
+def test_qk_norm_rope_pass_on_one_attention_layer(disabled):
+    """Qwen3's attention up to the attention op: the q/k norm and rotary become one op (or stay, when off)."""
+    model, ids, positions, context = _model_graph("qwen3", torch.bfloat16)
+    attn = model.model.layers[0].self_attn
+    hidden = torch.randn(5, model.config.hidden_size, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    cos, sin = model.model.rotary_emb(positions)
+
+    def fn(hidden, cos, sin):
+        q, k, v = attn.qkv_proj.forward_split(hidden)
+        return attn._norm_rotate_qk(cos, sin, q, k)
+
+    with torch.inference_mode():
+        gm = post_grad_graph(fn, hidden, cos, sin)
+        reference = gm(hidden, cos, sin)
+        pipeline = FusionPipeline(disabled)
+        pipeline(gm.graph)
+        gm.recompile()
+        out = gm(hidden, cos, sin)
+    on = not disabled
+    assert pipeline.counts.get("qk_norm_rope", 0) == int(on) and count_calls(gm, QK) == int(on)
+    assert count_calls(gm, torch.ops.aten.clone.default) == (0 if on else 2)
+    for got, ref in zip(out, reference):
+        assert got.is_contiguous() and got.shape == ref.shape
+        _assert_close(got, ref, torch.bfloat16)

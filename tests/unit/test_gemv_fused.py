@@ -129,3 +129,20 @@ def test_op_shape_on_cpu_and_under_fake_tensors():
         fake = torch.ops.ember.fused_linear(mode.from_tensor(x), mode.from_tensor(weight), None, None, EPS, True,
                                             None)
     assert fake.shape == (4, 8)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_qk_norm_rope_kernel_matches_the_torch_ops(dtype):
+    """q and k read in place from a qkv buffer (strided rows), cos/sin as strided halves of one table."""
+    from ember.kernels.qk_norm_rope import qk_norm_rope_reference, qk_norm_rope_triton
+    num_tokens, hq, hkv, d = 3, 4, 2, 16
+    g = torch.Generator().manual_seed(7)
+    qkv = (2 * torch.randn(num_tokens, (hq + 2 * hkv) * d, generator=g)).to(dtype)    # [T, (Hq + 2 Hkv) D]
+    q, k, _ = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    q_weight, k_weight = ((1 + 0.2 * torch.randn(2, d, generator=g)).to(dtype))
+    angles = 6 * torch.rand(num_tokens, d // 2, generator=g)
+    cos, sin = torch.cat([angles.cos(), angles.sin()], dim=-1).chunk(2, dim=-1)          # [T, D/2] each, strided
+    got = qk_norm_rope_triton(q, k, q_weight, k_weight, cos, sin, EPS)
+    for out, ref in zip(got, qk_norm_rope_reference(q, k, q_weight, k_weight, cos, sin, EPS)):
+        _check(out, ref, dtype)
+        assert out.is_contiguous()

@@ -82,13 +82,14 @@ class RMSNormMatch:
     eps: float
 
 
-def match_rms_norm(node) -> RMSNormMatch | None:
-    """Match the Llama-form RMSNorm ending at `node` (the product with the weight): weight 1-D over the last dim."""
+def match_rms_norm(node, weight_dims: int = 1) -> RMSNormMatch | None:
+    """Match the Llama-form RMSNorm ending at `node` (the product with the weight), the weight over the last
+    `weight_dims` dims (2: one weight row per head)."""
     if not is_call(node, aten.mul) or len(node.args) != 2:
         return None
     for normed_cast, weight in (node.args, node.args[::-1]):
         out_val, weight_val = value(node), value(weight)
-        if out_val is None or weight_val is None or weight_val.dim() != 1:
+        if out_val is None or weight_val is None or weight_val.dim() != weight_dims:
             continue
         normed = normed_cast
         if is_call(normed_cast, prims.convert_element_type):
@@ -100,7 +101,7 @@ def match_rms_norm(node) -> RMSNormMatch | None:
             continue
         x, x_dtype, eps = found
         if x_dtype != out_val.dtype or weight_val.dtype != out_val.dtype or \
-                weight_val.shape[0] != out_val.shape[-1]:
+                tuple(weight_val.shape) != tuple(out_val.shape[-weight_dims:]):
             continue
         if x_dtype != torch.float32 and normed is normed_cast:
             continue     # a half-precision norm must round back before the weight, as the model does

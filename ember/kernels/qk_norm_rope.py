@@ -1,0 +1,96 @@
+"""`ember::qk_norm_rope`: per-head RMSNorm of q and k, then rotary (rotate-half layout, whole head), as one kernel
+that reads q and k where the qkv projection wrote them and writes each contiguous. The compile pass
+`qk_norm_rope` (ember.graphs.passes) puts it where a model norms and rotates q and k as one [T, Hq + Hkv, D]
+tensor (Qwen3); Inductor made four kernels of that (the norm's reduction, the rotation, a copy of q, a copy of k).
+
+Arithmetic and roundings follow the model's ops: normalise in float32, round to the dtype, scale by the weight
+(rounded), then x1*cos - x2*sin and x2*cos + x1*sin with cos/sin rounded to the dtype and each product rounded.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ember.kernels.gemv import _kernel
+
+
+@triton.jit
+def _qk_norm_rope_kernel(qk_ptr, q_weight_ptr, k_weight_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr,
+                         stride_t, stride_cos, stride_sin, eps,
+                         HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr):
+    """Program (token, head): head h of [q heads | k heads], read at qk_ptr + t * stride_t + h * 2 * HALF."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    d = tl.arange(0, HALF)
+    src = qk_ptr + t * stride_t + h * (2 * HALF)
+    x1 = tl.load(src + d)
+    x2 = tl.load(src + HALF + d)
+    f1 = x1.to(tl.float32)
+    f2 = x2.to(tl.float32)
+    sum_sq = tl.reduce(f1 * f1 + f2 * f2, 0, tl.standard._sum_combine)
+    rstd = tl.math.rsqrt(sum_sq / (2 * HALF) + eps)
+    is_q = h < HQ
+    w_ptr = tl.where(is_q, q_weight_ptr, k_weight_ptr)
+    w1 = tl.load(w_ptr + d).to(tl.float32)
+    w2 = tl.load(w_ptr + HALF + d).to(tl.float32)
+    n1 = (w1 * (f1 * rstd).to(x1.dtype).to(tl.float32)).to(x1.dtype).to(tl.float32)
+    n2 = (w2 * (f2 * rstd).to(x1.dtype).to(tl.float32)).to(x1.dtype).to(tl.float32)
+    cos = tl.load(cos_ptr + t * stride_cos + d).to(x1.dtype).to(tl.float32)
+    sin = tl.load(sin_ptr + t * stride_sin + d).to(x1.dtype).to(tl.float32)
+    out1 = (n1 * cos).to(x1.dtype).to(tl.float32) - (n2 * sin).to(x1.dtype).to(tl.float32)
+    out2 = (n2 * cos).to(x1.dtype).to(tl.float32) + (n1 * sin).to(x1.dtype).to(tl.float32)
+    dst = tl.where(is_q, q_out_ptr + (t * HQ + h) * (2 * HALF), k_out_ptr + (t * HKV + h - HQ) * (2 * HALF))
+    tl.store(dst + d, out1.to(x1.dtype))
+    tl.store(dst + HALF + d, out2.to(x1.dtype))
+
+
+def qk_norm_rope_reference(q, k, q_weight, k_weight, cos, sin, eps):
+    """The model's ops: q [T, Hq*D], k [T, Hkv*D] -> (q [T, Hq, D], k [T, Hkv, D]), normed and rotated."""
+    d = q_weight.shape[0]
+
+    def one(x, weight):
+        x = x.unflatten(-1, (-1, d))
+        x32 = x.float()
+        x = weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+        x1, x2 = x.chunk(2, dim=-1)
+        c, s = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
+        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).contiguous()
+
+    return one(q, q_weight), one(k, k_weight)
+
+
+def _kernel_applies(q, k, q_weight, cos, sin) -> bool:
+    """k must follow q in each row of one buffer (the qkv projection's output), heads a power-of-two size."""
+    d = q_weight.shape[0]
+    return (q.stride(1) == 1 and k.stride(1) == 1 and q.stride(0) == k.stride(0) and d >= 2 and d & (d - 1) == 0
+            and cos.shape[-1] * 2 == d and cos.stride(1) == 1 and sin.stride(1) == 1 and q.shape[0] > 0
+            and k.data_ptr() == q.data_ptr() + q.shape[1] * q.element_size())
+
+
+@torch.library.custom_op("ember::qk_norm_rope", mutates_args=())
+def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                 cos: torch.Tensor, sin: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T, Hq*D], k [T, Hkv*D], weights [D], cos/sin [T, D/2] float32 -> q [T, Hq, D], k [T, Hkv, D]."""
+    if q.device.type == "cpu" or not _kernel_applies(q, k, q_weight, cos, sin):
+        return qk_norm_rope_reference(q, k, q_weight, k_weight, cos, sin, eps)
+    return qk_norm_rope_triton(q, k, q_weight, k_weight, cos, sin, eps)
+
+
+def qk_norm_rope_triton(q, k, q_weight, k_weight, cos, sin, eps):
+    """The kernel (interpreted for CPU tensors); q and k as `_kernel_applies` requires."""
+    d = q_weight.shape[0]
+    num_tokens, hq, hkv = q.shape[0], q.shape[1] // d, k.shape[1] // d
+    q_out = torch.empty(num_tokens, hq, d, dtype=q.dtype, device=q.device)     # [T, Hq, D]
+    k_out = torch.empty(num_tokens, hkv, d, dtype=k.dtype, device=k.device)    # [T, Hkv, D]
+    _kernel(_qk_norm_rope_kernel, q.device)[(num_tokens, hq + hkv)](
+        q, q_weight.contiguous(), k_weight.contiguous(), cos, sin, q_out, k_out, q.stride(0), cos.stride(0),
+        sin.stride(0), float(eps), HQ=hq, HKV=hkv, HALF=d // 2, num_warps=1)
+    return q_out, k_out
+
+
+@qk_norm_rope.register_fake
+def _qk_norm_rope_fake(q, k, q_weight, k_weight, cos, sin, eps):
+    d = q_weight.shape[0]
+    return q.new_empty(q.shape[0], q.shape[1] // d, d), k.new_empty(k.shape[0], k.shape[1] // d, d)
