@@ -132,6 +132,7 @@ def select_backend(spec: KVCacheSpec, dtype: torch.dtype, device: torch.device,
 
 # Built-in backends, imported on first use.
 register_backend("torch_ref")(lambda: importlib.import_module("ember.attention_backends.torch_ref").TorchRefBackend)
+register_backend("cpu_sdpa")(lambda: importlib.import_module("ember.attention_backends.cpu_sdpa").CpuSdpaBackend)
 register_backend("triton_unified")(
     lambda: importlib.import_module("ember.attention_backends.triton_unified.backend").TritonUnifiedBackend)
 register_backend("flash")(lambda: importlib.import_module("ember.attention_backends.flash.backend").FlashBackend)
