@@ -17,7 +17,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--no-async-scheduling", action="store_true",
+    p.add_argument("--async-scheduling", dest="async_scheduling", action="store_true", default=None,
+                   help="launch step t+1 before step t's tokens reach the host (default on CUDA, off on the CPU)")
+    p.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
                    help="wait for each step's tokens before scheduling the next (no host/device overlap)")
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--compile-mode", default="auto", choices=["auto", "none", "default"])
@@ -38,5 +40,5 @@ def engine_kwargs(args) -> dict:
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 enable_prefix_caching=not args.no_prefix_caching, attention_backend=args.attention_backend,
                 compile_mode=args.compile_mode, cudagraph_mode=args.cudagraph_mode,
-                enforce_eager=args.enforce_eager, seed=args.seed, async_scheduling=not args.no_async_scheduling,
+                enforce_eager=args.enforce_eager, seed=args.seed, async_scheduling=args.async_scheduling,
                 disabled_fusions=tuple(args.disable_fusion), cudagraph_capture=args.cudagraph_capture)

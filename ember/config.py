@@ -55,8 +55,9 @@ class SchedulerConfig:
     """Continuous-batching limits per step."""
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
-    # schedule and launch step t+1 while step t runs on the device; its tokens reach the host one call later
-    async_scheduling: bool = True
+    # schedule and launch step t+1 while step t runs on the device; its tokens reach the host one call later.
+    # None: on with CUDA; off on the CPU, where the forward runs on the host thread and nothing overlaps
+    async_scheduling: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -111,4 +112,6 @@ class EngineConfig:
             raise ValueError(f"cudagraph_capture {self.compile.cudagraph_capture!r} is not known; use 'eager' or 'lazy'")
         if self.model.max_model_len is not None and self.model.max_model_len < 1:
             raise ValueError(f"max_model_len {self.model.max_model_len} must be at least 1")
-        return dataclasses.replace(self, device=str(dev))
+        if s.async_scheduling is None:
+            s = dataclasses.replace(s, async_scheduling=dev.type == "cuda")
+        return dataclasses.replace(self, device=str(dev), scheduler=s)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 import operator
 from pathlib import Path
 from typing import Iterator, Sequence
 
 from ember.chat_input import check_conversations, check_text
+from ember.compat import GENERATE_HINTS, check_architecture, check_kwargs, check_llm_arguments
 from ember.config import CacheConfig, CompileConfig, EngineConfig, ModelConfig, SchedulerConfig
 from ember.engine.engine import Engine, EngineStepError, token_id_list
 from ember.sampling_params import SamplingParams
@@ -18,12 +20,12 @@ logger = logging.getLogger("ember")
 PromptType = str | list[int] | dict
 
 
-def _load_tokenizer(path: Path):
+def _load_tokenizer(path: Path, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
     if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         logger.warning("no tokenizer in %s: only token-id prompts will work and outputs carry no text", path)
         return None
-    return AutoTokenizer.from_pretrained(str(path))
+    return AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
 
 
 class LLM:
@@ -36,8 +38,10 @@ class LLM:
                  compile_mode: str = "auto", cudagraph_mode: str = "auto",
                  cudagraph_capture_sizes: Sequence[int] | None = None, enforce_eager: bool = False,
                  attention_backend_options: dict | None = None, load_format: str = "auto", tokenizer=None,
-                 async_scheduling: bool = True, disabled_fusions: Sequence[str] = (),
-                 cudagraph_capture: str = "eager"):
+                 async_scheduling: bool | None = None, disabled_fusions: Sequence[str] = (),
+                 cudagraph_capture: str = "eager", tensor_parallel_size: int = 1, trust_remote_code: bool = False,
+                 revision: str | None = None, download_dir: str | None = None, **kwargs):
+        check_llm_arguments(kwargs, _LLM_PARAMETERS, tensor_parallel_size)
         if load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format {load_format!r} is not supported; use 'auto' or 'dummy' (random weights)")
         hf_config = None
@@ -47,7 +51,8 @@ class LLM:
             hf_config, path = bundled_config(model), Path(model)
         else:
             from ember.models.default_model import resolve_model_path
-            path = resolve_model_path(model)
+            path = resolve_model_path(model, revision, download_dir)
+            check_architecture(path, trust_remote_code)
         config = EngineConfig(
             model=ModelConfig(str(path), dtype, max_model_len, seed),
             cache=CacheConfig(block_size, num_kv_blocks, gpu_memory_utilization, enable_prefix_caching),
@@ -60,7 +65,7 @@ class LLM:
         ).resolve()
         self.config = config
         if tokenizer is None and hf_config is None:
-            tokenizer = _load_tokenizer(path)
+            tokenizer = _load_tokenizer(path, trust_remote_code)
         self.tokenizer = tokenizer
         self.engine = Engine(config, str(path), self.tokenizer, hf_config=hf_config, load_format=load_format)
         # requests a live generate() or stream waits for: the latest output of each (outputs are cumulative, so
@@ -92,8 +97,9 @@ class LLM:
     # ---- generation -------------------------------------------------------------------------------------------
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, **kwargs) -> list[RequestOutput]:
         """Generate for every prompt; returns outputs in input order. Bad input raises before anything runs."""
+        check_kwargs("LLM.generate()", kwargs, ("prompts", "sampling_params", "use_tqdm"), GENERATE_HINTS)
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
                                                 and _is_token_id(prompts[0])):
             prompts = [prompts]
@@ -188,15 +194,21 @@ class LLM:
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("chat needs a tokenizer with a chat template, and this model folder has none")
         conversations = check_conversations(messages)
-        prompts = [{"prompt_token_ids": self.chat_prompt_ids(c, add_generation_prompt, **template_kwargs)}
-                   for c in conversations]
+        prompts = []
+        for c in conversations:
+            text = self.chat_prompt_text(c, add_generation_prompt, **template_kwargs)
+            prompts.append({"prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False), "prompt": text})
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def chat_prompt_ids(self, conversation: list[dict], add_generation_prompt: bool = True, **kwargs) -> list[int]:
-        """The token ids of one checked conversation under the tokenizer's chat template."""
-        text = self.tokenizer.apply_chat_template(conversation, tokenize=False,
+    def chat_prompt_text(self, conversation: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
+        """One checked conversation rendered by the tokenizer's chat template."""
+        return self.tokenizer.apply_chat_template(conversation, tokenize=False,
                                                   add_generation_prompt=add_generation_prompt, **kwargs)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def chat_prompt_ids(self, conversation: list[dict], add_generation_prompt: bool = True, **kwargs) -> list[int]:
+        """The token ids of the rendered conversation (the template carries its own special tokens)."""
+        return self.tokenizer.encode(self.chat_prompt_text(conversation, add_generation_prompt, **kwargs),
+                                     add_special_tokens=False)
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -211,3 +223,6 @@ def _is_token_id(value) -> bool:
         return True
     except TypeError:
         return False
+
+
+_LLM_PARAMETERS = tuple(p for p in inspect.signature(LLM.__init__).parameters if p not in ("self", "kwargs"))

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import numbers
 import operator
 from dataclasses import dataclass
+
+from ember.compat import SAMPLING_HINTS, unknown_argument_error
 
 MAX_LOGPROBS = 20
 # Below this a positive temperature samples greedily, as in vLLM: dividing logits by it overflows float32.
@@ -138,3 +142,19 @@ class SamplingParams:
     @property
     def uses_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+_FIELD_NAMES = tuple(f.name for f in dataclasses.fields(SamplingParams))
+_dataclass_init = SamplingParams.__init__
+
+
+@functools.wraps(_dataclass_init)
+def _init_naming_unknown_arguments(self, *args, **kwargs):
+    # vLLM scripts pass arguments ember lacks (best_of, logit_bias, ...): say which, and what to use instead
+    for name in kwargs:
+        if name not in _FIELD_NAMES:
+            raise unknown_argument_error("SamplingParams()", name, _FIELD_NAMES, SAMPLING_HINTS)
+    _dataclass_init(self, *args, **kwargs)
+
+
+SamplingParams.__init__ = _init_naming_unknown_arguments

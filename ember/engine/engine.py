@@ -247,6 +247,9 @@ class Engine:
         entry = {ids[0]: Logprob(lps[0], result.ranks[row])}
         for rank, (tok, lp) in enumerate(zip(ids[1:1 + n], lps[1:1 + n]), start=1):
             entry.setdefault(tok, Logprob(lp, rank))
+        if self.tokenizer is not None:
+            for tok, logprob in entry.items():
+                logprob.decoded_token = self.tokenizer.decode([tok])
         t.logprobs.append(entry)
         t.cumulative_logprob += lps[0]
 

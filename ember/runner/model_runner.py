@@ -24,6 +24,7 @@ from ember.graphs.cuda_graph import CUDAGraphManager
 from ember.graphs.dispatcher import CudaGraphDispatcher, resolve_modes
 from ember.graphs.modes import BatchDescriptor, CUDAGraphMode
 from ember.models.loader import load_config, load_model, random_model
+from ember.runner.cpu_memory import cpu_kv_cache_bytes
 from ember.kv_spec import blocks_per_request
 from ember.runner.input_batch import BatchLayout, InputBatch, PreparedBatch
 from ember.runner.kv_cache_setup import allocate_kv_caches, make_builders, select_backends
@@ -36,7 +37,6 @@ from ember.sampling_params import SamplingParams
 
 logger = logging.getLogger("ember")
 
-CPU_KV_CACHE_BYTES = 4 << 30   # default KV budget on the CPU, where there is no free-memory probe
 GRAPH_RESERVE_BYTES = 512 << 20  # left free for CUDA-graph pools and allocator slack
 
 
@@ -216,7 +216,12 @@ class ModelRunner:
         wanted_len = self.config.model.max_model_len or self.model_max_len()
         if self.device.type == "cpu":
             cap = blocks_per_request(self.attn.groups, wanted_len) * self.max_num_reqs + 1
-            return max(2, min(cap, CPU_KV_CACHE_BYTES // per_block))
+            budget = cpu_kv_cache_bytes()
+            blocks = max(2, min(cap, budget // per_block))
+            logger.info("KV cache on the CPU: %.2f GiB, %d blocks of %d tokens (budget %.2f GiB: a quarter of "
+                        "available memory, at most 2 GiB)", blocks * per_block / 2**30, blocks, cc.block_size,
+                        budget / 2**30)
+            return blocks
         # this engine may use gpu_memory_utilization of the device for weights, activations and KV cache, and
         # never more than is actually free (other engines or processes may hold the rest)
         total = torch.cuda.get_device_properties(self.device).total_memory

