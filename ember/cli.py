@@ -15,6 +15,8 @@ def _generate(args) -> int:
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
                             max_tokens=args.max_tokens, seed=args.sample_seed, ignore_eos=args.ignore_eos,
                             stop=args.stop or None)
+    if not args.prompt:
+        raise ValueError("--prompt is empty; give the text to continue (or to answer, with --chat)")
     llm = LLM(args.model, **engine_kwargs(args))
     prompt = args.prompt
     if args.chat:
@@ -111,3 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        # generate_stream aborts its request on the way out; the shell convention for SIGINT is 128 + 2
+        sys.stdout.write("\n")
+        print("ember: interrupted", file=sys.stderr)
+        return 130

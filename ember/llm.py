@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import logging
 import operator
+import sys
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -42,6 +43,9 @@ class LLM:
                  cudagraph_capture: str = "eager", tensor_parallel_size: int = 1, trust_remote_code: bool = False,
                  revision: str | None = None, download_dir: str | None = None, **kwargs):
         check_llm_arguments(kwargs, _LLM_PARAMETERS, tensor_parallel_size)
+        if attention_backend != "auto":      # a misspelt name fails now, not after the model has loaded
+            from ember.attention_backends.registry import get_backend
+            get_backend(attention_backend)
         if load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format {load_format!r} is not supported; use 'auto' or 'dummy' (random weights)")
         hf_config = None
@@ -115,19 +119,26 @@ class LLM:
         for (ids, _), p in zip(tokenized, params):
             self.engine.validate(ids, p)
         from tqdm.auto import tqdm
+        scored = {i: self._prompt_logprobs(t, p) for i, ((t, _), p) in enumerate(zip(tokenized, params))
+                  if p.prompt_logprobs is not None}
         ids = []
         try:
             for (t, text), p in zip(tokenized, params):
                 ids.append(self.engine.add_request(t, p, text))
                 self._latest[ids[-1]] = None
             pending = list(ids)
-            with tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm, dynamic_ncols=True) as bar:
+            # on stderr, and only on a terminal: logs and pipes get no carriage-return noise
+            with tqdm(total=len(ids), desc="Generating", unit="req", file=sys.stderr, dynamic_ncols=True,
+                      disable=not (use_tqdm and sys.stderr.isatty())) as bar:
                 while pending:
                     self._pump(pending)
                     done = [rid for rid in pending if self._latest[rid] is not None and self._latest[rid].finished]
                     bar.update(len(done))
                     pending = [rid for rid in pending if rid not in done]
-            return [self._latest[rid] for rid in ids]
+            outputs = [self._latest[rid] for rid in ids]
+            for i, entries in scored.items():
+                outputs[i].prompt_logprobs = entries
+            return outputs
         finally:
             for rid in ids:
                 self._forget(rid)
@@ -161,6 +172,10 @@ class LLM:
         self._errors.pop(rid, None)
         self.engine.abort(rid)
 
+    def _prompt_logprobs(self, token_ids: list[int], params: SamplingParams) -> list | None:
+        from ember.prompt_logprobs import prompt_logprobs
+        return prompt_logprobs(self.engine, token_ids, params.prompt_logprobs, self.tokenizer)
+
     def generate_stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None
                         ) -> Iterator[RequestOutput]:
         """Yield the growing output of one prompt after every step. Bad input raises here; the request is queued
@@ -172,6 +187,7 @@ class LLM:
         return self._stream(ids, params, text)
 
     def _stream(self, ids: list[int], params: SamplingParams, text: str | None) -> Iterator[RequestOutput]:
+        scored = self._prompt_logprobs(ids, params) if params.prompt_logprobs is not None else None
         rid = self.engine.add_request(ids, params, text)
         self._latest[rid] = None
         self._streams.add(rid)
@@ -182,6 +198,7 @@ class LLM:
                     self._pump([rid])
                     continue
                 self._latest[rid] = None
+                out.prompt_logprobs = scored
                 yield out
                 if out.finished:
                     return

@@ -15,8 +15,8 @@ MAX_LOGPROBS = 20
 MIN_TEMPERATURE = 1e-5
 FLOAT32_MAX = 3.4028234663852886e38
 
-_INT_FIELDS = ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs")
-_OPTIONAL_INT_FIELDS = ("seed", "max_tokens", "logprobs")
+_INT_FIELDS = ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs")
+_OPTIONAL_INT_FIELDS = ("seed", "max_tokens", "logprobs", "prompt_logprobs")
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 _BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output")
 
@@ -56,6 +56,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] | list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None     # logprobs of the prompt tokens, with this many top tokens each
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
@@ -126,8 +127,10 @@ class SamplingParams:
             bad(f"min_tokens {self.min_tokens} must be >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             bad(f"min_tokens {self.min_tokens} must not exceed max_tokens {self.max_tokens}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            bad(f"logprobs {self.logprobs} must be in [0, {MAX_LOGPROBS}]")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                bad(f"{name} {value} must be in [0, {MAX_LOGPROBS}]")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             bad(f"seed {self.seed} must be in [0, 2**63)")
         if any(not s for s in self.stop):

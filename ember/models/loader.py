@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import sys
 from pathlib import Path
 from typing import Iterator
 
@@ -166,7 +167,9 @@ def load_weights(model: nn.Module, config, files: list[Path], device: torch.devi
     by_file: dict[Path, list[str]] = {}
     for name, (file, _, _) in plan.items():
         by_file.setdefault(file, []).append(name)
-    for file in tqdm(files, desc="Loading safetensors shards", unit="shard", disable=not progress):
+    # on stderr, and only on a terminal: logs and pipes get no carriage-return noise
+    for file in tqdm(files, desc="Loading safetensors shards", unit="shard", file=sys.stderr,
+                     disable=not (progress and sys.stderr.isatty())):
         with _open_safetensors(file) as f:
             for name in by_file.get(file, []):
                 _, target, shard_id = plan[name]

@@ -32,3 +32,27 @@ def test_backends_via_python_m():
     names = [line.split()[0] for line in out.stdout.splitlines()]
     assert names == ["cpu_sdpa", "flash", "torch_ref", "triton_unified"]
     assert "cudagraph ALWAYS" in out.stdout and "cudagraph NEVER" in out.stdout
+
+
+def test_input_errors_come_before_the_model_loads(monkeypatch, capsys):
+    monkeypatch.setattr("ember.llm.Engine", lambda *a, **k: (_ for _ in ()).throw(AssertionError("model loaded")))
+    monkeypatch.setattr("ember.models.default_model.ensure_default_model",
+                        lambda *a, **k: (_ for _ in ()).throw(AssertionError("model fetched")))
+    assert main(["generate", "--device", "cpu", "--prompt", ""]) == 2
+    assert "--prompt is empty" in capsys.readouterr().err
+    assert main(["generate", "--device", "cpu", "--prompt", "hi", "--attention-backend", "nope"]) == 2
+    assert "attention backend 'nope' is not registered" in capsys.readouterr().err
+
+
+def test_ctrl_c_ends_with_one_line_and_exit_130(monkeypatch, capsys):
+    class Interrupted:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def generate_stream(self, prompt, params):
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr("ember.llm.LLM", Interrupted)
+    assert main(["generate", "--device", "cpu", "--prompt", "hi"]) == 130
+    err = capsys.readouterr().err
+    assert err == "ember: interrupted\n"

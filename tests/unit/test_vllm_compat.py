@@ -94,3 +94,33 @@ def test_chat_output_carries_the_rendered_prompt(llm):
     out = llm.chat([{"role": "user", "content": "hello"}], GREEDY, use_tqdm=False)[0]
     assert out.prompt == "<|user|> hello <|assistant|> "
     assert out.prompt_token_ids == llm.get_tokenizer().encode(out.prompt, add_special_tokens=False)
+
+
+def test_prompt_logprobs_match_transformers(llm, folder):
+    prompt = [1, 7, 8, 9, 10, 11, 12, 5, 6, 13, 14, 15, 16, 17, 18, 19, 3, 4, 20, 21]   # spans two blocks
+    k = 3
+    out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=k),
+                       use_tqdm=False)[0]
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), dim=-1)   # [n, V]
+    entries = out.prompt_logprobs
+    assert len(entries) == len(prompt) and entries[0] is None
+    for i, entry in enumerate(entries[1:]):
+        row, token = expected[i], prompt[i + 1]
+        assert abs(entry[token].logprob - row[token].item()) < 1e-4
+        assert entry[token].rank == int((row > row[token]).sum()) + 1
+        top = row.topk(k)
+        for rank, (t, lp) in enumerate(zip(top.indices.tolist(), top.values.tolist()), start=1):
+            assert t in entry and abs(entry[t].logprob - lp) < 1e-4
+            if t != token:
+                assert entry[t].rank == rank
+        assert set(entry) <= set(top.indices.tolist()) | {token}
+    # the generated tokens are those of a request without prompt logprobs
+    plain = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+    assert out.outputs[0].token_ids == plain[0].outputs[0].token_ids and plain[0].prompt_logprobs is None
+
+
+def test_prompt_logprobs_out_of_range_is_refused():
+    with pytest.raises(ValueError, match=r"prompt_logprobs 21 must be in \[0, 20\]"):
+        SamplingParams(prompt_logprobs=21)
