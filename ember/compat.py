@@ -108,9 +108,12 @@ def check_architecture(path, trust_remote_code: bool = False) -> None:
     if not config.is_file():
         return          # the loader reports a folder without config.json
     try:
-        architectures = json.loads(config.read_text()).get("architectures") or []
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"{config} is not valid JSON: {exc}") from exc
+        parsed = json.loads(config.read_text())
+    except (OSError, ValueError):
+        return          # the loader reports a config.json it cannot read
+    if not isinstance(parsed, dict):
+        return
+    architectures = parsed.get("architectures") or []
     supported = supported_architectures()
     if any(a in supported for a in architectures):
         return
