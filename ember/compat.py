@@ -96,28 +96,3 @@ def check_llm_arguments(kwargs: Mapping[str, object], known: Iterable[str], tens
         raise ValueError(f"tensor_parallel_size {tensor_parallel_size} is not supported: ember runs a model on one "
                          f"device; use tensor_parallel_size=1 (or leave it out)")
 
-
-def check_architecture(path, trust_remote_code: bool = False) -> None:
-    """Refuse a model folder whose config.json names no architecture ember implements, before loading weights.
-    `trust_remote_code` cannot help: ember runs its own model code, never code shipped with a checkpoint."""
-    import json
-    from pathlib import Path
-
-    from ember.models.registry import supported_architectures
-    config = Path(path) / "config.json"
-    if not config.is_file():
-        return          # the loader reports a folder without config.json
-    try:
-        parsed = json.loads(config.read_text())
-    except (OSError, ValueError):
-        return          # the loader reports a config.json it cannot read
-    if not isinstance(parsed, dict):
-        return
-    architectures = parsed.get("architectures") or []
-    supported = supported_architectures()
-    if any(a in supported for a in architectures):
-        return
-    why = (" trust_remote_code=True does not change that: ember runs only its own model implementations, never "
-           "code shipped with a checkpoint." if trust_remote_code else "")
-    raise ValueError(f"model architecture {architectures or None} in {config} is not implemented in ember; "
-                     f"supported: {', '.join(supported)}.{why}")

@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 from ember.chat_input import check_conversations, check_text
-from ember.compat import GENERATE_HINTS, check_architecture, check_kwargs, check_llm_arguments
+from ember.compat import GENERATE_HINTS, check_kwargs, check_llm_arguments
+from ember.models.architecture_check import check_architecture
 from ember.config import CacheConfig, CompileConfig, EngineConfig, ModelConfig, SchedulerConfig
 from ember.engine.engine import Engine, EngineStepError, token_id_list
 from ember.sampling_params import SamplingParams

@@ -11,12 +11,12 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2] / "ember"
 
 LAYERS = {
-    "config": 0, "sampling_params": 0, "kv_spec": 0, "args": 0, "kernels": 0, "chat_input": 0,
+    "config": 0, "sampling_params": 0, "kv_spec": 0, "args": 0, "kernels": 0, "chat_input": 0, "compat": 0, "inputs": 0,
     "attention_backends": 1, "graphs": 1,
     "models": 2,
     "runner": 3,
     "engine": 4,
-    "llm": 5, "chat_input": 5, "serve": 5, "bench": 5, "cli": 5,
+    "llm": 5, "chat_input": 5, "prompt_logprobs": 5, "serve": 5, "bench": 5, "cli": 5,
     "": 5, "__main__": 5,                    # the package root (the public API) and `python -m ember`
 }
 SELF_CONTAINED = {"kernels"}             # may import nothing from ember outside themselves
