@@ -11,8 +11,18 @@ import json
 import time
 
 
-def greedy_parity(path: str, prompts: list[str], max_tokens: int) -> dict:
-    """ember's and transformers' greedy tokens on the same chat prompts, float32, on the GPU."""
+VARIANTS = {
+    "default": {},
+    "eager": {"enforce_eager": True},
+    "no_fusion": {"disabled_fusions": ["all"]},
+    "sync": {"async_scheduling": False},
+    "torch_ref_eager": {"enforce_eager": True, "attention_backend": "torch_ref"},
+}
+
+
+def greedy_parity(path: str, prompts: list[str], max_tokens: int, variants: dict[str, dict]) -> dict:
+    """ember's and transformers' greedy tokens on the same chat prompts, float32, on the GPU; one ember engine per
+    variant (a name and its `LLM(...)` keyword arguments)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -29,17 +39,21 @@ def greedy_parity(path: str, prompts: list[str], max_tokens: int) -> dict:
         hf_tokens.append(out[0, len(prompt):].tolist())
     del hf
     torch.cuda.empty_cache()
-    llm = LLM(path, dtype="float32")
-    outs = llm.generate([{"prompt_token_ids": p} for p in ids],
-                        SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
-    ember_tokens = [o.outputs[0].token_ids for o in outs]
-    equal = sum(a == b for a, b in zip(ember_tokens, hf_tokens))
-    first_diff = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
-                  for a, b in zip(ember_tokens, hf_tokens)]
     from ember.bench.commands import release_engine
-    release_engine(llm)
-    return {"prompts": len(prompts), "equal": equal, "first_diff": first_diff,
-            "sample_text": outs[0].outputs[0].text[:120]}
+    report = {"prompts": len(prompts)}
+    for name, kwargs in variants.items():
+        llm = LLM(path, dtype="float32", **kwargs)
+        outs = llm.generate([{"prompt_token_ids": p} for p in ids],
+                            SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
+        ember_tokens = [o.outputs[0].token_ids for o in outs]
+        report[name] = {"equal": sum(a == b for a, b in zip(ember_tokens, hf_tokens)),
+                        "first_diff": [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+                                       for a, b in zip(ember_tokens, hf_tokens)],
+                        "text": outs[0].outputs[0].text[:60]}
+        print("parity", name, report[name], flush=True)
+        release_engine(llm)
+    return report
+
 
 
 def text_throughput(path: str, dtype: str, num_prompts: int, runs: int) -> list[dict]:
@@ -75,13 +89,16 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=2)
     p.add_argument("--parity-tokens", type=int, default=48)
     p.add_argument("--skip-parity", action="store_true")
+    p.add_argument("--variants", nargs="+", default=["default"], choices=sorted(VARIANTS))
+    p.add_argument("--skip-throughput", action="store_true")
     args = p.parse_args()
     report = {}
     if not args.skip_parity:
         report["parity_fp32"] = greedy_parity(args.path, ["What is the capital of France?", "Write a haiku about rain.",
                                                           "List three prime numbers.", "Explain gravity briefly."],
-                                              args.parity_tokens)
-        print("parity", json.dumps(report["parity_fp32"]), flush=True)
+                                              args.parity_tokens, {v: VARIANTS[v] for v in args.variants})
+    if args.skip_throughput:
+        return
     report["throughput"] = text_throughput(args.path, args.dtype, args.num_prompts, args.runs)
     for i, r in enumerate(report["throughput"]):
         print(f"run {i + 1} ({'first' if i == 0 else 'again'}): {json.dumps(r)}", flush=True)

@@ -322,6 +322,7 @@ class ModelRunner:
         return BatchLayout(rows, self.table.num_computed[rows],
                            np.fromiter(step.num_scheduled_tokens, dtype=np.int64, count=len(rows)), step.num_decodes)
 
+    @torch.inference_mode()   # the table's tensors are inference tensors
     def update_table(self, step: StepInput) -> None:
         """Apply a step that schedules nothing (rows of finished requests leave the table)."""
         if not step.is_empty:
