@@ -34,9 +34,13 @@ def greedy_parity(path: str, prompts: list[str], max_tokens: int, variants: dict
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
     hf_tokens = []
     for prompt in ids:
-        out = hf.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=max_tokens, do_sample=False,
-                          eos_token_id=None, pad_token_id=tok.eos_token_id)
-        hf_tokens.append(out[0, len(prompt):].tolist())
+        # a plain argmax loop: generate() would apply the folder's generation_config (penalties and the like)
+        seq = torch.tensor([prompt], device="cuda")
+        with torch.no_grad():
+            for _ in range(max_tokens):
+                nxt = hf(seq).logits[0, -1].argmax()
+                seq = torch.cat([seq, nxt.view(1, 1)], dim=1)
+        hf_tokens.append(seq[0, len(prompt):].tolist())
     del hf
     torch.cuda.empty_cache()
     from ember.bench.commands import release_engine
