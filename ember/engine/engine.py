@@ -13,7 +13,8 @@ from torch.profiler import record_function
 from ember.config import EngineConfig
 from ember.engine.detokenizer import IncrementalDetokenizer
 from ember.engine.kv_manager import KVCacheCoordinator
-from ember.runner.model_runner import ModelRunner, ModelRunnerOutput
+from ember.runner.model_runner import ModelRunner
+from ember.runner.output import ModelRunnerOutput
 from ember.runner.step_input import NewRequest, StepInput
 from ember.sampling_params import SamplingParams, as_int
 from ember.engine.request import CompletionOutput, Logprob, Request, RequestOutput, RequestStatus

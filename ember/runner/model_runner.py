@@ -23,11 +23,12 @@ from ember.graphs.compile import compile_cache_key, compile_model
 from ember.graphs.cuda_graph import CUDAGraphManager
 from ember.graphs.dispatcher import CudaGraphDispatcher, resolve_modes
 from ember.graphs.modes import BatchDescriptor, CUDAGraphMode
+from ember.kv_spec import blocks_per_request
 from ember.models.loader import load_config, load_model, random_model
 from ember.runner.cpu_memory import cpu_kv_cache_bytes
-from ember.kv_spec import blocks_per_request
 from ember.runner.input_batch import BatchLayout, InputBatch, PreparedBatch
 from ember.runner.kv_cache_setup import allocate_kv_caches, make_builders, select_backends
+from ember.runner.output import AsyncModelRunnerOutput, ModelRunnerOutput, StartupTimes
 from ember.runner.request_table import RequestTable
 from ember.runner.sampler import Sampler, SamplingMetadata
 from ember.runner.sampling_inputs import SamplingPlan, plan_sampling, sampling_metadata
@@ -40,15 +41,6 @@ logger = logging.getLogger("ember")
 GRAPH_RESERVE_BYTES = 512 << 20  # left free for CUDA-graph pools and allocator slack
 
 
-@dataclass
-class ModelRunnerOutput:
-    """Host-side results of one step, per scheduled request in batch order."""
-    sampled_token_ids: list[int]
-    logprob_token_ids: list[list[int]] | None = None
-    logprobs: list[list[float]] | None = None
-    ranks: list[int] | None = None
-
-
 @dataclass(frozen=True)
 class PreparedStep:
     """A step ready to run: its inputs in the persistent buffers, its graph mode, its sampling plan."""
@@ -58,15 +50,6 @@ class PreparedStep:
     plan: SamplingPlan
     sample_index: tuple[int, int]      # upload segment: flat token_ids index each row's sampled token goes to
     buf: torch.Tensor                  # the step's flushed upload
-
-
-@dataclass
-class StartupTimes:
-    load_s: float = 0.0
-    compile_s: float = 0.0
-    capture_s: float = 0.0
-    compile_cache_hit: bool = False
-    graph_memory_bytes: int = 0
 
 
 class ModelRunner:
@@ -337,7 +320,7 @@ class ModelRunner:
         return self.execute_async(step).result()
 
     @torch.inference_mode()
-    def execute_async(self, step: StepInput) -> "AsyncModelRunnerOutput":
+    def execute_async(self, step: StepInput) -> AsyncModelRunnerOutput:
         """Launch one step (forward, sampling, the copy of its tokens to the host) without waiting for the device.
         The sampled tokens are written into the request table on the device, so the next step may be launched
         while this one is still in flight."""
@@ -368,7 +351,7 @@ class ModelRunner:
                                              desc.uniform_decode if mode == CUDAGraphMode.FULL else None)
         return PreparedStep(batch, mode, desc, plan, index_seg, buf)
 
-    def sample_step(self, prepared: "PreparedStep", hidden: torch.Tensor) -> "AsyncModelRunnerOutput":
+    def sample_step(self, prepared: "PreparedStep", hidden: torch.Tensor) -> AsyncModelRunnerOutput:
         """Sample from the step's hidden states, write the tokens into the table and start their copy to the host."""
         batch = prepared.batch
         with record_function("ember.sample"):
@@ -401,34 +384,3 @@ class ModelRunner:
 
 # warm-up rows sample greedily (the profile run measures sampling separately, with filters on)
 _DUMMY_PARAMS = SamplingParams(temperature=0.0, max_tokens=1)
-
-
-class AsyncModelRunnerOutput:
-    """A launched step's sampled tokens (and logprobs) on their way to the host: the step's single device-to-host
-    transfer, into pinned memory, with an event to wait on. `result()` blocks until they are there."""
-
-    def __init__(self, sampled, device: torch.device):
-        if sampled.logprobs is None:
-            packed, self._k = sampled.sampled_token_ids, None
-        else:
-            self._k = sampled.logprobs.shape[1]
-            packed = torch.cat([sampled.sampled_token_ids[:, None].double(), sampled.ranks[:, None].double(),
-                                sampled.logprob_token_ids.double(), sampled.logprobs.double()], dim=1)
-        self._event = None
-        if device.type == "cuda":
-            host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
-            host.copy_(packed, non_blocking=True)
-            self._event = torch.cuda.Event()
-            self._event.record()
-            packed = host
-        self._packed = packed
-
-    def result(self) -> ModelRunnerOutput:
-        if self._event is not None:
-            with record_function("ember.wait"):
-                self._event.synchronize()
-        packed, k = self._packed, self._k
-        if k is None:
-            return ModelRunnerOutput(packed.tolist())
-        return ModelRunnerOutput(packed[:, 0].long().tolist(), packed[:, 2:2 + k].long().tolist(),
-                                 packed[:, 2 + k:].tolist(), packed[:, 1].long().tolist())

@@ -6,7 +6,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from ember import LLM, SamplingParams
-from ember.runner.model_runner import AsyncModelRunnerOutput
+from ember.runner.output import AsyncModelRunnerOutput
 
 PROMPTS = [[1, 5, 9, 33, 7], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19], [200],
            [17, 250, 31, 64, 99, 12, 5, 8, 201], [7] * 23]

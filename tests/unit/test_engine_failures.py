@@ -7,7 +7,7 @@ import torch
 
 from ember import LLM, SamplingParams
 from ember.engine.engine import EngineStepError
-from ember.runner.model_runner import AsyncModelRunnerOutput
+from ember.runner.output import AsyncModelRunnerOutput
 from tests.helpers.engine_checks import assert_engine_holds_nothing, drain
 from tests.helpers.model_harness import random_hf_model, tiny_config
 

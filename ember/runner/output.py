@@ -1,0 +1,59 @@
+"""What a step gives back: its sampled tokens (and logprobs) on their way to the host, and the host-side result;
+and the runner's start-up times."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.profiler import record_function
+
+
+@dataclass
+class ModelRunnerOutput:
+    """Host-side results of one step, per scheduled request in batch order."""
+    sampled_token_ids: list[int]
+    logprob_token_ids: list[list[int]] | None = None
+    logprobs: list[list[float]] | None = None
+    ranks: list[int] | None = None
+
+
+@dataclass
+class StartupTimes:
+    """Seconds the runner spent on each start-up phase, and what the compile cache and graphs gave."""
+    load_s: float = 0.0
+    compile_s: float = 0.0
+    capture_s: float = 0.0
+    compile_cache_hit: bool = False
+    graph_memory_bytes: int = 0
+
+
+class AsyncModelRunnerOutput:
+    """A launched step's sampled tokens (and logprobs) on their way to the host: the step's single device-to-host
+    transfer, into pinned memory, with an event to wait on. `result()` blocks until they are there."""
+
+    def __init__(self, sampled, device: torch.device):
+        if sampled.logprobs is None:
+            packed, self._k = sampled.sampled_token_ids, None
+        else:
+            self._k = sampled.logprobs.shape[1]
+            packed = torch.cat([sampled.sampled_token_ids[:, None].double(), sampled.ranks[:, None].double(),
+                                sampled.logprob_token_ids.double(), sampled.logprobs.double()], dim=1)
+        self._event = None
+        if device.type == "cuda":
+            host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            host.copy_(packed, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+            packed = host
+        self._packed = packed
+
+    def result(self) -> ModelRunnerOutput:
+        if self._event is not None:
+            with record_function("ember.wait"):
+                self._event.synchronize()
+        packed, k = self._packed, self._k
+        if k is None:
+            return ModelRunnerOutput(packed.tolist())
+        return ModelRunnerOutput(packed[:, 0].long().tolist(), packed[:, 2:2 + k].long().tolist(),
+                                 packed[:, 2 + k:].tolist(), packed[:, 1].long().tolist())
