@@ -6,7 +6,6 @@ every grid is a function of the bucket, so the backend is capturable in every CU
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -14,12 +13,12 @@ import torch
 from ember.attention_backends.base import (AttentionBackend, AttentionImpl, AttentionLayerOptions, BuilderContext,
                                            CudaGraphSupport, MetadataBuilder)
 from ember.attention_backends.common import CommonAttentionMetadata
+from ember.attention_backends.triton_support import triton_device_reasons
 from ember.kv_spec import KVCacheSpec
 
 from .kernels import DecodeWorkspace, flash_decode, flash_prefill, write_kv
 from .plan import decode_min_chunk, decode_target_items, decode_tile_n, decode_tiles, prefill_tiles
 
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MIN_HEAD_SIZE, MAX_HEAD_SIZE = 16, 256
 MIN_BLOCK_SIZE = 64       # a page holds a whole 64-key tile: one block-table read and one TMA box per tile
 MAX_QUERIES_PER_KV = 128   # a prefill tile packs at least one token's query heads into its 128 rows
@@ -111,19 +110,7 @@ class FlashBackend(AttentionBackend):
     @classmethod
     def supports(cls, spec: KVCacheSpec, dtype: torch.dtype, device: torch.device,
                  options: AttentionLayerOptions | None = None) -> list[str]:
-        reasons = []
-        device = torch.device(device)
-        interpreted = os.environ.get("TRITON_INTERPRET", "0") == "1"   # read now: tests set it per process
-        if device.type == "cpu" and not interpreted:
-            reasons.append("on a CPU the Triton kernels run only under TRITON_INTERPRET=1")
-        elif device.type not in ("cpu", "cuda"):
-            reasons.append(f"device {device.type} is not supported (cuda, or cpu with TRITON_INTERPRET=1)")
-        for what, dt in (("dtype", dtype), ("KV-cache dtype", spec.dtype)):
-            if dt not in SUPPORTED_DTYPES:
-                reasons.append(f"{what} {dt} is not supported (float16, bfloat16, float32)")
-            elif dt == torch.bfloat16 and device.type == "cpu" and interpreted:
-                reasons.append(f"{what} bfloat16 is not supported under TRITON_INTERPRET (its tl.dot is wrong "
-                               "there); use float16 or float32 on a CPU")
+        reasons = triton_device_reasons(device, dtype, spec.dtype)
         if spec.block_size < MIN_BLOCK_SIZE or spec.block_size & (spec.block_size - 1):
             reasons.append(f"block_size {spec.block_size} is not supported: a power of two of at least "
                            f"{MIN_BLOCK_SIZE}, so that a page holds a whole KV tile (one TMA box); use "

@@ -3,7 +3,6 @@ decode batches, CUDA-graph capturable in every mode. On a CPU it runs under TRIT
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -11,13 +10,13 @@ import torch
 from ember.attention_backends.base import (AttentionBackend, AttentionImpl, AttentionLayerOptions, BuilderContext,
                                            CudaGraphSupport, MetadataBuilder)
 from ember.attention_backends.common import CommonAttentionMetadata
+from ember.attention_backends.triton_support import triton_device_reasons
 from ember.kv_spec import KVCacheSpec
 
 from .kernels import (MODE_DECODES, segment_scratch_numel, unified_attention_2d, unified_attention_3d,
                       write_kv_cache)
 from .plan import MAX_GROUP_3D, max_scratch_rows, plan_launch
 
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MIN_HEAD_SIZE, MAX_HEAD_SIZE = 16, 256
 MAX_QUERIES_PER_KV = 128   # the decode tile packs one token's query heads into at most 128 rows
 
@@ -119,19 +118,7 @@ class TritonUnifiedBackend(AttentionBackend):
     @classmethod
     def supports(cls, spec: KVCacheSpec, dtype: torch.dtype, device: torch.device,
                  options: AttentionLayerOptions | None = None) -> list[str]:
-        reasons = []
-        device = torch.device(device)
-        interpreted = os.environ.get("TRITON_INTERPRET", "0") == "1"   # read now: tests set it per process
-        if device.type == "cpu" and not interpreted:
-            reasons.append("on a CPU the Triton kernels run only under TRITON_INTERPRET=1")
-        elif device.type not in ("cpu", "cuda"):
-            reasons.append(f"device {device.type} is not supported (cuda, or cpu with TRITON_INTERPRET=1)")
-        for what, dt in (("dtype", dtype), ("KV-cache dtype", spec.dtype)):
-            if dt not in SUPPORTED_DTYPES:
-                reasons.append(f"{what} {dt} is not supported (float16, bfloat16, float32)")
-            elif dt == torch.bfloat16 and device.type == "cpu" and interpreted:
-                reasons.append(f"{what} bfloat16 is not supported under TRITON_INTERPRET (its tl.dot is wrong "
-                               "there); use float16 or float32 on a CPU")
+        reasons = triton_device_reasons(device, dtype, spec.dtype)
         head_size = spec.head_size if options is None else options.head_size
         if not (MIN_HEAD_SIZE <= head_size <= MAX_HEAD_SIZE and head_size % 8 == 0):
             reasons.append(f"head_size {head_size} is not supported (a multiple of 8 from {MIN_HEAD_SIZE} to "
