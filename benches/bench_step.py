@@ -18,7 +18,7 @@ from ember import LLM, SamplingParams
 from ember.bench.commands import model_bytes
 from ember.bench.roofline import measure_copy_bandwidth, step_bytes
 from ember.engine.request import Request, RequestStatus
-from ember.runner.step_input import NewRequest, RunningRequest, StepInput
+from ember.runner.step_input import NewRequest, StepInput
 
 try:   # benches/ as a plain folder of files, or as a package
     from workloads import STEP_BATCH_SIZES, STEP_CONTEXT_LEN, STEP_PREFILL_LEN
@@ -91,11 +91,10 @@ def _steps(kv, num_decodes: int, prefill_len: int) -> tuple[list[Request], StepI
         made.append(_request(kv, num_decodes, prefill_len, False))
     ids = tuple(n.req_id for _, n, _ in made)
     lens = tuple(q for *_, q in made)
+    starts = tuple(n.num_computed_tokens for _, n, _ in made)
     arrive = StepInput(new_requests=tuple(n for _, n, _ in made), req_ids=ids, num_scheduled_tokens=lens,
-                       num_decodes=num_decodes)
-    again = StepInput(running_requests=tuple(RunningRequest(n.req_id, n.num_computed_tokens, ((),) * len(n.block_ids))
-                                             for _, n, _ in made),
-                      req_ids=ids, num_scheduled_tokens=lens, num_decodes=num_decodes)
+                       num_decodes=num_decodes, num_computed_tokens=starts)
+    again = StepInput(req_ids=ids, num_scheduled_tokens=lens, num_decodes=num_decodes, num_computed_tokens=starts)
     return [r for r, _, _ in made], arrive, again
 
 

@@ -8,6 +8,9 @@ class IncrementalDetokenizer:
 
     Decodes a small window (from `prefix_offset`) twice, before and after the new tokens, and emits the
     difference, holding back text that ends in an incomplete UTF-8 sequence.
+
+    Without stop strings nothing needs the text until an output is built, so tokens wait in `pending` and are
+    decoded together, in one window, when the text is read: a batch run decodes each request once, at its end.
     """
 
     def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True,
@@ -21,6 +24,8 @@ class IncrementalDetokenizer:
         self.prefix_offset = 0
         self.read_offset = len(self.token_ids)
         self.text = ""
+        self.pending: list[int] = []     # tokens added but not decoded yet (only without stop strings)
+        self._new_start = 0              # where the text the last emit added begins
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
@@ -31,15 +36,37 @@ class IncrementalDetokenizer:
         `check_stop=False` looks for no stop string (min_tokens not reached yet)."""
         if self.tokenizer is None or not add_text:
             return None
-        self.token_ids.append(token_id)
+        if not self.stop:
+            self.pending.append(token_id)
+            return None
+        if self._emit([token_id], keep=True):
+            return self._check_stop(self._new_start) if check_stop else None
+        return None
+
+    def _flush(self) -> None:
+        """Decode the pending tokens: in one window when that ends on a whole character, else one by one (as
+        they came, so that the text equals what adding each at once would have given)."""
+        pending, self.pending = self.pending, []
+        if len(pending) > 1 and self._emit(pending, keep=False):
+            return
+        for token_id in pending:
+            self._emit([token_id], keep=True)
+
+    def _emit(self, token_ids: list[int], keep: bool) -> bool:
+        """Append tokens and emit the text they add; returns whether any was emitted. With `keep=False` tokens
+        whose text is not complete yet are taken back off."""
+        n = len(self.token_ids)
+        self.token_ids.extend(token_ids)
         prefix = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
         full = self._decode(self.token_ids[self.prefix_offset:])
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
-            start = len(self.text)
+            self._new_start = len(self.text)
             self.text += full[len(prefix):]
             self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
-            return self._check_stop(start) if check_stop else None
-        return None
+            return True
+        if not keep:
+            del self.token_ids[n:]
+        return False
 
     def _check_stop(self, new_start: int) -> str | None:
         if not self.stop:
@@ -59,6 +86,8 @@ class IncrementalDetokenizer:
     def output_text(self, finished: bool) -> str:
         """The text to show now. While unfinished, an end that could still grow into a stop string is held back
         (it would be cut if it did), so that the text shown only ever grows."""
+        if self.pending:
+            self._flush()
         if finished or not self.stop or self.include_stop:
             return self.text
         return self.text[:len(self.text) - self._stop_prefix_len()]

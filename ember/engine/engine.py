@@ -41,6 +41,10 @@ class _Tracked:
     detokenizer: IncrementalDetokenizer
     logprobs: list[dict[int, Logprob]] | None
     cumulative_logprob: float | None
+    # the tokens that may end the request (stop_token_ids, and EOS unless ignore_eos), and whether a token that
+    # is none of them and leaves room needs no more than an append (no logprobs, no stop strings to look for)
+    stop_ids: frozenset[int] = frozenset()
+    plain: bool = False
     stop_reason: int | str | None = None
     finish_reason: str | None = None
 
@@ -109,8 +113,10 @@ class Engine:
                       max_tokens=min(params.max_tokens or room, room))
         detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens, params.stop,
                                        params.include_stop_str_in_output)
+        stop_ids = frozenset(params.stop_token_ids) | frozenset(() if params.ignore_eos else self.eos_token_ids)
         tracked = _Tracked(req, prompt, detok, [] if params.logprobs is not None else None,
-                           0.0 if params.logprobs is not None else None)
+                           0.0 if params.logprobs is not None else None, stop_ids,
+                           params.logprobs is None and not params.stop)
         self.scheduler.add_request(req)      # last: nothing after it can fail and leave the request half added
         self._tracked[request_id] = tracked
         return request_id
@@ -217,23 +223,30 @@ class Engine:
             self._update(out, result, stream)
 
     def _update(self, out: SchedulerOutput, result: ModelRunnerOutput, stream: bool) -> None:
-        sampled = {s.request.request_id: tok for s, tok in zip(out.scheduled, result.sampled_token_ids) if s.samples}
         try:
-            updated = self.scheduler.update(out, sampled)
+            updated = self.scheduler.update(out, result.sampled_token_ids)
         except Exception as e:
             raise self._fail([s.request for s in out.scheduled], e) from e
-        row_of = {s.request.request_id: i for i, s in enumerate(out.scheduled)}
+        tracked = self._tracked
         failed, error = [], None
-        for req in updated:
+        for req, row in updated:
             # one request's failure (a tokenizer error, say) aborts that request only
             try:
-                t = self._tracked[req.request_id]
-                self._record_logprobs(t, result, row_of[req.request_id])
+                t = tracked[req.request_id]
+                if t.plain:
+                    # the common token: no stop id, room left; its text waits until someone reads the output
+                    token = req.output_token_ids[-1]
+                    if token not in t.stop_ids and len(req.output_token_ids) < req.max_tokens:
+                        t.detokenizer.add(token)
+                        if stream:
+                            self._ready.append(self._output(t))
+                        continue
+                self._record_logprobs(t, result, row)
                 self._check_stop(t)
                 if stream or t.finish_reason is not None:
                     self._ready.append(self._output(t))
                 if t.finish_reason is not None:
-                    del self._tracked[req.request_id]
+                    del tracked[req.request_id]
             except Exception as e:
                 failed.append(req)
                 error = e
@@ -259,7 +272,7 @@ class Engine:
         token = req.output_token_ids[-1]
         num_out = len(req.output_token_ids)
         may_stop = num_out >= p.min_tokens
-        stop_token = may_stop and (token in p.stop_token_ids or (not p.ignore_eos and token in req.eos_token_ids))
+        stop_token = may_stop and token in t.stop_ids
         # as in vLLM, a stop token's text is left out of the text unless include_stop_str_in_output asks for it;
         # stop strings are looked for only once min_tokens is reached, so one that ends earlier is never cut
         stop_str = t.detokenizer.add(token, add_text=not stop_token or p.include_stop_str_in_output,
@@ -304,7 +317,7 @@ class Engine:
                                                       blocks, 0),),
                              finished_ids=self.scheduler.take_finished_ids(),
                              req_ids=(req.request_id,), num_scheduled_tokens=(len(token_ids),),
-                             num_decodes=1 if len(token_ids) == 1 else 0)
+                             num_decodes=1 if len(token_ids) == 1 else 0, num_computed_tokens=(0,))
             return self.runner.all_logits(step)
         finally:
             self.kv.free(req)

@@ -196,6 +196,10 @@ class KVCacheCoordinator:
         self.req_hashes: dict[str, list[int]] = {}
         self.windows = sorted({g.spec.sliding_window for g in groups if g.spec.sliding_window is not None})
         self.req_release_pos: dict[str, int] = {}   # first query position at which windows were last applied
+        # tokens each request's blocks hold in every group (what a step may reach without allocating), and how
+        # many full blocks were last published: lets a decode step skip the allocator and the prefix hashing
+        self.req_capacity: dict[str, int] = {}
+        self.req_num_published: dict[str, int] = {}
 
     def _hashes(self, request: Request, num_tokens: int) -> list[int]:
         """Chained hashes of the request's full blocks among its first `num_tokens` tokens (memoised; the same
@@ -233,9 +237,8 @@ class KVCacheCoordinator:
         first_query_pos = len(cached_blocks[0]) * self.block_size if cached_blocks else request.num_computed_tokens
         # blocks out of every future query's window are never read again: release them before counting
         self._release_out_of_window(rid, first_query_pos)
-        if not cached_blocks:
-            if all(len(m.req_blocks.get(rid, ())) * self.block_size >= num_total_tokens for m in self.managers):
-                return True     # the common decode step: the last block still has room
+        if not cached_blocks and num_total_tokens <= self.req_capacity.get(rid, 0):
+            return True     # the common decode step: the last block still has room
         cached_blocks = cached_blocks or [()] * len(self.managers)
         needed = 0
         for m, cached in zip(self.managers, cached_blocks):
@@ -246,6 +249,7 @@ class KVCacheCoordinator:
             return False
         for m, cached in zip(self.managers, cached_blocks):
             m.allocate(rid, num_total_tokens, cached)
+        self.req_capacity[rid] = min(len(m.req_blocks[rid]) for m in self.managers) * self.block_size
         return True
 
     def _release_out_of_window(self, request_id: str, first_query_pos: int) -> None:
@@ -268,6 +272,10 @@ class KVCacheCoordinator:
         """Publish the request's blocks that are full after this step, so other requests can reuse them."""
         if not self.pool.enable_prefix_caching:
             return
+        num_full = num_computed_tokens // self.block_size
+        if num_full <= self.req_num_published.get(request.request_id, 0):
+            return      # no block filled up since the last call (most decode steps)
+        self.req_num_published[request.request_id] = num_full
         hashes = self._hashes(request, num_computed_tokens)
         for m in self.managers:
             m.publish(request.request_id, hashes)
@@ -281,6 +289,8 @@ class KVCacheCoordinator:
             m.free(request.request_id)
         self.req_hashes.pop(request.request_id, None)
         self.req_release_pos.pop(request.request_id, None)
+        self.req_capacity.pop(request.request_id, None)
+        self.req_num_published.pop(request.request_id, None)
 
     @property
     def num_free_blocks(self) -> int:

@@ -5,7 +5,8 @@ by recompute and put back at the head of the queue: it is never dropped."""
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Sequence
 
 from ember.config import SchedulerConfig
 from ember.engine.kv_manager import KVCacheCoordinator
@@ -13,21 +14,21 @@ from ember.engine.request import Request, RequestStatus
 from ember.runner.step_input import NewRequest, RunningRequest, StepInput
 
 
-@dataclass(frozen=True)
 class ScheduledRequest:
-    """One request's share of a step: tokens [num_computed_tokens, num_computed_tokens + num_new_tokens)."""
-    request: Request
-    num_computed_tokens: int
-    num_new_tokens: int
-    block_ids: tuple[list[int], ...]   # per KV-cache group, all blocks the request holds (live lists)
-    # whether the step reaches the end of the request's tokens (a token still in flight counts), so that its
-    # logits give the next token; fixed when the step is scheduled
-    samples: bool | None = None
+    """One request's share of a step: tokens [num_computed_tokens, num_computed_tokens + num_new_tokens).
+    `samples`: whether the step reaches the end of the request's tokens (a token still in flight counts), so that
+    its logits give the next token; fixed when the step is scheduled."""
+    __slots__ = ("request", "num_computed_tokens", "num_new_tokens", "samples")
 
-    def __post_init__(self):
-        if self.samples is None:
-            end = self.request.num_tokens + self.request.num_pending
-            object.__setattr__(self, "samples", self.num_computed_tokens + self.num_new_tokens == end)
+    def __init__(self, request: Request, num_computed_tokens: int, num_new_tokens: int, samples: bool):
+        self.request = request
+        self.num_computed_tokens = num_computed_tokens
+        self.num_new_tokens = num_new_tokens
+        self.samples = samples
+
+    def __repr__(self) -> str:
+        return (f"ScheduledRequest({self.request.request_id!r}, {self.num_computed_tokens}, {self.num_new_tokens}, "
+                f"samples={self.samples})")
 
 
 @dataclass(frozen=True)
@@ -90,28 +91,41 @@ class Scheduler:
         new_reqs: list[NewRequest] = []
         running_reqs: list[RunningRequest] = []
 
+        kv, max_len = self.kv, self.max_model_len
+        # without sliding windows a request whose blocks already hold the step's tokens needs no allocator call:
+        # the common decode step costs a compare
+        capacity = kv.req_capacity if not kv.windows else None
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens + req.num_pending - req.num_computed_tokens, budget)
-            if self._last_token_in_flight(req):
+            pending, num_out = req.num_pending, len(req.output_token_ids)
+            num_tokens = len(req.prompt_token_ids) + num_out
+            if pending and (num_out + pending >= req.max_tokens or num_tokens + pending >= max_len):
                 i += 1       # its token in flight is its last: it finishes when that token arrives
                 continue
-            while not self.kv.try_allocate(req, req.num_computed_tokens + num_new):
-                victim = self.running.pop()     # the newest running request
-                self._preempt(victim)
-                preempted.append(victim.request_id)
-                if victim is req:
-                    break
-            else:
-                blocks = self.kv.block_ids(req)
-                running_reqs.append(RunningRequest(req.request_id, req.num_computed_tokens,
-                                                   self._new_blocks(req, blocks)))
-                scheduled.append(self._schedule(req, num_new, blocks))
-                budget -= num_new
-                i += 1
-                continue
-            break   # req preempted itself: nothing after it is left in running
+            computed = req.num_computed_tokens
+            end = num_tokens + pending
+            num_new = min(end - computed, budget)
+            if capacity is None or computed + num_new > capacity.get(req.request_id, 0):
+                while not kv.try_allocate(req, computed + num_new):
+                    victim = self.running.pop()     # the newest running request
+                    self._preempt(victim)
+                    preempted.append(victim.request_id)
+                    if victim is req:
+                        break
+                else:
+                    new_blocks = self._new_blocks(req, kv.block_ids(req))
+                    if new_blocks is not self._no_new_blocks:
+                        running_reqs.append(RunningRequest(req.request_id, new_blocks))
+                if req.status is not RequestStatus.RUNNING:
+                    break   # req preempted itself: nothing after it is left in running
+            samples = computed + num_new == end
+            scheduled.append(ScheduledRequest(req, computed, num_new, samples))
+            req.num_computed_tokens = computed + num_new
+            if samples:
+                req.num_pending = pending + 1
+            budget -= num_new
+            i += 1
 
         # new requests only when nobody had to be preempted (they would just be preempted next)
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -138,7 +152,7 @@ class Scheduler:
         self.stats.num_steps += 1
         step = StepInput(tuple(new_reqs), tuple(running_reqs), self.take_finished_ids(),
                          tuple(s.request.request_id for s in ordered), tuple(s.num_new_tokens for s in ordered),
-                         len(decodes))
+                         len(decodes), tuple(s.num_computed_tokens for s in ordered))
         return SchedulerOutput(ordered, len(decodes), tuple(preempted), step)
 
     def take_finished_ids(self) -> tuple[str, ...]:
@@ -179,14 +193,15 @@ class Scheduler:
         return req.num_pending > 0 and (len(req.output_token_ids) + req.num_pending >= req.max_tokens
                                         or req.num_tokens + req.num_pending >= self.max_model_len)
 
-    def _schedule(self, req: Request, num_new: int, blocks: tuple[list[int], ...] | None = None) -> ScheduledRequest:
-        """The request's share of this step; its computed count advances now, so that the next step can be
+    def _schedule(self, req: Request, num_new: int) -> ScheduledRequest:
+        """A new request's share of this step; its computed count advances now, so that the next step can be
         scheduled before this one's tokens reach the host (a sampled token stays pending until `update`)."""
-        s = ScheduledRequest(req, req.num_computed_tokens, num_new, blocks or self.kv.block_ids(req))
-        req.num_computed_tokens += num_new
-        if s.samples:
+        computed = req.num_computed_tokens
+        samples = computed + num_new == req.num_tokens + req.num_pending
+        req.num_computed_tokens = computed + num_new
+        if samples:
             req.num_pending += 1
-        return s
+        return ScheduledRequest(req, computed, num_new, samples)
 
     def _preempt(self, req: Request) -> None:
         self._forget(req)
@@ -198,19 +213,22 @@ class Scheduler:
         self.stats.num_preemptions += 1
         self.waiting.appendleft(req)
 
-    def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Append a step's sampled tokens and publish its full blocks; returns requests that received a token."""
+    def update(self, output: SchedulerOutput, sampled: Sequence[int]) -> list[tuple[Request, int]]:
+        """Append a step's sampled tokens (`sampled[i]` is batch row i's; rows that do not sample are ignored) and
+        publish its full blocks; returns (request, batch row) of the requests that received a token."""
         got_token = []
-        for s in output.scheduled:
+        running, kv = RequestStatus.RUNNING, self.kv
+        publish = kv.pool.enable_prefix_caching
+        for row, s in enumerate(output.scheduled):
             req = s.request
-            if req.status is not RequestStatus.RUNNING:
+            if req.status is not running:
                 continue   # finished, aborted or preempted while the step ran: its token is dropped
-            # every token before this step's end is known on the host now, so the blocks can be hashed
-            self.kv.cache_full_blocks(req, s.num_computed_tokens + s.num_new_tokens)
+            if publish:   # every token before this step's end is known on the host now: its blocks can be hashed
+                kv.cache_full_blocks(req, s.num_computed_tokens + s.num_new_tokens)
             if s.samples:
                 req.num_pending -= 1
-                req.output_token_ids.append(sampled[req.request_id])
-                got_token.append(req)
+                req.output_token_ids.append(sampled[row])
+                got_token.append((req, row))
         return got_token
 
     def finish(self, req: Request, status: RequestStatus) -> None:

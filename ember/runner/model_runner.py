@@ -274,7 +274,7 @@ class ModelRunner:
         lens_sorted = sorted(range(num_reqs), key=lambda r: lens[r] != 1)
         step = StepInput(new_requests=new, req_ids=tuple(new[r].req_id for r in lens_sorted),
                          num_scheduled_tokens=tuple(lens[r] for r in lens_sorted),
-                         num_decodes=sum(1 for n in lens if n == 1))
+                         num_decodes=sum(1 for n in lens if n == 1), num_computed_tokens=(0,) * num_reqs)
         padded = num_reqs if desc is None else max(desc.padded_num_reqs(num_reqs), num_reqs)
         try:
             layout, seg, buf = self._stage(step, padded)
@@ -302,8 +302,9 @@ class ModelRunner:
 
     def _layout(self, step: StepInput) -> BatchLayout:
         rows = self.table.rows_of(step.req_ids)
-        return BatchLayout(rows, self.table.num_computed[rows],
-                           np.fromiter(step.num_scheduled_tokens, dtype=np.int64, count=len(rows)), step.num_decodes)
+        n = len(rows)
+        return BatchLayout(rows, np.fromiter(step.num_computed_tokens, dtype=np.int64, count=n),
+                           np.fromiter(step.num_scheduled_tokens, dtype=np.int64, count=n), step.num_decodes)
 
     @torch.inference_mode()   # the table's tensors are inference tensors
     def update_table(self, step: StepInput) -> None:

@@ -57,7 +57,6 @@ class RequestTable:
         self.params_f_np = np.ones((max_num_reqs, 7), dtype=np.float32)
         self.params_i_np = np.zeros((max_num_reqs, 3), dtype=np.int64)
         self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)       # tokens the row holds, sampled ones included
-        self.num_computed = np.zeros(max_num_reqs, dtype=np.int64)     # start of the row's chunk this step
         self.num_blocks = np.zeros((num_groups, max_num_reqs), dtype=np.int64)
         self.min_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.logprobs = np.full(max_num_reqs, -1, dtype=np.int64)       # -1: none asked
@@ -80,17 +79,15 @@ class RequestTable:
         for new in step.new_requests:
             row = self._add(new, token_index, token_values, block_index, block_values)
             new_rows.append((row, new))
-        rows, num_computed = self.rows, self.num_computed
+        rows = self.rows
         for run in step.running_requests:
             row = rows.get(run.req_id)
             if row is None:
-                raise ValueError(f"request {run.req_id!r} is scheduled as running but has no row in the table; "
-                                 f"a request must arrive as a NewRequest first")
-            num_computed[row] = run.num_computed_tokens
-            if any(run.new_block_ids):
-                for g, blocks in enumerate(run.new_block_ids):
-                    if blocks:
-                        self._stage_blocks(g, row, blocks, block_index, block_values)
+                raise ValueError(f"request {run.req_id!r} gained blocks but has no row in the table; a request "
+                                 f"must arrive as a NewRequest first")
+            for g, blocks in enumerate(run.new_block_ids):
+                if blocks:
+                    self._stage_blocks(g, row, blocks, block_index, block_values)
         w = _Writes()
         if token_index:
             w.token_index, w.token_values = upload.put(np.concatenate(token_index)), upload.put(
@@ -126,7 +123,6 @@ class RequestTable:
         token_index.append(row * self.width + np.arange(n, dtype=np.int64))
         token_values.append(tokens)
         self.num_tokens[row] = n
-        self.num_computed[row] = new.num_computed_tokens
         self.num_blocks[:, row] = 0
         for g, blocks in enumerate(new.block_ids):
             if blocks:

@@ -1,7 +1,8 @@
 """The contract between the scheduler and the runner: plain, frozen data, one `StepInput` per step.
 
 A request arrives once, as a `NewRequest`, with everything the runner needs to keep it in its table. After that,
-each step names it only by id, with the start of its chunk and the blocks it gained (`RunningRequest`). A request
+each step names it only by id and the start of its chunk, in the batch lists; a request that gained blocks is also
+named in a `RunningRequest`, so the host work of a decode step grows only with what changed. A request
 that finished, was aborted or was preempted is named once in `finished_ids`, and the runner drops its row; a
 preempted request comes back later as a new request that carries the tokens it had already generated.
 
@@ -35,9 +36,8 @@ class NewRequest:
 
 @dataclass(frozen=True)
 class RunningRequest:
-    """A request already in the runner's table, scheduled again: where its chunk starts and the blocks it gained."""
+    """A request already in the runner's table that gained blocks since the runner last heard of it."""
     req_id: str
-    num_computed_tokens: int
     new_block_ids: tuple[tuple[int, ...], ...]  # per KV-cache group, blocks appended since the last step
 
 
@@ -45,8 +45,8 @@ class RunningRequest:
 class StepInput:
     """One step: the table changes, then the batch in order (decodes, i.e. single-token queries, first).
 
-    `req_ids[i]` runs `num_scheduled_tokens[i]` tokens starting at its computed count. A batch request is either
-    in `new_requests` or in `running_requests`; the runner applies `finished_ids` before adding new rows.
+    `req_ids[i]` runs `num_scheduled_tokens[i]` tokens starting at `num_computed_tokens[i]`. A batch request is
+    either new (in `new_requests`) or already in the table; the runner applies `finished_ids` before adding new rows.
     """
     new_requests: tuple[NewRequest, ...] = ()
     running_requests: tuple[RunningRequest, ...] = ()
@@ -54,10 +54,13 @@ class StepInput:
     req_ids: tuple[str, ...] = ()
     num_scheduled_tokens: tuple[int, ...] = ()
     num_decodes: int = 0
+    num_computed_tokens: tuple[int, ...] = ()   # per batch request, the start of its chunk
 
     def __post_init__(self):
         if len(self.req_ids) != len(self.num_scheduled_tokens):
             raise ValueError(f"{len(self.req_ids)} request ids but {len(self.num_scheduled_tokens)} token counts")
+        if len(self.num_computed_tokens) != len(self.req_ids):
+            raise ValueError(f"{len(self.req_ids)} request ids but {len(self.num_computed_tokens)} chunk starts")
         if any(n < 1 for n in self.num_scheduled_tokens):
             raise ValueError(f"every scheduled request runs at least one token, got {self.num_scheduled_tokens}")
 

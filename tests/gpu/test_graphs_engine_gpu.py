@@ -141,7 +141,6 @@ def test_full_replay_bitwise_equals_compiled_without_graphs():
             result = runner.sample_step(prepared, replay).result()
         assert result.sampled_token_ids == eager_tokens
         seen.add(out.num_decodes == n)
-        sampled = {s.request.request_id: tok for s, tok in zip(out.scheduled, result.sampled_token_ids)}
-        engine.scheduler.update(out, sampled)
+        engine.scheduler.update(out, result.sampled_token_ids)
     assert seen == {False, True}
     assert runner.graphs.num_descriptors(CUDAGraphMode.FULL) == len(runner.dispatcher.capture_list())

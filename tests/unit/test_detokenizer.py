@@ -65,3 +65,28 @@ def test_stop_token_text_left_out():
     detok = IncrementalDetokenizer(ToyTokenizer(), [0])
     detok.add(4)
     assert detok.add(2, add_text=False) is None and detok.output_text(True) == "c"
+
+
+class ByteTokenizer:
+    """Token i is the byte i: a multi-byte character spans tokens, as with byte-level BPE."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+@pytest.mark.parametrize("seed", range(50))
+def test_deferred_decoding_equals_token_by_token(seed):
+    """Without stop strings tokens wait and are decoded together when the text is read; the text is the same as
+    reading it after every token, also when a read falls inside a multi-byte character."""
+    rng = random.Random(seed)
+    text = "".join(rng.choice(["a", " ", "é", "€", "𝄞", "ok"]) for _ in range(rng.randint(1, 25)))
+    ids = list(text.encode("utf-8"))
+    every = IncrementalDetokenizer(ByteTokenizer(), [32])
+    deferred = IncrementalDetokenizer(ByteTokenizer(), [32])
+    for i, token in enumerate(ids):
+        every.add(token)
+        every.output_text(False)
+        deferred.add(token)
+        if rng.random() < 0.2:          # an occasional read part-way
+            assert deferred.output_text(False) == every.output_text(False)
+    assert deferred.output_text(True) == every.output_text(True) == text

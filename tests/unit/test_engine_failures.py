@@ -90,14 +90,15 @@ def test_failure_in_one_requests_update_aborts_that_request_only(llm, reference,
     engine = llm.engine
     bad = engine.add_request(PROMPTS[0], GREEDY)
     good = engine.add_request(PROMPTS[1], GREEDY)
-    real = engine._check_stop
+    detok = engine._tracked[bad].detokenizer
+    real = detok.add
 
-    def check_stop(t):
-        if t.request.request_id == bad and len(t.request.output_token_ids) == 2:
+    def add(token_id, *args, **kwargs):
+        if len(engine._tracked[bad].request.output_token_ids) == 2:
             raise _Boom("detokenizer broke")
-        real(t)
+        return real(token_id, *args, **kwargs)
 
-    monkeypatch.setattr(engine, "_check_stop", check_stop)
+    monkeypatch.setattr(detok, "add", add)
     outputs, errors = [], []
     for _ in range(200):
         if not engine.has_unfinished():

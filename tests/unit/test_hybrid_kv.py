@@ -98,7 +98,7 @@ def test_preemption_and_finishing_free_every_group():
         for s in out.scheduled:
             held = sum(b != NULL_BLOCK for b in kv.block_ids(s.request)[1])
             assert held <= LOCAL.max_blocks_held(s.num_computed_tokens + s.num_new_tokens, s.num_new_tokens)
-        for req in sched.update(out, {s.request.request_id: 7 for s in out.scheduled if s.samples}):
+        for req, _ in sched.update(out, [7] * len(out.scheduled)):
             if len(req.output_token_ids) >= 12:
                 sched.finish(req, RequestStatus.FINISHED_LENGTH)
     assert not sched.has_unfinished() and sched.stats.num_preemptions >= 1

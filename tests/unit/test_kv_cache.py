@@ -67,8 +67,7 @@ def run_steps(sched, steps=100):
             break
         out = sched.schedule()
         trace.append(out)
-        sampled = {s.request.request_id: 7 for s in out.scheduled if s.samples}
-        for req in sched.update(out, sampled):
+        for req, _ in sched.update(out, [7] * len(out.scheduled)):
             if len(req.output_token_ids) >= 3:
                 sched.finish(req, RequestStatus.FINISHED_LENGTH)
     return trace

@@ -57,7 +57,7 @@ class _Harness:
         self.table.apply(step, self.upload)
         if not step.is_empty:
             rows = self.table.rows_of(step.req_ids)
-            starts = self.table.num_computed[rows]
+            starts = np.array(step.num_computed_tokens)
             for s, start in zip(out.scheduled, starts):
                 assert start == s.num_computed_tokens, s.request.request_id
             ends = starts + np.array(step.num_scheduled_tokens)
@@ -69,13 +69,13 @@ class _Harness:
         if not step.is_empty:
             tokens = torch.tensor([self.rng.randrange(VOCAB) for _ in rows])
             self.table.write_sampled(PackedUpload.segment(buf, seg), tokens)
-            sampled = {s.request.request_id: int(t) for s, t in zip(out.scheduled, tokens) if s.samples}
+            sampled = tokens.tolist()
         previous, self.in_flight = self.in_flight, (out, sampled) if sampled is not None else None
         if previous is not None:
             self.resolve(*previous)
 
     def resolve(self, out, sampled) -> None:
-        for req in self.scheduler.update(out, sampled):
+        for req, _ in self.scheduler.update(out, sampled):
             if len(req.output_token_ids) >= req.max_tokens or req.num_tokens >= MAX_LEN:
                 self.scheduler.finish(req, RequestStatus.FINISHED_LENGTH)
 
