@@ -40,7 +40,8 @@ def _as_float(name: str, value) -> float:
 @dataclass(frozen=True)
 class SamplingParams:
     """How to sample one request; mirrors vLLM's `SamplingParams`. temperature 0 means greedy, and so does any
-    temperature below `MIN_TEMPERATURE` (it is stored as 0)."""
+    temperature below `MIN_TEMPERATURE` (it is stored as 0). `n` completions are sampled from one prompt, which is
+    prefilled once; with a `seed`, completion i samples with seed `(seed + i) % 2**63`."""
     n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
@@ -105,8 +106,8 @@ class SamplingParams:
     def _validate(self) -> None:
         def bad(msg):
             raise ValueError(msg)
-        if self.n != 1:
-            bad(f"n={self.n} is not supported; ember returns one completion per prompt (n=1)")
+        if self.n < 1:
+            bad(f"n {self.n} must be at least 1 (the number of completions to sample for each prompt)")
         if not 0.0 <= self.temperature <= FLOAT32_MAX:
             bad(f"temperature {self.temperature} must be a finite number in [0, {FLOAT32_MAX:.4g}] (0 means greedy)")
         if not 0.0 < self.top_p <= 1.0:

@@ -13,6 +13,8 @@ from torch.profiler import record_function
 from ember.config import EngineConfig
 from ember.engine.detokenizer import IncrementalDetokenizer
 from ember.engine.kv_manager import KVCacheCoordinator
+from ember.engine.prompt_fork import PromptFork
+from ember.engine.sample_group import SampleGroup, sample_request_id, sample_seeds
 from ember.runner.model_runner import ModelRunner
 from ember.runner.output import ModelRunnerOutput
 from ember.runner.step_input import NewRequest, StepInput
@@ -47,6 +49,8 @@ class _Tracked:
     plain: bool = False
     stop_reason: int | str | None = None
     finish_reason: str | None = None
+    group: SampleGroup | None = None      # one of n > 1 samples: its output is the group's
+    index: int = 0                        # its index among them
 
 
 class Engine:
@@ -67,6 +71,8 @@ class Engine:
         self._ids = itertools.count()
         self._tracked: dict[str, _Tracked] = {}
         self._ready: list[RequestOutput] = []   # outputs made but not yet returned by step(): aborts, failures
+        self._groups: dict[str, SampleGroup] = {}     # unfinished requests with n > 1, by request id
+        self._ready_groups: list[SampleGroup] = []    # whose output step() makes when it returns
         self._in_flight = None              # (SchedulerOutput, AsyncModelRunnerOutput) of the launched step
 
     def _eos_ids(self) -> tuple[int, ...]:
@@ -98,6 +104,9 @@ class Engine:
         if n >= self.max_model_len:
             raise ValueError(f"the prompt has {n} tokens; with at least one generated token it exceeds "
                              f"max_model_len {self.max_model_len}")
+        if params.n > self.config.scheduler.max_num_seqs:
+            raise ValueError(f"n {params.n} exceeds max_num_seqs {self.config.scheduler.max_num_seqs}: the samples "
+                             f"of one prompt must fit in one batch; lower n or raise max_num_seqs")
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None,
                     request_id: str | None = None) -> str:
@@ -105,25 +114,70 @@ class Engine:
         prompt_token_ids = token_id_list(prompt_token_ids)
         self.validate(prompt_token_ids, params)
         request_id = request_id if request_id is not None else str(next(self._ids))
-        if request_id in self._tracked:
+        if request_id in self._tracked or request_id in self._groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        if params.n > 1:
+            return self._add_samples(prompt_token_ids, params, prompt, request_id)
+        seed = sample_seeds(params.seed, 1, self._rng)[0]
+        tracked = self._track(request_id, prompt_token_ids, params, prompt, seed)
+        self.scheduler.add_request(tracked.request)  # last: nothing after it can fail and leave it half added
+        self._tracked[request_id] = tracked
+        return request_id
+
+    def _track(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None,
+               seed: int) -> _Tracked:
         room = self.max_model_len - len(prompt_token_ids)
-        req = Request(request_id, prompt_token_ids, params, eos_token_ids=self.eos_token_ids,
-                      sampling_seed=params.seed if params.seed is not None else self._rng.getrandbits(63),
+        req = Request(request_id, prompt_token_ids, params, eos_token_ids=self.eos_token_ids, sampling_seed=seed,
                       max_tokens=min(params.max_tokens or room, room))
         detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens, params.stop,
                                        params.include_stop_str_in_output)
         stop_ids = frozenset(params.stop_token_ids) | frozenset(() if params.ignore_eos else self.eos_token_ids)
-        tracked = _Tracked(req, prompt, detok, [] if params.logprobs is not None else None,
-                           0.0 if params.logprobs is not None else None, stop_ids,
-                           params.logprobs is None and not params.stop)
-        self.scheduler.add_request(req)      # last: nothing after it can fail and leave the request half added
-        self._tracked[request_id] = tracked
+        return _Tracked(req, prompt, detok, [] if params.logprobs is not None else None,
+                        0.0 if params.logprobs is not None else None, stop_ids,
+                        params.logprobs is None and not params.stop)
+
+    def _add_samples(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None,
+                     request_id: str) -> str:
+        """Queue the n samples of one request (see `sample_group` and `prompt_fork`): each its own request with
+        its own seed, the first computing the prompt and the others sharing its full prompt blocks."""
+        ids = [sample_request_id(request_id, i) for i in range(params.n)]
+        taken = [i for i in ids if i in self._tracked or i in self._groups or i in self.scheduler.requests]
+        if taken:
+            raise ValueError(f"request_id {request_id!r} cannot be used with n={params.n}: the id {taken[0]!r} of "
+                             f"one of its samples is already in use")
+        group = SampleGroup(request_id, prompt, prompt_token_ids, num_unfinished=params.n)
+        for i, (sample_id, seed) in enumerate(zip(ids, sample_seeds(params.seed, params.n, self._rng))):
+            t = self._track(sample_id, prompt_token_ids, params, prompt, seed)
+            t.group, t.index = group, i
+            group.samples.append(t)
+        bs = self.kv.block_size
+        num_shared = (len(prompt_token_ids) - 1) // bs * bs    # whole blocks, leaving a token to compute
+        if num_shared:
+            fork = PromptFork(group.samples[0].request, num_shared, params.n)
+            for t in group.samples:
+                t.request.prompt_fork = fork
+        for t in group.samples:          # nothing here can fail: every id was checked above
+            self.scheduler.add_request(t.request)
+            self._tracked[t.request.request_id] = t
+        self._groups[request_id] = group
         return request_id
 
     def abort(self, request_id: str) -> bool:
         """Stop a request and drop every trace of it at once (its blocks are freed); the next `step()` returns its
         final output, with finish_reason "abort". Returns whether it was found unfinished."""
+        group = self._groups.pop(request_id, None)
+        if group is not None:
+            for t in group.samples:
+                self._tracked.pop(t.request.request_id, None)
+                self.scheduler.abort(t.request.request_id)
+                if t.finish_reason is None:
+                    t.finish_reason = "abort"
+            group.num_unfinished = 0
+            self._queue_group(group)
+            return True
+        t = self._tracked.get(request_id)
+        if t is not None and t.group is not None:    # a sample: its whole request goes
+            return self.abort(t.group.request_id)
         t = self._tracked.pop(request_id, None)
         found = self.scheduler.abort(request_id)
         if t is None:
@@ -135,11 +189,12 @@ class Engine:
     def has_unfinished(self) -> bool:
         # a step in flight holds only running requests, which the scheduler counts; once they are all finished or
         # aborted its tokens are of no use, and a step drops them (at once when the last request ends in a step)
-        return self.scheduler.has_unfinished() or bool(self._ready)
+        return self.scheduler.has_unfinished() or bool(self._ready) or bool(self._ready_groups)
 
     def num_tracked(self) -> int:
-        """How many requests the engine holds output state for (those added and not yet finished or aborted)."""
-        return len(self._tracked)
+        """How many requests the engine holds output state for (those added and not yet finished or aborted); a
+        request with n > 1 counts once, and once more for each of its unfinished samples."""
+        return len(self._tracked) + len(self._groups)
 
     # ---- the step ---------------------------------------------------------------------------------------------
     def step(self, stream: bool = False) -> list[RequestOutput]:
@@ -192,6 +247,11 @@ class Engine:
 
     def _take_ready(self) -> list[RequestOutput]:
         ready, self._ready = self._ready, []
+        if self._ready_groups:
+            groups, self._ready_groups = self._ready_groups, []
+            for group in groups:
+                group.queued = False
+                ready.append(self._group_output(group))
         return ready
 
     def _fail(self, requests: list[Request], error: BaseException) -> EngineStepError:
@@ -200,8 +260,9 @@ class Engine:
         for req in requests:
             t = self._tracked.get(req.request_id)
             if t is not None and t.request is req:    # not finished, aborted or replaced under the same id
-                self.abort(req.request_id)
-                failed.append(req.request_id)
+                request_id = t.group.request_id if t.group is not None else req.request_id
+                self.abort(request_id)       # every sample of a request with n > 1
+                failed.append(request_id)
         logger.error("a step failed (%s: %s); aborted requests %s", type(error).__name__, error, failed)
         return EngineStepError(failed, error)
 
@@ -239,11 +300,16 @@ class Engine:
                     if token not in t.stop_ids and len(req.output_token_ids) < req.max_tokens:
                         t.detokenizer.add(token)
                         if stream:
-                            self._ready.append(self._output(t))
+                            if t.group is None:
+                                self._ready.append(self._output(t))
+                            else:
+                                self._queue_group(t.group)
                         continue
                 self._record_logprobs(t, result, row)
                 self._check_stop(t)
-                if stream or t.finish_reason is not None:
+                if t.group is not None:
+                    self._sample_updated(t, stream)
+                elif stream or t.finish_reason is not None:
                     self._ready.append(self._output(t))
                 if t.finish_reason is not None:
                     del tracked[req.request_id]
@@ -289,14 +355,39 @@ class Engine:
             t.finish_reason = status.value
             self.scheduler.finish(req, status)
 
+    def _sample_updated(self, t: _Tracked, stream: bool) -> None:
+        """A sample got a token: its request's output is made once per step when streaming, and once at the end
+        (when its last sample finishes) otherwise."""
+        group = t.group
+        if t.finish_reason is not None:
+            group.num_unfinished -= 1
+            if group.num_unfinished == 0:
+                del self._groups[group.request_id]
+        if stream or group.num_unfinished == 0:
+            self._queue_group(group)
+
+    def _queue_group(self, group: SampleGroup) -> None:
+        if not group.queued:
+            group.queued = True
+            self._ready_groups.append(group)
+
+    def _completion(self, t: _Tracked) -> CompletionOutput:
+        return CompletionOutput(t.index, t.detokenizer.output_text(t.finish_reason is not None),
+                                list(t.request.output_token_ids), t.cumulative_logprob,
+                                list(t.logprobs) if t.logprobs is not None else None,
+                                t.finish_reason, t.stop_reason)
+
     def _output(self, t: _Tracked) -> RequestOutput:
         req = t.request
-        completion = CompletionOutput(0, t.detokenizer.output_text(t.finish_reason is not None),
-                                      list(req.output_token_ids), t.cumulative_logprob,
-                                      list(t.logprobs) if t.logprobs is not None else None,
-                                      t.finish_reason, t.stop_reason)
-        return RequestOutput(req.request_id, t.prompt, req.prompt_token_ids, [completion],
+        return RequestOutput(req.request_id, t.prompt, req.prompt_token_ids, [self._completion(t)],
                              t.finish_reason is not None, req.num_cached_prompt_tokens)
+
+    def _group_output(self, group: SampleGroup) -> RequestOutput:
+        """One output with every sample's completion, in index order; the cached-token count is the first
+        sample's (the others start from its blocks)."""
+        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids,
+                             [self._completion(t) for t in group.samples], group.num_unfinished == 0,
+                             group.samples[0].request.num_cached_prompt_tokens)
 
     def score(self, token_ids: list[int]) -> "torch.Tensor":
         """Teacher-forced logits [len(token_ids), V] of one sequence, computed through the paged cache in one

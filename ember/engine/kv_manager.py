@@ -280,6 +280,27 @@ class KVCacheCoordinator:
         for m in self.managers:
             m.publish(request.request_id, hashes)
 
+    def share_prefix(self, request: Request, num_tokens: int) -> list[list[int]] | None:
+        """Take one more reference on the blocks holding the request's first `num_tokens` tokens (whole blocks),
+        per group, for other requests to start from (as `cached_blocks`); entries before a sliding window are
+        null. None, taking nothing, if the request no longer holds a block a query at `num_tokens` can read."""
+        num_blocks = num_tokens // self.block_size
+        shared = []
+        for m in self.managers:
+            blocks = m.req_blocks.get(request.request_id, ())
+            lo = min(m.spec.first_needed_block(num_tokens), num_blocks)
+            if len(blocks) < num_blocks or NULL_BLOCK in blocks[lo:num_blocks]:
+                return None
+            shared.append([NULL_BLOCK] * lo + blocks[lo:num_blocks])
+        for blocks in shared:
+            self.pool.touch(blocks)
+        return shared
+
+    def release_shared(self, shared: Sequence[Sequence[int]]) -> None:
+        """Drop the references `share_prefix` took."""
+        for blocks in shared:
+            self.pool.release(blocks)
+
     def block_ids(self, request: Request) -> tuple[list[int], ...]:
         """Per group, the request's live block list (not a copy: read it within the step)."""
         return tuple(m.req_blocks.get(request.request_id, []) for m in self.managers)

@@ -53,7 +53,7 @@ class SchedulerStats:
     """Counters the tests and the benchmark read."""
     num_preemptions: int = 0
     num_prefix_cache_queries: int = 0       # prompt tokens looked up
-    num_prefix_cache_hits: int = 0          # of which found cached
+    num_prefix_cache_hits: int = 0          # of which found cached, or shared with another sample (n > 1)
     num_steps: int = 0
     host_s: float = 0.0                     # engine.step() wall time, less the part spent waiting for the device
     device_wait_s: float = 0.0              # part of engine.step() spent waiting for a step's tokens
@@ -130,7 +130,12 @@ class Scheduler:
         # new requests only when nobody had to be preempted (they would just be preempted next)
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            cached = self.kv.find_cached_prefix(req)
+            if req.prompt_fork is None:
+                cached = self.kv.find_cached_prefix(req)
+            else:
+                cached = req.prompt_fork.admission_prefix(req, self.kv, self.stats.num_steps, scheduled)
+                if cached is None:
+                    break    # a sample waits in line until the first sample has computed the shared prompt
             num_cached_tokens = len(cached[0]) * self.kv.block_size
             num_new = min(req.num_tokens - num_cached_tokens, budget)
             if not self.kv.try_allocate(req, num_cached_tokens + num_new, cached):
@@ -241,6 +246,8 @@ class Scheduler:
             self.waiting.remove(req)
         req.status = status
         self._forget(req)
+        if req.prompt_fork is not None:
+            req.prompt_fork.on_finish(req, status, self.kv, self.stats.num_steps)
         self.kv.free(req)
         self.requests.pop(req.request_id, None)
 
