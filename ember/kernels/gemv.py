@@ -58,7 +58,9 @@ CPU_SMS = 4              # "SMs" under the interpreter: small test shapes still 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-@triton.jit
+# M, the step's token count, varies per step: out of the specialization key (Triton would compile M == 1 and M == 16
+# apart); the strides, N, K and the K split are fixed per layer and keep their divisibility hints
+@triton.jit(do_not_specialize=["M"])
 def _gemv_kernel(x_ptr, w_ptr, bias_ptr, residual_ptr, norm_weight_ptr, out_ptr,
                  M, N, K, stride_xm, stride_wn, stride_rm, stride_om, k_per_split, eps,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -234,7 +236,7 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, residual_ptr, norm_weight_ptr, out_ptr,
                  mask=out_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _split_k_reduce_kernel(partial_ptr, bias_ptr, residual_ptr, out_ptr, M, N, stride_rm, stride_om,
                            SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                            GATED: tl.constexpr, BLOCK: tl.constexpr):

@@ -115,7 +115,9 @@ def _perturb(x, cols, temperature_ptr, row_key, row, HAS_TEMPERATURE: tl.constex
     return x + _gumbel(row_key, cols, ACCURATE_LOG)
 
 
-@triton.jit
+# num_splits follows the batch size (see split_plan): out of the specialization key, so one compiled kernel serves
+# every batch; cols_per_split is always a multiple of BLOCK and keeps its divisibility hint (aligned tile loads)
+@triton.jit(do_not_specialize=["num_splits"])
 def _sample_partial_kernel(logits_ptr, stride_row, temperature_ptr, seed_ptr, counter_ptr, greedy_ptr,
                            partial_ptr, vocab_size, cols_per_split, num_splits,
                            HAS_TEMPERATURE: tl.constexpr, HAS_GREEDY_MASK: tl.constexpr, ALL_GREEDY: tl.constexpr,
@@ -158,7 +160,7 @@ def _sample_partial_kernel(logits_ptr, stride_row, temperature_ptr, seed_ptr, co
     tl.store(partial_ptr + (2 * row + 1) * num_splits + split, index.to(tl.float32, bitcast=True))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _sample_reduce_kernel(partial_ptr, out_ptr, num_splits, BLOCK_SPLITS: tl.constexpr):
     """One program per row: the argmax over its splits' partial results, ties to the lower index."""
     row = tl.program_id(0)
@@ -287,6 +289,9 @@ def sample_triton(logits: torch.Tensor, temperature: torch.Tensor | None, seeds:
         greedy_bytes if has_greedy_mask else logits, partial, vocab_size, cols_per_split, num_splits,
         HAS_TEMPERATURE=has_temperature, HAS_GREEDY_MASK=has_greedy_mask, ALL_GREEDY=all_greedy,
         ACCURATE_LOG=_accurate_log(device), BLOCK=BLOCK_SIZE, num_warps=NUM_WARPS)
+    # the tile holds the splits of a one-row batch, the most any batch has, so one compiled kernel serves every
+    # batch size (a tile per power of two would compile mid-run as the batch size moves)
+    max_splits = split_plan(1, vocab_size, _num_programs_target(device))[1]
     _kernel("_sample_reduce_kernel", device)[(num_rows,)](
-        partial, out, num_splits, BLOCK_SPLITS=triton.next_power_of_2(num_splits))
+        partial, out, num_splits, BLOCK_SPLITS=triton.next_power_of_2(max(max_splits, num_splits)))
     return out

@@ -36,7 +36,8 @@ def _decode_tiles(seq_lens, window, TILE_N: tl.constexpr, USE_WINDOW: tl.constex
     return lo, tl.where(seq_lens > 0, hi - lo, 0)
 
 
-@triton.jit
+# the live decode count and the bucket's rows vary per step: out of the specialization key
+@triton.jit(do_not_specialize=["num_decodes", "num_rows"])
 def decode_plan_kernel(
     seq_lens_ptr, work_start_ptr, split_start_ptr, item_seq_ptr, item_chunk_ptr, item_part_ptr, params_ptr,
     num_decodes, num_rows, num_items, target_items, window,

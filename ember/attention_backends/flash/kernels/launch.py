@@ -150,10 +150,11 @@ class DecodeWorkspace:
             raise ValueError(f"num_decodes {num_decodes} is outside [0, {self.max_rows}]")
         rows = min(self.max_rows, seq_lens.shape[0])
         kernel = kernel_for(seq_lens.device, "decode", "decode_plan_kernel", decode_plan_kernel)
+        # the row tile is sized for the workspace, not the bucket, so one compiled kernel serves every batch size
         kernel[(1,)](
             seq_lens, self.work_start, self.split_start, self.item_seq, self.item_chunk, self.item_part, self.params,
             num_decodes, rows, self.num_items, self.target_items, int(sliding_window or 0),
-            TILE_N=self.tile_n, MIN_CHUNK=self.min_chunk, BLOCK_R=min(1024, triton.next_power_of_2(rows)),
+            TILE_N=self.tile_n, MIN_CHUNK=self.min_chunk, BLOCK_R=min(1024, triton.next_power_of_2(self.max_rows)),
             USE_WINDOW=sliding_window is not None, num_warps=4)
 
 

@@ -34,7 +34,9 @@ def _locate_block(v, query_start_loc_ptr, first, num_seqs, BLOCK_Q: tl.constexpr
     return lo, v - (tl.load(query_start_loc_ptr + lo) // BLOCK_Q + lo)
 
 
-@triton.jit
+# num_seqs, the step's (padded) request count, varies per step: out of the specialization key; the rest is fixed per
+# layer and cache
+@triton.jit(do_not_specialize=["num_seqs"])
 def flash_prefill_kernel(
     out_ptr, lse_ptr, q_ptr, k_cache_ptr, v_cache_ptr, k_desc, v_desc, block_table_ptr, query_start_loc_ptr,
     seq_lens_ptr, num_decodes_ptr, sinks_ptr,

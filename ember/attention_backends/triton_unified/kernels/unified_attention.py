@@ -18,7 +18,9 @@ import triton.language as tl
 from .attention_core import LOG2E, attend_tiles, cdiv, kv_tile_bounds, locate_query_block, reduce_max, reduce_sum
 
 
-@triton.jit
+# num_seqs, the step's (padded) request count, varies per step: out of the specialization key (Triton would compile
+# 1 and multiples of 16 apart); strides, window and scales are fixed per layer and cache
+@triton.jit(do_not_specialize=["num_seqs"])
 def unified_attention_kernel(
     out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr,
     q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, query_start_loc_ptr, seq_lens_ptr, num_decodes_ptr,
@@ -117,7 +119,7 @@ def unified_attention_kernel(
         tl.store(part_out_ptr + part_row[:, None] * HEAD_PAD + offs_d[None, :], acc, mask=row_ok[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs"])
 def reduce_segments_kernel(
     out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, query_start_loc_ptr, seq_lens_ptr, num_decodes_ptr,
     sinks_ptr, num_seqs, window, stride_ot, stride_oh,
