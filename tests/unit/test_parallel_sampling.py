@@ -111,14 +111,12 @@ def test_samples_outlive_a_leader_that_finishes_first_and_survive_preemption(fol
     assert counted[0] == 37 + 2 * 5
     assert got == [_tokens(llm, PROMPT_37, SamplingParams(seed=9 + i, **quick))[0] for i in range(3)]
     assert_engine_holds_nothing(llm.engine)
-    # 12 usable blocks of 16: four samples of 37 + 40 tokens need up to 16 blocks without sharing
-    small = _llm(folder, num_kv_blocks=13, max_model_len=96, enable_prefix_caching=False)
-    params = SamplingParams(n=4, seed=5, temperature=1.0, max_tokens=40, ignore_eos=True)
-    got = _tokens(small, PROMPT_37, params)
+    # 9 usable blocks of 16: four samples of 37 + 24 tokens need 2 shared blocks and 2 more each
+    small = _llm(folder, num_kv_blocks=9, max_model_len=96, enable_prefix_caching=False)
+    longer = dict(temperature=1.0, max_tokens=24, ignore_eos=True)
+    got = _tokens(small, PROMPT_37, SamplingParams(n=4, seed=5, **longer))
     assert small.engine.stats.num_preemptions > 0
-    roomy = _llm(folder, max_model_len=96)
-    assert got == [_tokens(roomy, PROMPT_37, SamplingParams(seed=5 + i, temperature=1.0, max_tokens=40,
-                                                             ignore_eos=True))[0] for i in range(4)]
+    assert got == [_tokens(llm, PROMPT_37, SamplingParams(seed=5 + i, **longer))[0] for i in range(4)]
     assert_engine_holds_nothing(small.engine)
 
 
