@@ -56,6 +56,8 @@ def profile_steps(engine, num_steps: int, top: int = 15) -> StepProfile:
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
+    from ember.profiling import enabled as sections_enabled
+
     if num_steps < 1:
         raise ValueError(f"num_steps {num_steps} must be at least 1")
     device = engine.runner.device
@@ -64,7 +66,7 @@ def profile_steps(engine, num_steps: int, top: int = 15) -> StepProfile:
     if cuda:
         torch.cuda.synchronize(device)
     steps = 0
-    with profile(activities=activities) as prof:
+    with profile(activities=activities) as prof, sections_enabled():
         start = time.perf_counter()
         while steps < num_steps and engine.has_unfinished():
             engine.step()

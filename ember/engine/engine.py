@@ -8,7 +8,6 @@ import random
 import time
 from dataclasses import dataclass
 
-from torch.profiler import record_function
 
 from ember.config import EngineConfig
 from ember.engine.detokenizer import IncrementalDetokenizer
@@ -21,6 +20,7 @@ from ember.runner.step_input import NewRequest, StepInput
 from ember.sampling_params import SamplingParams, as_int
 from ember.engine.request import CompletionOutput, Logprob, Request, RequestOutput, RequestStatus
 from ember.engine.scheduler import Scheduler, SchedulerOutput
+from ember.profiling import section
 
 logger = logging.getLogger("ember")
 
@@ -214,7 +214,7 @@ class Engine:
 
     def _step(self, stream: bool) -> list[RequestOutput]:
         # every output made goes to self._ready first, so that a failure later in the call loses none of them
-        with record_function("ember.schedule"):
+        with section("ember.schedule"):
             out = self.scheduler.schedule()
         if out.is_empty:
             if out.step.finished_ids:     # the runner drops their rows
@@ -280,7 +280,7 @@ class Engine:
         except Exception as e:
             raise self._fail([s.request for s in out.scheduled], e) from e
         self.stats.device_wait_s += time.perf_counter() - start
-        with record_function("ember.update"):
+        with section("ember.update"):
             self._update(out, result, stream)
 
     def _update(self, out: SchedulerOutput, result: ModelRunnerOutput, stream: bool) -> None:

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from torch.profiler import record_function
 
 from ember.attention_backends.op import ForwardContext, forward_context
 from ember.config import EngineConfig, parse_dtype
@@ -35,6 +34,7 @@ from ember.runner.sampling_inputs import SamplingPlan, plan_sampling, sampling_m
 from ember.runner.step_input import NewRequest, StepInput
 from ember.runner.upload import PackedUpload
 from ember.sampling_params import SamplingParams
+from ember.profiling import section
 
 logger = logging.getLogger("ember")
 
@@ -326,7 +326,7 @@ class ModelRunner:
         The sampled tokens are written into the request table on the device, so the next step may be launched
         while this one is still in flight."""
         prepared = self.prepare_step(step)
-        with record_function("ember.forward"):
+        with section("ember.forward"):
             hidden = self._run(prepared.batch, prepared.mode, prepared.desc, self.skip_prefill)
         return self.sample_step(prepared, hidden)
 
@@ -338,7 +338,7 @@ class ModelRunner:
         num_reqs = step.num_reqs
         mode, desc = self.dispatcher.dispatch(step.total_num_tokens, num_reqs, step.num_decodes == num_reqs)
         num_reqs_padded = desc.padded_num_reqs(num_reqs)
-        with record_function("ember.prepare"):
+        with section("ember.prepare"):
             upload.begin()
             table.apply(step, upload)
             layout = self._layout(step)
@@ -355,14 +355,14 @@ class ModelRunner:
     def sample_step(self, prepared: "PreparedStep", hidden: torch.Tensor) -> AsyncModelRunnerOutput:
         """Sample from the step's hidden states, write the tokens into the table and start their copy to the host."""
         batch = prepared.batch
-        with record_function("ember.sample"):
+        with section("ember.sample"):
             logits = self.model.compute_logits(self._logits_hidden(batch, hidden))
             meta = sampling_metadata(self.table, prepared.plan, batch.idx_mapping,
                                      batch.common.seq_lens[:batch.common.num_reqs], prepared.buf)
             sampled = self.sampler(logits, meta)
             self.table.write_sampled(PackedUpload.segment(prepared.buf, prepared.sample_index),
                                      sampled.sampled_token_ids)
-        with record_function("ember.to_host"):
+        with section("ember.to_host"):
             return AsyncModelRunnerOutput(sampled, self.device)
 
     @torch.inference_mode()

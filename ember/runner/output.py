@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch.profiler import record_function
+from ember.profiling import section
 
 
 @dataclass
@@ -50,7 +50,7 @@ class AsyncModelRunnerOutput:
 
     def result(self) -> ModelRunnerOutput:
         if self._event is not None:
-            with record_function("ember.wait"):
+            with section("ember.wait"):
                 self._event.synchronize()
         packed, k = self._packed, self._k
         if k is None:
