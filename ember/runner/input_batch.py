@@ -23,6 +23,9 @@ class PreparedBatch:
     logits_indices: torch.Tensor   # [num_reqs] int64, device: each request's last scheduled token
     idx_mapping: torch.Tensor      # [num_reqs] int64, device: each batch row's table row
     common: CommonAttentionMetadata
+    # [num_reqs_padded] int64, device: flat token_ids index each row's sampled token goes to (padding rows and rows
+    # part-way through a prompt: a spare column)
+    sample_index: torch.Tensor | None = None
     logits_indices_padded: torch.Tensor | None = None   # [num_reqs_padded] int64: padding rows at a live token
     # the same requests with only their last token as the query: what a prefill-skipping tail of KV-sharing
     # layers attends with (None unless the model has such a tail)
@@ -59,6 +62,9 @@ class InputBatch:
         self.query_start_loc = torch.zeros(max_num_reqs + 1, dtype=torch.int32, device=device)        # [R + 1]
         self.seq_lens = torch.zeros(max_num_reqs, dtype=torch.int32, device=device)                   # [R]
         self.logits_indices = torch.zeros(max_num_reqs, dtype=torch.int64, device=device)             # [R]
+        # per batch row: table row, chunk start, query length, sampled token's flat index; copied out of the
+        # step's upload so that a CUDA graph finds them at one address
+        self.row_info = torch.zeros(4, max_num_reqs, dtype=torch.int64, device=device)               # [4, R]
         self.block_tables = torch.zeros(num_groups, max_num_reqs, max_blocks_per_req, dtype=torch.int32,
                                         device=device)                                                # [G, R, B]
         # one query per request for a prefill-skipping tail: query_start_loc 0, 1, ..., slots never written
@@ -66,13 +72,18 @@ class InputBatch:
                                      if tail_metadata else None)                                  # [R + 1]
         self.tail_slot_mappings = torch.full((num_groups, max_num_reqs), -1, dtype=torch.int64, device=device)
 
-    def stage(self, layout: BatchLayout, num_reqs_padded: int, upload: PackedUpload) -> tuple:
-        """Put the batch's rows, starts and query lengths (padding rows: row 0, start 0, length 0) in the upload."""
+    def stage(self, layout: BatchLayout, num_reqs_padded: int, upload: PackedUpload, spare_index: int,
+              sample_index: np.ndarray | None = None) -> tuple:
+        """Put the batch's rows, starts, query lengths and sampled-token indices in the upload (padding rows: row 0,
+        start 0, length 0, index `spare_index`; without `sample_index` every row's token goes to `spare_index`)."""
         if num_reqs_padded > self.max_num_reqs:
             raise ValueError(f"batch of {num_reqs_padded} requests exceeds the buffers ({self.max_num_reqs})")
-        per_row = np.zeros((3, num_reqs_padded), dtype=np.int64)
+        per_row = np.zeros((4, num_reqs_padded), dtype=np.int64)
         n = layout.num_reqs
         per_row[0, :n], per_row[1, :n], per_row[2, :n] = layout.rows, layout.starts, layout.query_lens
+        per_row[3] = spare_index
+        if sample_index is not None:
+            per_row[3, :n] = sample_index
         return upload.put(per_row)
 
     def prepare(self, table: RequestTable, layout: BatchLayout, seg: tuple[int, int], buf: torch.Tensor,
@@ -81,9 +92,10 @@ class InputBatch:
         num_tokens, num_reqs = layout.num_tokens, layout.num_reqs
         if num_tokens_padded > self.max_num_tokens:
             raise ValueError(f"batch of {num_tokens_padded} tokens exceeds the buffers ({self.max_num_tokens})")
-        per_row = PackedUpload.segment(buf, seg).view(3, num_reqs_padded)
-        idx, starts, qlens = per_row[0], per_row[1], per_row[2]
         R, T = num_reqs_padded, num_tokens_padded
+        info = self.row_info[:, :R]
+        info.copy_(PackedUpload.segment(buf, seg).view(4, R))
+        idx, starts, qlens = info[0], info[1], info[2]
         prepare_inputs(idx, starts, qlens, table.token_ids, table.block_tables, table.block_size, num_tokens,
                        self.query_start_loc[:R + 1], self.seq_lens[:R], self.logits_indices[:R],
                        self.input_ids[:T], self.positions[:T], self.slot_mappings[:, :T],
@@ -109,7 +121,7 @@ class InputBatch:
             uniform_decode=(layout.num_decodes == num_reqs) if uniform_decode is None else uniform_decode)
         tail = self._tail(common) if self.tail_query_start_loc is not None else None
         return PreparedBatch(self.input_ids[:T], self.positions[:T], self.logits_indices[:num_reqs],
-                             idx[:num_reqs], common, self.logits_indices[:R], tail)
+                             idx[:num_reqs], common, info[3], self.logits_indices[:R], tail)
 
     def _tail(self, common: CommonAttentionMetadata) -> CommonAttentionMetadata:
         """`common` with one query per request, its last token (padding requests keep zero-length queries)."""

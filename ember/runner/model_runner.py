@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ember.attention_backends.op import ForwardContext, forward_context
+from ember.attention_backends.op import ForwardContext, forward_context, get_forward_context
 from ember.config import EngineConfig, parse_dtype
 from ember.graphs.buckets import resolve_capture_sizes
 from ember.graphs.compile import compile_cache_key, compile_model
@@ -25,12 +25,13 @@ from ember.graphs.modes import BatchDescriptor, CUDAGraphMode
 from ember.kv_spec import blocks_per_request
 from ember.models.loader import load_config, load_model, random_model
 from ember.runner.cpu_memory import cpu_kv_cache_bytes
+from ember.runner.decode_tail import DecodeTail
 from ember.runner.input_batch import BatchLayout, InputBatch, PreparedBatch
 from ember.runner.kv_cache_setup import allocate_kv_caches, make_builders, select_backends
-from ember.runner.output import AsyncModelRunnerOutput, ModelRunnerOutput, StartupTimes
+from ember.runner.output import AsyncModelRunnerOutput, HostRing, ModelRunnerOutput, StartupTimes
 from ember.runner.request_table import RequestTable
-from ember.runner.sampler import Sampler, SamplingMetadata
-from ember.runner.sampling_inputs import SamplingPlan, plan_sampling, sampling_metadata
+from ember.runner.sampler import Sampler, SamplerOutput, SamplingMetadata
+from ember.runner.sampling_inputs import SamplingPlan, fits_graph_tail, plan_sampling, sampling_metadata
 from ember.runner.step_input import NewRequest, StepInput
 from ember.runner.upload import PackedUpload
 from ember.sampling_params import SamplingParams
@@ -48,7 +49,6 @@ class PreparedStep:
     mode: CUDAGraphMode
     desc: BatchDescriptor | None
     plan: SamplingPlan
-    sample_index: tuple[int, int]      # upload segment: flat token_ids index each row's sampled token goes to
     buf: torch.Tensor                  # the step's flushed upload
 
 
@@ -96,6 +96,8 @@ class ModelRunner:
         self.builders = make_builders(*builder_args)
         self.tail_builders = make_builders(*builder_args) if has_tail else []
         self.sampler = Sampler()
+        self.decode_tail = DecodeTail(self.model, self.sampler, self.table, self.input_batch)
+        self.host_ring = HostRing(self.max_num_reqs, self.device) if self.device.type == "cuda" else None
         self.graphs = (CUDAGraphManager(self.device, lazy=config.compile.cudagraph_capture == "lazy")
                        if self.modes.cudagraph_mode != CUDAGraphMode.NONE else None)
         self.forward_fn = self._build_forward()
@@ -139,20 +141,38 @@ class ModelRunner:
         forward = compile_model(self.model, mode, cache_key=key, graph_manager=piecewise,
                                 disabled_fusions=self.config.compile.disabled_fusions)
         self.compile_stats = getattr(forward, "stats", None)    # None when running eager
-        if self.modes.cudagraph_mode.has_full:
-            forward = self.graphs.wrap_full(forward)
+        self._forward_samples = self.modes.cudagraph_mode.has_full
+        if self._forward_samples:
+            forward = self.graphs.wrap_full(self._with_decode_tail(forward))
         return forward
 
+    def _with_decode_tail(self, forward):
+        """`forward` followed, for uniform-decode batches padded to a FULL-graph bucket, by the decode tail; returns
+        (hidden, sampled tokens or None). A FULL graph of such a bucket records both."""
+        tail = self.decode_tail
+
+        def forward_and_sample(*args):
+            hidden = forward(*args)
+            desc = get_forward_context().batch_descriptor
+            if desc is not None and desc.uniform_decode and desc.num_reqs is not None:
+                return hidden, tail(hidden, desc.num_reqs)
+            return hidden, None
+
+        return forward_and_sample
+
     def _run(self, batch: PreparedBatch, mode: CUDAGraphMode = CUDAGraphMode.NONE,
-             desc: BatchDescriptor | None = None, skip: bool = False) -> torch.Tensor:
-        """The forward: hidden [num_tokens_padded, H], or with `skip` [num_reqs_padded, H] of the logits tokens."""
+             desc: BatchDescriptor | None = None, skip: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The forward: hidden [num_tokens_padded, H], or with `skip` [num_reqs_padded, H] of the logits tokens;
+        and the tokens the decode tail sampled [num_reqs_padded] (None unless a uniform-decode FULL bucket)."""
         metadata = tuple(b.build(batch.common) for b in self.builders)
         if self.tail_builders:   # the KV-sharing layers' metadata: one query per request, or the whole batch
             metadata += tuple(b.build(batch.tail if skip else batch.common) for b in self.tail_builders)
         with forward_context(ForwardContext(self.layer_states, metadata, desc, mode)):
             if skip:
-                return self.forward_fn(batch.input_ids, batch.positions, batch.logits_indices_padded)
-            return self.forward_fn(batch.input_ids, batch.positions)
+                out = self.forward_fn(batch.input_ids, batch.positions, batch.logits_indices_padded)
+            else:
+                out = self.forward_fn(batch.input_ids, batch.positions)
+        return out if self._forward_samples else (out, None)
 
     def _logits_hidden(self, batch: PreparedBatch, hidden: torch.Tensor) -> torch.Tensor:
         """Each request's last token's hidden state [num_reqs, H] from a forward's output."""
@@ -173,7 +193,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         # on the CPU there is no memory to measure: a small step suffices to compile
         num_tokens = self.max_num_tokens if cuda else min(self.max_num_tokens, 64)
-        hidden = self._dummy_forward(num_tokens, self.max_num_reqs, skip=self.skip_prefill)
+        hidden = self._dummy_forward(num_tokens, self.max_num_reqs, skip=self.skip_prefill)[0]
         stats = self.compile_stats
         if stats is not None:
             self.times.compile_s = stats.seconds
@@ -260,9 +280,9 @@ class ModelRunner:
         self.times.graph_memory_bytes = report.memory_bytes
 
     def _dummy_forward(self, num_tokens: int, num_reqs: int, mode: CUDAGraphMode = CUDAGraphMode.NONE,
-                       desc: BatchDescriptor | None = None, skip: bool = False) -> torch.Tensor:
+                       desc: BatchDescriptor | None = None, skip: bool = False):
         """Run a step of the given shape for warm-up, profiling or capture: requests of token 0 whose blocks are
-        all the null block, added to the table and dropped again. Returns the hidden states."""
+        all the null block, added to the table and dropped again. Returns what `_run` does."""
         width = self.table.max_model_len
         num_reqs = max(1, min(num_reqs, num_tokens), -(-num_tokens // width))
         per_req, extra = divmod(num_tokens, num_reqs)
@@ -295,7 +315,7 @@ class ModelRunner:
         upload.begin()
         self.table.apply(step, upload)
         layout = self._layout(step)
-        seg = self.input_batch.stage(layout, num_reqs_padded or layout.num_reqs, upload)
+        seg = self.input_batch.stage(layout, num_reqs_padded or layout.num_reqs, upload, self.table.width - 1)
         buf = upload.flush()
         self.table.commit(buf)
         return layout, seg, buf
@@ -327,8 +347,8 @@ class ModelRunner:
         while this one is still in flight."""
         prepared = self.prepare_step(step)
         with section("ember.forward"):
-            hidden = self._run(prepared.batch, prepared.mode, prepared.desc, self.skip_prefill)
-        return self.sample_step(prepared, hidden)
+            hidden, tokens = self._run(prepared.batch, prepared.mode, prepared.desc, self.skip_prefill)
+        return self.sample_step(prepared, hidden, tokens)
 
     def prepare_step(self, step: StepInput) -> "PreparedStep":
         """Apply the step to the table, send its one upload and fill the input buffers; picks the graph mode."""
@@ -342,28 +362,33 @@ class ModelRunner:
             upload.begin()
             table.apply(step, upload)
             layout = self._layout(step)
-            batch_seg = self.input_batch.stage(layout, num_reqs_padded, upload)
             ends = layout.starts + layout.query_lens
-            index_seg = upload.put(table.sample_index(layout.rows, ends))
+            batch_seg = self.input_batch.stage(layout, num_reqs_padded, upload, table.width - 1,
+                                               table.sample_index(layout.rows, ends))
             plan = plan_sampling(table, layout.rows, ends, upload)
             buf = upload.flush()
             table.commit(buf)
             batch = self.input_batch.prepare(table, layout, batch_seg, buf, desc.num_tokens, num_reqs_padded,
                                              desc.uniform_decode if mode == CUDAGraphMode.FULL else None)
-        return PreparedStep(batch, mode, desc, plan, index_seg, buf)
+        return PreparedStep(batch, mode, desc, plan, buf)
 
-    def sample_step(self, prepared: "PreparedStep", hidden: torch.Tensor) -> AsyncModelRunnerOutput:
-        """Sample from the step's hidden states, write the tokens into the table and start their copy to the host."""
+    def sample_step(self, prepared: "PreparedStep", hidden: torch.Tensor,
+                    tokens: torch.Tensor | None = None) -> AsyncModelRunnerOutput:
+        """Sample from the step's hidden states, write the tokens into the table and start their copy to the host;
+        `tokens`, those a decode graph already sampled and wrote, stand when the step's plan fits the graph."""
         batch = prepared.batch
-        with section("ember.sample"):
-            logits = self.model.compute_logits(self._logits_hidden(batch, hidden))
-            meta = sampling_metadata(self.table, prepared.plan, batch.idx_mapping,
-                                     batch.common.seq_lens[:batch.common.num_reqs], prepared.buf)
-            sampled = self.sampler(logits, meta)
-            self.table.write_sampled(PackedUpload.segment(prepared.buf, prepared.sample_index),
-                                     sampled.sampled_token_ids)
+        num_reqs = batch.common.num_reqs
+        if tokens is not None and fits_graph_tail(prepared.plan):
+            sampled = SamplerOutput(tokens[:num_reqs], None, None, None)
+        else:
+            with section("ember.sample"):
+                logits = self.model.compute_logits(self._logits_hidden(batch, hidden))
+                meta = sampling_metadata(self.table, prepared.plan, batch.idx_mapping,
+                                         batch.common.seq_lens[:num_reqs], prepared.buf)
+                sampled = self.sampler(logits, meta)
+                self.table.write_sampled(batch.sample_index[:num_reqs], sampled.sampled_token_ids)
         with section("ember.to_host"):
-            return AsyncModelRunnerOutput(sampled, self.device)
+            return AsyncModelRunnerOutput(sampled, self.device, self.host_ring)
 
     @torch.inference_mode()
     def all_logits(self, step: StepInput) -> torch.Tensor:
@@ -376,7 +401,7 @@ class ModelRunner:
             layout, seg, buf = self._stage(step, num_reqs_padded)
             batch = self.input_batch.prepare(self.table, layout, seg, buf, desc.num_tokens, num_reqs_padded,
                                              desc.uniform_decode if mode == CUDAGraphMode.FULL else None)
-            hidden = self._run(batch, mode, desc)
+            hidden = self._run(batch, mode, desc)[0]
             return self.model.compute_logits(hidden[:batch.common.num_actual_tokens])
         finally:
             for new in step.new_requests:

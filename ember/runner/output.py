@@ -28,11 +28,29 @@ class StartupTimes:
     graph_memory_bytes: int = 0
 
 
+class HostRing:
+    """Pinned host buffers for the sampled tokens, allocated once and used in turn, each with an event made for
+    blocking waits (the host thread sleeps until the copy is done instead of spinning a core).
+
+    A buffer is written again `size` steps later; the engine has processed a step's tokens long before that (at
+    most two steps are in flight with async scheduling)."""
+
+    def __init__(self, max_num_reqs: int, device: torch.device, size: int = 4):
+        self._buffers = [torch.empty(max_num_reqs, dtype=torch.int64, pin_memory=True) for _ in range(size)]
+        self._events = [torch.cuda.Event(blocking=True) for _ in range(size)]
+        self._turn = 0
+
+    def take(self) -> tuple[torch.Tensor, "torch.cuda.Event"]:
+        self._turn = (self._turn + 1) % len(self._buffers)
+        return self._buffers[self._turn], self._events[self._turn]
+
+
 class AsyncModelRunnerOutput:
     """A launched step's sampled tokens (and logprobs) on their way to the host: the step's single device-to-host
-    transfer, into pinned memory, with an event to wait on. `result()` blocks until they are there."""
+    transfer, into pinned memory (a `HostRing` buffer for plain tokens), with an event to wait on. `result()`
+    blocks until they are there."""
 
-    def __init__(self, sampled, device: torch.device):
+    def __init__(self, sampled, device: torch.device, ring: HostRing | None = None):
         if sampled.logprobs is None:
             packed, self._k = sampled.sampled_token_ids, None
         else:
@@ -41,9 +59,13 @@ class AsyncModelRunnerOutput:
                                 sampled.logprob_token_ids.double(), sampled.logprobs.double()], dim=1)
         self._event = None
         if device.type == "cuda":
-            host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            if ring is not None and self._k is None and packed.dtype == torch.int64:
+                buf, self._event = ring.take()
+                host = buf[:packed.shape[0]]
+            else:
+                host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+                self._event = torch.cuda.Event(blocking=True)
             host.copy_(packed, non_blocking=True)
-            self._event = torch.cuda.Event()
             self._event.record()
             packed = host
         self._packed = packed

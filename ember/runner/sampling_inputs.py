@@ -113,3 +113,24 @@ def _tokens(table: RequestTable, idx: torch.Tensor, start: torch.Tensor, count: 
     pos = (start[:, None] + cols[None, :]).clamp_(max=table.width - 1)                  # [N, W]
     ids = table.token_ids[idx[:, None], pos].to(torch.int64)
     return ids.masked_fill_(cols[None, :] >= count[:, None], table.vocab_size)
+
+
+def fits_graph_tail(plan: SamplingPlan) -> bool:
+    """Whether a step's sampling needs nothing beyond what `graph_sampling_metadata` describes (temperature and
+    seeds, greedy rows among random ones), so the sampling recorded in a decode graph gives its tokens."""
+    return not (plan.max_top_k or plan.use_top_p or plan.use_min_p or plan.use_repetition or plan.use_presence
+                or plan.use_frequency or plan.blocked is not None or plan.max_num_logprobs is not None)
+
+
+def graph_sampling_metadata(table: RequestTable, idx: torch.Tensor, seq_lens: torch.Tensor) -> SamplingMetadata:
+    """Metadata for rows `idx` [N] that holds for every batch a decode graph may replay: greedy rows beside random
+    ones, temperatures always applied (greedy rows hold 1.0) and no host-side flags, so one recording serves any
+    mix. It samples the tokens `sampling_metadata` does for any plan that `fits_graph_tail`."""
+    pf, pi = table.params_f[idx], table.params_i[idx]                  # [N, 7], [N, 3]
+    num_out = (seq_lens.to(torch.int64) - pi[:, NUM_PROMPT]).clamp_(min=0)
+    return SamplingMetadata(
+        num_reqs=idx.shape[0], vocab_size=table.vocab_size, all_greedy=False, all_random=False,
+        greedy_mask=pf[:, GREEDY] > 0.5, temperature=pf[:, TEMPERATURE].contiguous(), top_k=None, max_top_k=0,
+        top_p=None, min_p=None, seeds=pi[:, SEED].contiguous(), output_lens=num_out, prompt_token_ids=None,
+        output_token_ids=None, repetition_penalty=None, presence_penalty=None, frequency_penalty=None,
+        blocked_token_ids=None, max_num_logprobs=None)

@@ -134,13 +134,44 @@ def test_full_replay_bitwise_equals_compiled_without_graphs():
             prepared = runner.prepare_step(out.step)
             assert prepared.mode == CUDAGraphMode.FULL and prepared.desc.num_tokens > t   # smaller than its bucket
             batch = prepared.batch
-            no_graph = runner._run(batch, CUDAGraphMode.NONE, None).clone()
+            no_graph, no_tokens = runner._run(batch, CUDAGraphMode.NONE, None)
+            no_graph = no_graph.clone()
+            assert no_tokens is None
             eager_tokens = runner.sample_step(prepared, no_graph).result().sampled_token_ids
-            replay = runner._run(batch, CUDAGraphMode.FULL, prepared.desc)
+            replay, tokens = runner._run(batch, CUDAGraphMode.FULL, prepared.desc)
             assert torch.equal(no_graph[:t], replay[:t])
-            result = runner.sample_step(prepared, replay).result()
+            result = runner.sample_step(prepared, replay, tokens).result()
         assert result.sampled_token_ids == eager_tokens
         seen.add(out.num_decodes == n)
         engine.scheduler.update(out, result.sampled_token_ids)
     assert seen == {False, True}
     assert runner.graphs.num_descriptors(CUDAGraphMode.FULL) == len(runner.dispatcher.capture_list())
+
+
+@pytest.mark.parametrize("temperatures", [(0.0,), (0.8,), (0.0, 0.7, 1.0)], ids=["greedy", "seeded", "mixed"])
+def test_sampler_inside_full_decode_graph_equals_outside(temperatures):
+    """Uniform-decode FULL graphs record the LM head and the sampler: the tokens a replay samples (and writes into
+    the request table) equal those the eager sampler draws from the graph-free forward's hidden states, for
+    greedy, seeded and mixed batches, over several steps."""
+    llm = LLM("qwen3-0.6b", load_format="dummy", dtype="bfloat16", max_model_len=1024, max_num_seqs=64,
+              max_num_batched_tokens=512, cudagraph_capture_sizes=CAPTURE, gpu_memory_utilization=0.4,
+              cudagraph_mode="full")
+    engine, runner = llm.engine, llm.engine.runner
+    for i, p in enumerate(workload()[:5]):
+        engine.add_request(p, SamplingParams(temperature=temperatures[i % len(temperatures)], seed=20 + i,
+                                             max_tokens=6, ignore_eos=True))
+    in_graph = 0
+    for _ in range(5):
+        out = engine.scheduler.schedule()
+        with torch.inference_mode():
+            prepared = runner.prepare_step(out.step)
+            hidden, tokens = runner._run(prepared.batch, prepared.mode, prepared.desc)
+            got = runner.sample_step(prepared, hidden, tokens).result().sampled_token_ids
+            if tokens is not None:
+                in_graph += 1
+                want = runner.sample_step(prepared, hidden.clone()).result().sampled_token_ids
+                assert got == want
+                rows = prepared.batch.sample_index[:len(got)]
+                assert runner.table.token_ids.view(-1)[rows].tolist() == want
+        engine.scheduler.update(out, got)
+    assert in_graph >= 3

@@ -1,0 +1,33 @@
+"""The end of a uniform-decode step, recorded in its FULL CUDA graph: each row's logits, the LM head, sampling,
+and the write of the sampled tokens into the request table. A replay then leaves only the copy of the tokens to
+the host, instead of a dozen launches and their Python.
+
+What the graph records must hold for any batch it replays, so the sampling is the general form
+(`graph_sampling_metadata`: temperature per row, greedy rows by mask). A step whose plan needs more (top-k/top-p,
+penalties, min_tokens, logprobs) samples again after the replay with the full sampler, which overwrites the
+tokens the graph wrote; the graph's tokens are then unused."""
+
+from __future__ import annotations
+
+import torch
+
+from ember.runner.input_batch import InputBatch
+from ember.runner.request_table import RequestTable
+from ember.runner.sampler import Sampler
+from ember.runner.sampling_inputs import graph_sampling_metadata
+
+
+class DecodeTail:
+    """`tail(hidden, num_rows)` -> sampled tokens [num_rows] of the step whose inputs sit in `input_batch`."""
+
+    def __init__(self, model: torch.nn.Module, sampler: Sampler, table: RequestTable, input_batch: InputBatch):
+        self.model, self.sampler, self.table, self.input_batch = model, sampler, table, input_batch
+
+    def __call__(self, hidden: torch.Tensor, num_rows: int) -> torch.Tensor:
+        ib = self.input_batch
+        idx, sample_index = ib.row_info[0, :num_rows], ib.row_info[3, :num_rows]
+        logits = self.model.compute_logits(hidden[ib.logits_indices[:num_rows]])          # [R, V]
+        meta = graph_sampling_metadata(self.table, idx, ib.seq_lens[:num_rows])
+        tokens = self.sampler(logits, meta).sampled_token_ids                             # [R]
+        self.table.write_sampled(sample_index, tokens)
+        return tokens
