@@ -27,6 +27,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cudagraph-capture", default="eager", choices=["eager", "lazy"],
                    help="capture every CUDA-graph bucket at start-up, or each on its second use")
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--no-jit-warmup", dest="jit_warmup", action="store_false", default=None,
+                   help="skip the start-up steps that compile every Triton kernel specialization (default: run them "
+                        "on CUDA)")
     p.add_argument("--disable-fusion", action="append", default=[], metavar="NAME",
                    help="leave a fusion pass out of the compile (repeatable; 'all' for every pass)")
     p.add_argument("--seed", type=int, default=0)
@@ -41,4 +44,5 @@ def engine_kwargs(args) -> dict:
                 enable_prefix_caching=not args.no_prefix_caching, attention_backend=args.attention_backend,
                 compile_mode=args.compile_mode, cudagraph_mode=args.cudagraph_mode,
                 enforce_eager=args.enforce_eager, seed=args.seed, async_scheduling=args.async_scheduling,
-                disabled_fusions=tuple(args.disable_fusion), cudagraph_capture=args.cudagraph_capture)
+                disabled_fusions=tuple(args.disable_fusion), cudagraph_capture=args.cudagraph_capture,
+                jit_warmup=args.jit_warmup)

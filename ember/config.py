@@ -70,6 +70,9 @@ class CompileConfig:
     # fusion passes (ember.graphs.passes) left out of the compile, by name, or ("all",)
     disabled_fusions: tuple[str, ...] = ()
     cudagraph_capture: str = "eager"       # "eager": capture every bucket at start-up; "lazy": on its second use
+    # run the batch shapes and sampling settings that pick Triton kernel specializations once at start-up, so none
+    # compiles inside a request (ember.runner.warmup). None: on with CUDA; off on the CPU, where kernels interpret
+    jit_warmup: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -114,4 +117,7 @@ class EngineConfig:
             raise ValueError(f"max_model_len {self.model.max_model_len} must be at least 1")
         if s.async_scheduling is None:
             s = dataclasses.replace(s, async_scheduling=dev.type == "cuda")
-        return dataclasses.replace(self, device=str(dev), scheduler=s)
+        comp = self.compile
+        if comp.jit_warmup is None:
+            comp = dataclasses.replace(comp, jit_warmup=dev.type == "cuda")
+        return dataclasses.replace(self, device=str(dev), scheduler=s, compile=comp)

@@ -16,6 +16,7 @@ import torch
 from ember.args import add_engine_args, engine_kwargs
 from ember.bench.roofline import (decode_roofline, decode_weight_bytes, device_sync, kv_bytes_per_token,
                                   measure_copy_bandwidth, run_roofline)
+from ember.kernels.jit_counter import process_counter
 
 MAX_PROMPT_TOKEN_ID = 10000   # nano-vllm's throughput benchmark draws prompt ids in [0, 10000]
 
@@ -70,9 +71,29 @@ def percentiles(values: list[float], qs: tuple[int, ...] = (50, 90, 99)) -> dict
 
 # ---- ember runs ---------------------------------------------------------------------------------------------------
 def startup_times(llm) -> dict[str, float]:
-    """Seconds the engine spent loading, compiling and capturing CUDA graphs at start-up."""
+    """Seconds the engine spent loading, compiling, capturing CUDA graphs and warming up Triton kernels at
+    start-up."""
     t = llm.engine.runner.times
-    return {"load_s": t.load_s, "compile_s": t.compile_s, "capture_s": t.capture_s}
+    return {"load_s": t.load_s, "compile_s": t.compile_s, "capture_s": t.capture_s, "warmup_s": t.warmup_s}
+
+
+class CompileWatch:
+    """Triton compilations (ember.kernels.jit_counter) between `start()` and `stop()`: how many, and of which
+    kernels."""
+
+    def __init__(self):
+        self.counter = process_counter()
+        self._before = 0
+        self._kernels_before: dict[str, int] = {}
+
+    def start(self) -> None:
+        self._before, self._kernels_before = self.counter.total, dict(self.counter.kernels)
+
+    def stop(self) -> dict:
+        """{"triton_compiles": N, "triton_compiled_kernels": {name: count}} since `start()`."""
+        kernels = {name: n - self._kernels_before.get(name, 0) for name, n in self.counter.kernels.items()
+                   if n > self._kernels_before.get(name, 0)}
+        return {"triton_compiles": self.counter.total - self._before, "triton_compiled_kernels": kernels}
 
 
 def model_bytes(llm) -> tuple[int, int]:
@@ -82,7 +103,8 @@ def model_bytes(llm) -> tuple[int, int]:
 
 
 def run_throughput(llm, workload: Workload, temperature: float = 0.6, warmup: bool = True) -> dict:
-    """Generate the whole workload in one `generate` call; returns rates, step count and elapsed time."""
+    """Generate the whole workload in one `generate` call; returns rates, step count, elapsed time and the Triton
+    compilations inside the timed call."""
     from ember import SamplingParams
     device = llm.engine.runner.device
     if warmup:
@@ -92,19 +114,43 @@ def run_throughput(llm, workload: Workload, temperature: float = 0.6, warmup: bo
     params = [SamplingParams(temperature=temperature, ignore_eos=True, max_tokens=n) for n in workload.output_lens]
     stats = llm.engine.stats
     steps_before, host_before, wait_before = stats.num_steps, stats.host_s, stats.device_wait_s
+    hits_before = stats.num_prefix_cache_hits
+    compiles = CompileWatch()
     device_sync(device)
+    compiles.start()
     start = time.perf_counter()
     outputs = llm.generate([{"prompt_token_ids": p} for p in workload.prompts], params, use_tqdm=False)
     device_sync(device)
     elapsed = time.perf_counter() - start
+    compiled = compiles.stop()
     produced = sum(len(o.outputs[0].token_ids) for o in outputs)
     total = workload.input_tokens + produced
     return {"num_prompts": len(workload.prompts), "input_tokens": workload.input_tokens, "output_tokens": produced,
             "elapsed_s": elapsed, "output_tok_s": produced / elapsed, "total_tok_s": total / elapsed,
             "requests_s": len(workload.prompts) / elapsed, "num_steps": stats.num_steps - steps_before,
+            "prefix_cache_hit_tokens": stats.num_prefix_cache_hits - hits_before,
             "host_ms_per_step": (stats.host_s - host_before) * 1e3 / max(stats.num_steps - steps_before, 1),
             "device_wait_ms_per_step": (stats.device_wait_s - wait_before) * 1e3 / max(stats.num_steps - steps_before,
-                                                                                      1)}
+                                                                                      1),
+            **compiled}
+
+
+def run_throughput_repeats(llm, workload: Workload, temperature: float, repeat: int) -> dict:
+    """`run_throughput` `repeat` times on the same workload in one process, the prefix cache emptied before each
+    repeat so that every run computes every prompt token. The first run's figures lead (the first-run figure is
+    the one a user meets); `runs` lists every run's rate and compilations."""
+    if repeat < 1:
+        raise ValueError(f"repeat {repeat} must be at least 1")
+    results = []
+    for i in range(repeat):
+        if i:
+            llm.engine.kv.pool.reset_prefix_cache()
+        results.append(run_throughput(llm, workload, temperature, warmup=i == 0))
+    first = dict(results[0])
+    if repeat > 1:
+        first["runs"] = [{k: r[k] for k in ("elapsed_s", "output_tok_s", "total_tok_s", "num_steps",
+                                            "prefix_cache_hit_tokens", "triton_compiles")} for r in results]
+    return first
 
 
 def _latency_iteration(engine, prompts: list[list[int]], params) -> tuple[list[float], list[float], float]:
@@ -143,9 +189,13 @@ def run_latency(llm, batch_size: int, input_len: int, output_len: int, num_iters
     params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=output_len)
     ttfts, tpots, totals = [], [], []
     stats = engine.stats
+    compiles = CompileWatch()
+    compiles.start()
     for it in range(num_iters + 1):
         if it == 1:   # after the warm-up batch
             steps0, host0, wait0 = stats.num_steps, stats.host_s, stats.device_wait_s
+            first_batch = compiles.stop()["triton_compiles"]
+            compiles.start()
         # fresh prompts every iteration so that the prefix cache never shortens a prefill
         prompts = [[rng.randint(0, max_token_id) for _ in range(input_len)] for _ in range(batch_size)]
         ttft, steps, total = _latency_iteration(engine, prompts, params)
@@ -155,7 +205,8 @@ def run_latency(llm, batch_size: int, input_len: int, output_len: int, num_iters
             totals.append(total)
     decode_s = sum(tpots)
     steps = max(stats.num_steps - steps0, 1)
-    return {"batch_size": batch_size, "input_len": input_len, "output_len": output_len, "num_iters": num_iters,
+    compiled = compiles.stop()
+    return {**compiled, "triton_compiles_first_batch": first_batch, "batch_size": batch_size, "input_len": input_len, "output_len": output_len, "num_iters": num_iters,
             "host_ms_per_step": (stats.host_s - host0) * 1e3 / steps,
             "device_wait_ms_per_step": (stats.device_wait_s - wait0) * 1e3 / steps,
             "ttft_ms": {k: v * 1e3 for k, v in percentiles(ttfts).items()},
@@ -300,10 +351,25 @@ def _max_token_id(llm) -> int:
     return min(MAX_PROMPT_TOKEN_ID, llm.engine.vocab_size - 1)
 
 
-def _header(llm, args) -> dict:
+def _header(llm, args, startup_compiles: int) -> dict:
     runner = llm.engine.runner
     return {"model": args.config or args.model or "default", "device": str(runner.device), "dtype": str(runner.dtype),
-            "startup": startup_times(llm)}
+            "startup": {**startup_times(llm), "triton_compiles": startup_compiles}}
+
+
+def _build_counted(args):
+    """The engine, and the Triton compilations its start-up made."""
+    watch = CompileWatch()
+    watch.start()
+    llm = _build_llm(args)
+    return llm, watch.stop()["triton_compiles"]
+
+
+def _compile_row(result: dict) -> tuple[str, str]:
+    kernels = result["triton_compiled_kernels"]
+    names = ", ".join(f"{name} x{n}" for name, n in sorted(kernels.items(), key=lambda kv: -kv[1])[:6])
+    return ("compiles", f"Triton compiles during the run: {result['triton_compiles']}"
+                        + (f" ({names})" if names else ""))
 
 
 def _host_row(result: dict) -> str:
@@ -316,7 +382,8 @@ def _print_report(result: dict, rows: list[tuple[str, str]]) -> None:
     print(head)
     s = result["startup"]
     rows = rows + [("start-up", f"load {s['load_s']:.1f} s, compile {s['compile_s']:.1f} s, "
-                                f"capture {s['capture_s']:.1f} s")]
+                                f"capture {s['capture_s']:.1f} s, warm-up {s['warmup_s']:.1f} s "
+                                f"({s['triton_compiles']} Triton compiles)")]
     for name, value in rows:
         print(f"  {name:<14s}{value}")
 
@@ -336,9 +403,10 @@ def _throughput(args) -> int:
     workload_args = (args.num_prompts, parse_range(args.input_len), parse_range(args.output_len))
     device = _device(args)
     bandwidth = measure_copy_bandwidth(device)        # before the KV cache takes the free memory
-    llm = _build_llm(args)
+    llm, startup_compiles = _build_counted(args)
     workload = random_workload(*workload_args, seed=args.seed, max_token_id=_max_token_id(llm))
-    result = {"command": "throughput", **_header(llm, args), **run_throughput(llm, workload, args.temperature)}
+    result = {"command": "throughput", **_header(llm, args, startup_compiles),
+              **run_throughput_repeats(llm, workload, args.temperature, args.repeat)}
     weight_bytes, kv_token_bytes = model_bytes(llm)
     roof = run_roofline(weight_bytes, kv_token_bytes, result["num_steps"], [len(p) for p in workload.prompts],
                         workload.output_lens, bandwidth, result["elapsed_s"])
@@ -349,7 +417,13 @@ def _throughput(args) -> int:
             ("output", f"{result['output_tok_s']:,.1f} tok/s   ({roof.describe()})"),
             ("total", f"{result['total_tok_s']:,.1f} tok/s"),
             ("requests", f"{result['requests_s']:,.2f} req/s"),
-            ("host", _host_row(result))]
+            ("host", _host_row(result)),
+            _compile_row(result)]
+    if "runs" in result:
+        runs = result["runs"]
+        rows.append(("repeats", ", ".join(f"run {i + 1}: {r['output_tok_s']:,.1f} tok/s ({r['triton_compiles']} "
+                                          f"compiles)" for i, r in enumerate(runs))
+                     + f"; run 1 / run 2 {runs[0]['output_tok_s'] / runs[1]['output_tok_s']:.3f}"))
     if args.profile:
         from ember import SamplingParams
         params = [SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=n)
@@ -373,10 +447,10 @@ def _throughput(args) -> int:
 def _latency(args) -> int:
     device = _device(args)
     bandwidth = measure_copy_bandwidth(device)
-    llm = _build_llm(args)
+    llm, startup_compiles = _build_counted(args)
     max_id = _max_token_id(llm)
     lat = run_latency(llm, args.batch_size, args.input_len, args.output_len, args.num_iters, args.seed, max_id)
-    result = {"command": "latency", **_header(llm, args), **lat}
+    result = {"command": "latency", **_header(llm, args, startup_compiles), **lat}
     weight_bytes, kv_token_bytes = model_bytes(llm)
     roof = decode_roofline(weight_bytes, kv_token_bytes, args.batch_size, args.input_len, args.output_len,
                            bandwidth, lat["mean_tpot_s"])
@@ -387,7 +461,8 @@ def _latency(args) -> int:
             ("TTFT", f"{pct(lat['ttft_ms'])} ms (p50 / p90 / p99)"),
             ("TPOT", f"{pct(lat['tpot_ms'])} ms (p50 / p90 / p99)"),
             ("decode", f"{lat['decode_tok_s']:,.1f} tok/s   ({roof.describe()})"),
-            ("host", _host_row(lat))]
+            ("host", _host_row(lat)),
+            _compile_row(lat)]
     if args.profile:
         from ember import SamplingParams
         rng = random.Random(args.seed + 1)
@@ -430,6 +505,9 @@ def add_bench_parser(subparsers) -> None:
     t.add_argument("--input-len", default="100:1024", help="prompt length, N or LOW:HIGH (inclusive)")
     t.add_argument("--output-len", default="100:1024", help="output length, N or LOW:HIGH (inclusive)")
     t.add_argument("--temperature", type=float, default=0.6)
+    t.add_argument("--repeat", type=int, default=1, metavar="N",
+                   help="time the same workload N times in this process (prefix cache emptied in between); the "
+                        "first run leads the report, every run is listed")
     t.add_argument("--hf-num-prompts", type=int, default=32, help="prompts transformers runs (bounds its time)")
     t.add_argument("--hf-batch-size", type=int, default=32)
     t.set_defaults(func=_throughput)

@@ -34,6 +34,7 @@ from ember.runner.sampler import Sampler, SamplerOutput, SamplingMetadata
 from ember.runner.sampling_inputs import SamplingPlan, fits_graph_tail, plan_sampling, sampling_metadata
 from ember.runner.step_input import NewRequest, StepInput
 from ember.runner.upload import PackedUpload
+from ember.runner.warmup import run_warmup
 from ember.sampling_params import SamplingParams
 from ember.profiling import section
 
@@ -112,11 +113,14 @@ class ModelRunner:
         self.layer_states = allocate_kv_caches(self.attn, self.num_blocks, self.device, len(self.builders))
         if self.graphs is not None:
             self._capture()
+        if config.compile.jit_warmup or (config.compile.jit_warmup is None and self.device.type == "cuda"):
+            self.times.warmup_s = run_warmup(self)
         t = self.times
         total = time.perf_counter() - t0
-        logger.info("start-up %.1f s: load %.1f s, compile %.1f s%s, capture %.1f s (%.0f MiB), other %.1f s", total,
-                    t.load_s, t.compile_s, " (cached)" if t.compile_cache_hit else "", t.capture_s,
-                    t.graph_memory_bytes / 2**20, total - t.load_s - t.compile_s - t.capture_s)
+        logger.info("start-up %.1f s: load %.1f s, compile %.1f s%s, capture %.1f s (%.0f MiB), warm-up %.1f s, "
+                    "other %.1f s", total, t.load_s, t.compile_s, " (cached)" if t.compile_cache_hit else "",
+                    t.capture_s, t.graph_memory_bytes / 2**20, t.warmup_s,
+                    total - t.load_s - t.compile_s - t.capture_s - t.warmup_s)
 
     # ---- start-up -------------------------------------------------------------------------------------------
     def _resolve_dtype(self, dtype) -> torch.dtype:

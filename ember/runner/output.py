@@ -24,6 +24,7 @@ class StartupTimes:
     load_s: float = 0.0
     compile_s: float = 0.0
     capture_s: float = 0.0
+    warmup_s: float = 0.0              # the Triton warm-up (ember.runner.warmup)
     compile_cache_hit: bool = False
     graph_memory_bytes: int = 0
 

@@ -90,11 +90,33 @@ def test_cli_throughput_writes_json(tiny_model, tmp_path, capsys):
     assert result["total_tok_s"] == pytest.approx(result["output_tok_s"] * (expected.input_tokens +
                                                                              expected.output_tokens)
                                                   / expected.output_tokens)
-    assert set(result["startup"]) == {"load_s", "compile_s", "capture_s"} and result["startup"]["load_s"] > 0
+    assert set(result["startup"]) == {"load_s", "compile_s", "capture_s", "warmup_s", "triton_compiles"}
+    assert result["startup"]["load_s"] > 0
+    # the CPU runs no Triton warm-up (off by default there) and compiles no kernel: the interpreter never does
+    assert result["startup"]["warmup_s"] == 0.0 and result["triton_compiles"] == 0
+    assert result["triton_compiled_kernels"] == {}
     assert result["roofline"]["bandwidth_bytes_s"] is None and result["roofline"]["bytes_moved"] > 0
     assert result["hf_error"] is None and result["hf"]["output_tok_s"] > 0 and result["ember_vs_hf"] > 0
     printed = capsys.readouterr().out
     assert "roofline n/a" in printed and "ember/transformers" in printed
+    assert "Triton compiles during the run: 0" in printed
+
+
+def test_cli_throughput_repeats_the_same_work(tiny_model, tmp_path, capsys):
+    """--repeat times the same workload again: the prefix cache is emptied in between, so every run computes
+    the same prompt tokens in the same number of steps."""
+    out = tmp_path / "repeat.json"
+    rc = main(["bench", "throughput", "--model", tiny_model, *ENGINE, "--num-prompts", "4", "--input-len", "20:40",
+               "--output-len", "3", "--repeat", "2", "--json", str(out)])
+    assert rc == 0
+    result = json.loads(out.read_text())
+    first, second = result["runs"]
+    assert first["num_steps"] == second["num_steps"] == result["num_steps"]
+    # every prompt holds a full block: without the reset the second run would find it cached
+    assert first["prefix_cache_hit_tokens"] == second["prefix_cache_hit_tokens"] == 0
+    assert first["output_tok_s"] == result["output_tok_s"]
+    assert first["triton_compiles"] == second["triton_compiles"] == 0
+    assert "run 1 / run 2" in capsys.readouterr().out
 
 
 def test_cli_latency_writes_json(tiny_model, tmp_path):
@@ -112,6 +134,7 @@ def test_cli_latency_writes_json(tiny_model, tmp_path):
     assert result["host_ms_per_step"] > 0 and 0 <= result["device_wait_ms_per_step"] < result["host_ms_per_step"]
     assert result["roofline"]["tokens"] == 2 and result["roofline"]["tok_s"] is None
     assert result["hf_error"] is None and result["hf"]["decode_tok_s"] > 0 and result["hf"]["cache"] == "dynamic"
+    assert result["triton_compiles"] == 0 and result["triton_compiles_first_batch"] == 0
 
 
 def test_cli_rejects_model_and_config_together(tiny_model, capsys):

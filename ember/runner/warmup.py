@@ -1,0 +1,130 @@
+"""Start-up warm-up: run the runner's real step over a set of shapes and sampling settings that reaches every
+Triton kernel specialization a run can hit, so no kernel compiles inside the first timed run.
+
+Triton compiles a @triton.jit kernel once per specialization: its constexpr arguments (tile sizes picked from the
+batch shape, feature flags) and, for arguments left in the key, whether an int is 1 or a multiple of 16 and whether
+a pointer is 16-byte aligned. Per-step counts are left out of the key in the kernels themselves
+(`do_not_specialize`); what is left varies with:
+
+- the decode batch size: GEMV tiles for 1..16 rows, the attention's split-KV segment count;
+- the query length per request: the attention's query tile (a power of two of the average query length);
+- the token count: tiles of long prefills;
+- the sampling settings: greedy, random with and without temperature, a mix of both, each on the model's logits
+  and on the float32 copy that penalties make; the noise kernel of top-k/top-p.
+
+Steps inside the CUDA-graph buckets replay graphs whose kernels compiled at capture, so they cost little; steps
+past the buckets (or every step without graphs) run eagerly and compile here. Every warm-up request is a prompt
+of token 0 whose blocks are all the null block 0, added to the request table and dropped again, as the capture's
+dummy steps are: no real KV block is written and the table is left as it was found.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from ember.kernels.gemv import GEMV_MAX_M
+from ember.runner.step_input import NewRequest, StepInput
+from ember.sampling_params import SamplingParams
+
+logger = logging.getLogger("ember")
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
+RANDOM = SamplingParams(temperature=1.0, max_tokens=1)            # no temperature division
+HOT = SamplingParams(temperature=0.8, max_tokens=1)
+FILTERED = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, min_p=0.01, max_tokens=1)
+LOGPROBS = SamplingParams(temperature=0.8, logprobs=2, max_tokens=1)
+
+# each batch mix of the one-pass sampling kernel's flags (all greedy, all random with / without temperature,
+# greedy and random rows together with / without temperature)
+_SAMPLER_MIXES = ((GREEDY,), (RANDOM,), (HOT,), (GREEDY, RANDOM), (GREEDY, HOT))
+_SAMPLER_ROWS = 4
+
+
+@dataclass(frozen=True)
+class WarmupStep:
+    """One warm-up step: each request's query length (single-token decodes first) and sampling parameters."""
+    query_lens: tuple[int, ...]
+    params: tuple[SamplingParams, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.query_lens)
+
+
+def _penalised(p: SamplingParams) -> SamplingParams:
+    return SamplingParams(temperature=p.temperature, repetition_penalty=1.1, max_tokens=1)
+
+
+def _decode_sizes(max_num_reqs: int) -> list[int]:
+    """Every row count the GEMV tiles distinguish, then each power of two and the size past it, then the most."""
+    sizes = set(range(1, min(GEMV_MAX_M, max_num_reqs) + 1))
+    p = 2 * GEMV_MAX_M
+    while p < max_num_reqs:
+        sizes |= {p, p + 1}
+        p *= 2
+    sizes |= {min(max_num_reqs, GEMV_MAX_M + 1), max_num_reqs}
+    return sorted(s for s in sizes if s <= max_num_reqs)
+
+
+def warmup_plan(max_num_tokens: int, max_num_reqs: int, max_model_len: int,
+                capture_sizes: tuple[int, ...] = ()) -> list[WarmupStep]:
+    """The warm-up steps for these limits (see the module docstring); every step fits the limits."""
+    steps: list[WarmupStep] = []
+
+    def add(query_lens: list[int], params) -> None:
+        query_lens = [n for n in query_lens if n > 0]
+        if query_lens and len(query_lens) <= max_num_reqs and sum(query_lens) <= max_num_tokens:
+            steps.append(WarmupStep(tuple(query_lens), tuple(params[i % len(params)]
+                                                             for i in range(len(query_lens)))))
+
+    for n in _decode_sizes(min(max_num_reqs, max_num_tokens)):
+        add([1] * n, (GREEDY,))
+    # mixed batches: one decode, then prefills whose average length falls in each power-of-two interval; sized
+    # past the largest CUDA-graph bucket where the limits allow, as such batches are in a real run
+    longest = min(max_model_len, max_num_tokens)
+    past_graphs = min(max_num_tokens, max(capture_sizes, default=0) + 1)
+    length = 2
+    while length <= longest:
+        prefills = max(1, min(max_num_reqs - 1, -(-(past_graphs - 1) // length), (max_num_tokens - 1) // length))
+        add([1] + [length] * prefills, (GREEDY,))
+        length = 2 * length - 1 if length > 2 else 3      # 2, 3, 5, 9, 17, ...: each next power of two
+    # pure prefills: an odd token count, and the longest step (a full token budget)
+    odd = min(longest, 777)
+    add([odd - 1 + odd % 2 if odd > 1 else 1], (GREEDY,))
+    add([max_model_len] * (max_num_tokens // max_model_len) + [max_num_tokens % max_model_len], (GREEDY,))
+    # the sampler's specializations on a small decode batch
+    rows = [1] * min(_SAMPLER_ROWS, max_num_reqs, max_num_tokens)
+    for mix in _SAMPLER_MIXES:
+        add(rows, mix)
+        add(rows, tuple(_penalised(p) for p in mix))
+    add(rows, (FILTERED, GREEDY))
+    add(rows, (LOGPROBS,))
+    return steps
+
+
+def _step_input(step: WarmupStep, block_size: int, num_groups: int) -> StepInput:
+    new = tuple(NewRequest(f"__warmup_{r}__", (0,) * n, step.params[r], 0, ((0,) * -(-n // block_size),) * num_groups,
+                           0) for r, n in enumerate(step.query_lens))
+    return StepInput(new_requests=new, req_ids=tuple(r.req_id for r in new), num_scheduled_tokens=step.query_lens,
+                     num_decodes=sum(1 for n in step.query_lens if n == 1),
+                     num_computed_tokens=(0,) * len(new))
+
+
+def run_warmup(runner) -> float:
+    """Run every step of the runner's warm-up plan through `runner.execute`; returns the seconds it took."""
+    t0 = time.perf_counter()
+    plan = warmup_plan(runner.max_num_tokens, runner.max_num_reqs, runner.max_model_len, runner.capture_sizes)
+    block_size, num_groups = runner.config.cache.block_size, len(runner.attn.groups)
+    for step in plan:
+        step_input = _step_input(step, block_size, num_groups)
+        try:
+            runner.execute(step_input)
+        finally:
+            for new in step_input.new_requests:
+                runner.table.remove(new.req_id)
+    seconds = time.perf_counter() - t0
+    logger.info("warm-up %.1f s: %d steps over the batch shapes and sampling settings that pick Triton kernels",
+                seconds, len(plan))
+    return seconds

@@ -1,0 +1,130 @@
+"""The start-up Triton warm-up (ember.runner.warmup) on a tiny random-weight model on the CPU, where it is off by
+default and switched on here: its plan fits the limits and covers the shapes, it runs through the real step, leaves
+the request table as it found it, writes only the null KV block, and changes no later token."""
+
+import pytest
+import torch
+from transformers import Qwen3Config
+
+from ember.config import CacheConfig, CompileConfig, EngineConfig, ModelConfig, SchedulerConfig
+from ember.graphs.buckets import default_capture_sizes
+from ember.runner.model_runner import ModelRunner
+from ember.runner.step_input import NewRequest, StepInput
+from ember.runner.warmup import (FILTERED, GREEDY, HOT, LOGPROBS, RANDOM, _penalised, run_warmup,
+                                 warmup_plan)
+from ember.sampling_params import SamplingParams
+
+MAX_SEQS, MAX_TOKENS, MAX_LEN = 6, 48, 64
+
+
+def _config(jit_warmup):
+    return EngineConfig(model=ModelConfig("tiny-qwen3", dtype="float32", max_model_len=MAX_LEN),
+                        cache=CacheConfig(block_size=16, num_kv_blocks=24),
+                        scheduler=SchedulerConfig(max_num_seqs=MAX_SEQS, max_num_batched_tokens=MAX_TOKENS),
+                        compile=CompileConfig(jit_warmup=jit_warmup), device="cpu").resolve()
+
+
+HF_CONFIG = Qwen3Config(vocab_size=300, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+                        num_attention_heads=6, num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
+                        tie_word_embeddings=True, architectures=["Qwen3ForCausalLM"])
+
+
+def _runner(jit_warmup, monkeypatch=None, calls=None):
+    if monkeypatch is not None:
+        execute = ModelRunner.execute
+
+        def counted(self, step):
+            calls.append(step)
+            return execute(self, step)
+
+        monkeypatch.setattr(ModelRunner, "execute", counted)
+    return ModelRunner(_config(jit_warmup), "tiny-qwen3", hf_config=HF_CONFIG, load_format="dummy")
+
+
+def test_plan_fits_the_limits_and_covers_each_shape_and_sampler_setting():
+    plan = warmup_plan(MAX_TOKENS, MAX_SEQS, MAX_LEN)
+    for step in plan:
+        assert 1 <= len(step.query_lens) <= MAX_SEQS and step.num_tokens <= MAX_TOKENS
+        assert all(1 <= n <= MAX_LEN for n in step.query_lens) and len(step.params) == len(step.query_lens)
+        decodes = [n == 1 for n in step.query_lens]
+        assert decodes == sorted(decodes, reverse=True), "decodes must lead the batch"
+    greedy_decodes = {len(s.query_lens) for s in plan if set(s.query_lens) == {1} and set(s.params) == {GREEDY}}
+    assert set(range(1, MAX_SEQS + 1)) <= greedy_decodes
+    mixed = [s for s in plan if s.query_lens[0] == 1 and max(s.query_lens) > 1]
+    assert len({max(s.query_lens) for s in mixed}) >= 4
+    assert any(len(s.query_lens) == 1 and s.num_tokens % 2 == 1 and s.num_tokens > 1 for s in plan)
+    assert any(s.num_tokens == MAX_TOKENS for s in plan)
+    mixes = {tuple(dict.fromkeys(s.params)) for s in plan}
+    for mix in ((RANDOM,), (HOT,), (GREEDY, RANDOM), (GREEDY, HOT)):
+        assert mix in mixes and tuple(_penalised(p) for p in mix) in mixes
+    assert (FILTERED, GREEDY) in mixes and (LOGPROBS,) in mixes
+
+
+def test_plan_for_default_limits_reaches_past_the_graph_buckets():
+    sizes = default_capture_sizes(8192)
+    plan = warmup_plan(8192, 256, 40960, sizes)
+    decodes = {len(s.query_lens) for s in plan if set(s.query_lens) == {1}}
+    assert set(range(1, 17)) | {17, 32, 33, 256} <= decodes
+    eager_mixed = [s for s in plan if s.query_lens[0] == 1 and s.num_tokens > max(sizes)]
+    assert len(eager_mixed) >= 8
+    assert max(s.num_tokens for s in plan) == 8192
+    assert all(len(s.query_lens) <= 256 and s.num_tokens <= 8192 for s in plan)
+
+
+def test_jit_warmup_defaults_off_on_the_cpu():
+    assert _config(None).compile.jit_warmup is False
+
+
+def test_warmup_off_runs_no_step(monkeypatch):
+    calls = []
+    runner = _runner(False, monkeypatch, calls)
+    assert calls == [] and runner.times.warmup_s == 0.0
+
+
+def _block_axis(cache, num_blocks):
+    return 1 if cache.shape[0] == 2 and cache.shape[1] == num_blocks else 0
+
+
+def test_warmup_runs_every_step_and_leaves_table_and_cache_as_found(monkeypatch):
+    calls = []
+    runner = _runner(True, monkeypatch, calls)
+    plan = warmup_plan(runner.max_num_tokens, runner.max_num_reqs, runner.max_model_len, runner.capture_sizes)
+    assert len(calls) == len(plan) and runner.times.warmup_s > 0
+    assert [step.num_scheduled_tokens for step in calls] == [s.query_lens for s in plan]
+    table = runner.table
+    assert table.num_rows == 0 and table.rows == {}
+    assert sorted(table._free) == list(range(MAX_SEQS))
+
+    # again, with every real block holding a marker: only the null block 0 may change
+    caches = [state.kv_cache for state in runner.layer_states.values()]
+    for cache in caches:
+        cache.narrow(_block_axis(cache, runner.num_blocks), 1, runner.num_blocks - 1).fill_(7.0)
+        cache.narrow(_block_axis(cache, runner.num_blocks), 0, 1).zero_()
+    run_warmup(runner)
+    for cache in caches:
+        axis = _block_axis(cache, runner.num_blocks)
+        assert bool((cache.narrow(axis, 1, runner.num_blocks - 1) == 7.0).all())
+        assert bool((cache.narrow(axis, 0, 1) != 0).any()), "the warm-up wrote no KV at all"
+    assert table.num_rows == 0 and sorted(table._free) == list(range(MAX_SEQS))
+
+
+def _greedy_tokens(runner, prompt, n):
+    """A request's first n greedy tokens, stepping the runner as the engine would (blocks 1..)."""
+    blocks = tuple(range(1, 1 + -(-(len(prompt) + n) // 16)))
+    params = SamplingParams(temperature=0.0, max_tokens=n)
+    new = NewRequest("r", tuple(prompt), params, 0, (blocks,), 0)
+    out = runner.execute(StepInput(new_requests=(new,), req_ids=("r",), num_scheduled_tokens=(len(prompt),),
+                                   num_computed_tokens=(0,)))
+    tokens = [out.sampled_token_ids[0]]
+    for i in range(n - 1):
+        out = runner.execute(StepInput(req_ids=("r",), num_scheduled_tokens=(1,), num_decodes=1,
+                                       num_computed_tokens=(len(prompt) + i,)))
+        tokens.append(out.sampled_token_ids[0])
+    runner.update_table(StepInput(finished_ids=("r",)))
+    return tokens
+
+
+def test_tokens_after_warmup_equal_tokens_without_it():
+    torch.manual_seed(0)
+    prompt = [5, 17, 250, 3, 99, 41, 7, 12, 8, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
+    assert _greedy_tokens(_runner(True), prompt, 6) == _greedy_tokens(_runner(False), prompt, 6)
