@@ -10,7 +10,8 @@ a pointer is 16-byte aligned. Per-step counts are left out of the key in the ker
 - the query length per request: the attention's query tile (a power of two of the average query length);
 - the token count: tiles of long prefills;
 - the sampling settings: greedy, random with and without temperature, a mix of both, each on the model's logits
-  and on the float32 copy that penalties make; the noise kernel of top-k/top-p.
+  and on the float32 copy that penalties make; the noise kernel of top-k/top-p (run on a batch with a prefill,
+  which samples outside any graph).
 
 Steps inside the CUDA-graph buckets replay graphs whose kernels compiled at capture, so they cost little; steps
 past the buckets (or every step without graphs) run eagerly and compile here. Every warm-up request is a prompt
@@ -94,8 +95,10 @@ def warmup_plan(max_num_tokens: int, max_num_reqs: int, max_model_len: int,
     odd = min(longest, 777)
     add([odd - 1 + odd % 2 if odd > 1 else 1], (GREEDY,))
     add([max_model_len] * (max_num_tokens // max_model_len) + [max_num_tokens % max_model_len], (GREEDY,))
-    # the sampler's specializations on a small decode batch
-    rows = [1] * min(_SAMPLER_ROWS, max_num_reqs, max_num_tokens)
+    # the sampler's specializations, on a small batch with a prefill: a uniform decode batch of a FULL-graph bucket
+    # samples inside its graph (captured with its own settings), so only such a batch reaches the step's sampler
+    # with every setting (the kernels do not tell the two kinds of batch apart)
+    rows = [1] * (min(_SAMPLER_ROWS, max_num_reqs, max_num_tokens - 1) - 1) + [2] if max_num_tokens > 1 else [1]
     for mix in _SAMPLER_MIXES:
         add(rows, mix)
         add(rows, tuple(_penalised(p) for p in mix))
