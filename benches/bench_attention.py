@@ -81,22 +81,22 @@ def test_decode(benchmark, device_peaks, bench_table, model, batch, context):
     qsl = torch.arange(batch + 1, device="cuda", dtype=torch.int32)
     seq_lens = torch.full((batch,), context, device="cuda", dtype=torch.int32)
     group = num_heads // num_kv_heads
-    tile = P.decode_tile(group, HEAD_SIZE)
+    tile_2d, tile_3d = P.decode_tile(group, HEAD_SIZE, split=False), P.decode_tile(group, HEAD_SIZE)
     pairs = batch * num_kv_heads
     # the 3D kernel with the plan's segment rule even where the plan would pick 2D, to find the crossover
     wanted = -(-P.SPLIT_KV_TARGET_PROGRAMS_PER_SM * device_peaks.num_sms // pairs)
     segments = min(P.MAX_SEGMENTS, max(2, 1 << (wanted - 1).bit_length()))
     n_out, n_rows = K.segment_scratch_numel(batch, num_heads, HEAD_SIZE, segments)
     scratch = [torch.empty(n, device="cuda", dtype=torch.float32) for n in (n_out, n_rows, n_rows)]
-    common = dict(scale=HEAD_SIZE ** -0.5, config=tile, num_seqs=batch)
+    common = dict(scale=HEAD_SIZE ** -0.5, num_seqs=batch)
 
     def run_2d(i):
         return lambda: K.unified_attention_2d(q, cache[0], cache[1], out, tables[i], qsl, seq_lens,
-                                              num_tokens=batch, mode=K.MODE_DECODES, **common)
+                                              num_tokens=batch, mode=K.MODE_DECODES, config=tile_2d, **common)
 
     def run_3d(i):
         return lambda: K.unified_attention_3d(q, cache[0], cache[1], out, tables[i], qsl, seq_lens,
-                                              num_segments=segments, scratch_out=scratch[0],
+                                              num_segments=segments, config=tile_3d, scratch_out=scratch[0],
                                               scratch_max=scratch[1], scratch_sum=scratch[2], **common)
 
     ms_2d = time_cuda([run_2d(i) for i in range(copies)])
