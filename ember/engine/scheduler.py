@@ -92,9 +92,9 @@ class Scheduler:
         running_reqs: list[RunningRequest] = []
 
         kv, max_len = self.kv, self.max_model_len
-        # without sliding windows a request whose blocks already hold the step's tokens needs no allocator call:
-        # the common decode step costs a compare
-        capacity = kv.req_capacity if not kv.windows else None
+        # a request whose blocks already hold the step's tokens, and whose windows (if any) release nothing at this
+        # chunk start, needs no allocator call: the common decode step costs a compare or two
+        capacity, next_release, windows = kv.req_capacity, kv.req_next_release, bool(kv.windows)
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -106,7 +106,8 @@ class Scheduler:
             computed = req.num_computed_tokens
             end = num_tokens + pending
             num_new = min(end - computed, budget)
-            if capacity is None or computed + num_new > capacity.get(req.request_id, 0):
+            if (computed + num_new > capacity.get(req.request_id, 0)
+                    or windows and computed >= next_release.get(req.request_id, 0)):
                 while not kv.try_allocate(req, computed + num_new):
                     victim = self.running.pop()     # the newest running request
                     self._preempt(victim)
