@@ -86,7 +86,9 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
-        scheduled: list[ScheduledRequest] = []
+        scheduled: list[ScheduledRequest] = []         # every request of the step, in scheduling order
+        decodes: list[ScheduledRequest] = []           # single-token queries (they lead the batch)
+        prefills: list[ScheduledRequest] = []
         preempted: list[str] = []
         new_reqs: list[NewRequest] = []
         running_reqs: list[RunningRequest] = []
@@ -121,7 +123,9 @@ class Scheduler:
                 if req.status is not RequestStatus.RUNNING:
                     break   # req preempted itself: nothing after it is left in running
             samples = computed + num_new == end
-            scheduled.append(ScheduledRequest(req, computed, num_new, samples))
+            s = ScheduledRequest(req, computed, num_new, samples)
+            scheduled.append(s)
+            (decodes if num_new == 1 else prefills).append(s)
             req.num_computed_tokens = computed + num_new
             if samples:
                 req.num_pending = pending + 1
@@ -149,11 +153,11 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             new_reqs.append(self._new_request(req))
-            scheduled.append(self._schedule(req, num_new))
+            s = self._schedule(req, num_new)
+            scheduled.append(s)
+            (decodes if num_new == 1 else prefills).append(s)
             budget -= num_new
 
-        decodes = [s for s in scheduled if s.num_new_tokens == 1]
-        prefills = [s for s in scheduled if s.num_new_tokens != 1]
         ordered = tuple(decodes + prefills)
         self.stats.num_steps += 1
         step = StepInput(tuple(new_reqs), tuple(running_reqs), self.take_finished_ids(),
@@ -224,13 +228,16 @@ class Scheduler:
         publish its full blocks; returns (request, batch row) of the requests that received a token."""
         got_token = []
         running, kv = RequestStatus.RUNNING, self.kv
-        publish = kv.pool.enable_prefix_caching
+        # every token before this step's end is known on the host now: blocks it filled can be hashed
+        published = kv.req_num_published if kv.pool.enable_prefix_caching else None
+        bs = kv.block_size
         for row, s in enumerate(output.scheduled):
             req = s.request
             if req.status is not running:
                 continue   # finished, aborted or preempted while the step ran: its token is dropped
-            if publish:   # every token before this step's end is known on the host now: its blocks can be hashed
-                kv.cache_full_blocks(req, s.num_computed_tokens + s.num_new_tokens)
+            end = s.num_computed_tokens + s.num_new_tokens
+            if published is not None and end // bs > published.get(req.request_id, 0):
+                kv.cache_full_blocks(req, end)
             if s.samples:
                 req.num_pending -= 1
                 req.output_token_ids.append(sampled[row])
