@@ -34,6 +34,7 @@ states (logits) before the next step. Capture the largest descriptor first (`cap
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import Counter
@@ -94,7 +95,7 @@ class CUDAGraphWrapper:
         except RuntimeError:
             return self.fn(*args)
         desc = ctx.batch_descriptor
-        if ctx.cudagraph_runtime_mode != self.runtime_mode or desc is None:
+        if ctx.cudagraph_runtime_mode != self.runtime_mode or desc is None or self.manager.paused:
             return self.fn(*args)
         entry = self.entries.get(desc)
         if entry is None:
@@ -159,6 +160,7 @@ class CUDAGraphManager:
         self.device = torch.device(device if device is not None else "cuda")
         self.debug_check_addresses = debug_check_addresses
         self.lazy = lazy
+        self.paused = False          # see pause()
         self.graphs_captured: Counter[CUDAGraphMode] = Counter()    # torch CUDA graphs, per runtime mode
         self._descriptors: dict[CUDAGraphMode, set[BatchDescriptor]] = {}
         self._pool = None
@@ -181,6 +183,16 @@ class CUDAGraphManager:
     def wrap_piece(self, fn: Callable, name: str) -> CUDAGraphWrapper:
         """A PIECEWISE wrapper for one compiled piece."""
         return CUDAGraphWrapper(fn, CUDAGraphMode.PIECEWISE, self, name)
+
+    @contextlib.contextmanager
+    def pause(self):
+        """Every wrapper calls its function directly for the duration: no graph is captured or replayed (start-up
+        warm-up steps under lazy capture, which must not count as a bucket's uses)."""
+        previous, self.paused = self.paused, True
+        try:
+            yield
+        finally:
+            self.paused = previous
 
     def wrap_full(self, forward: Callable) -> CUDAGraphWrapper:
         """A FULL wrapper for the whole forward (compiled or eager), attention included."""

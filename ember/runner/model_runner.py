@@ -8,6 +8,7 @@ into it, where the next step (possibly launched before this one's tokens reach t
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -114,7 +115,9 @@ class ModelRunner:
         if self.graphs is not None:
             self._capture()
         if config.compile.jit_warmup or (config.compile.jit_warmup is None and self.device.type == "cuda"):
-            self.times.warmup_s = run_warmup(self)
+            # under lazy capture the warm-up's steps run without graphs: they must not count as a bucket's uses
+            with self.graphs.pause() if self.graphs is not None and self.graphs.lazy else contextlib.nullcontext():
+                self.times.warmup_s = run_warmup(self)
         t = self.times
         total = time.perf_counter() - t0
         logger.info("start-up %.1f s: load %.1f s, compile %.1f s%s, capture %.1f s (%.0f MiB), warm-up %.1f s, "
