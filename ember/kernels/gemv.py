@@ -39,6 +39,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from ember.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_options
+
 __all__ = ["GEMV_MAX_M", "gemv", "gemv_applies", "gemv_config", "gemv_enabled", "linear", "set_gemv_enabled"]
 
 GEMV_MAX_M = 16          # rows handled by the kernel; more go to F.linear
@@ -66,14 +68,19 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, residual_ptr, norm_weight_ptr, out_ptr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  USE_DOT: tl.constexpr, ACC_3D: tl.constexpr, EVEN_K: tl.constexpr, PARTIAL: tl.constexpr,
                  HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr,
-                 DOT_IN_FP32: tl.constexpr, IEEE_DOT: tl.constexpr):
+                 DOT_IN_FP32: tl.constexpr, IEEE_DOT: tl.constexpr, PDL: tl.constexpr = False):
     """Program (n block, K split): out[:M, n block] over K range [split * k_per_split, + k_per_split).
 
     NORM: x is RMS-normed on the fly (Llama form). Unsplit, in one pass: x * norm weight streams into the products
     while its squares are summed, and the sums are scaled by each row's 1/rms at the end. Split over K, each program
     first sums its rows' squares over all of K and norms x as it loads it, rounding as the unfused ops round. GATED: W is [2N, K] (gate rows, then up rows) and the output silu(gate) * up [M, N].
     PARTIAL: out_ptr is float32 partials [SPLIT_K, M, N] ([SPLIT_K, M, 2N] when GATED), bias, activation and
-    residual left to the reduce kernel."""
+    residual left to the reduce kernel.
+    PDL: launched as a programmatic dependent: wait for the previous kernel's results, then let the next kernel's
+    programs start, so that launches overlap the tail of the kernel before them."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     # not tl.sum/tl.zeros/tl.cdiv: those are @triton.jit library functions that the interpreted copy cannot call
@@ -399,7 +406,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         PARTIAL=split_k > 1, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
         NORM=norm_weight is not None, GATED=gated,
         DOT_IN_FP32=cpu, IEEE_DOT=cpu or x.dtype == torch.float32,
-        num_warps=config["num_warps"], num_stages=config["num_stages"])
+        num_warps=config["num_warps"], num_stages=config["num_stages"], **pdl_options(x.device))
     if split_k > 1:
         _kernel(_split_k_reduce_kernel, x.device)[(triton.cdiv(N, REDUCE_BLOCK), M)](
             partial, bias if bias is not None else dummy, residual if residual is not None else dummy, out,

@@ -14,13 +14,18 @@ import triton
 import triton.language as tl
 
 from ember.kernels.gemv import _kernel
+from ember.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_options
 
 
 @triton.jit
 def _qk_norm_rope_kernel(qk_ptr, q_weight_ptr, k_weight_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr,
                          stride_t, stride_cos, stride_sin, eps,
-                         HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr):
-    """Program (token, head): head h of [q heads | k heads], read at qk_ptr + t * stride_t + h * 2 * HALF."""
+                         HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, PDL: tl.constexpr = False):
+    """Program (token, head): head h of [q heads | k heads], read at qk_ptr + t * stride_t + h * 2 * HALF.
+    PDL: launched as a programmatic dependent (`ember.kernels.pdl`)."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     d = tl.arange(0, HALF)
@@ -86,7 +91,8 @@ def qk_norm_rope_triton(q, k, q_weight, k_weight, cos, sin, eps):
     k_out = torch.empty(num_tokens, hkv, d, dtype=k.dtype, device=k.device)    # [T, Hkv, D]
     _kernel(_qk_norm_rope_kernel, q.device)[(num_tokens, hq + hkv)](
         q, q_weight.contiguous(), k_weight.contiguous(), cos, sin, q_out, k_out, q.stride(0), cos.stride(0),
-        sin.stride(0), float(eps), HQ=hq, HKV=hkv, HALF=d // 2, num_warps=1)
+        sin.stride(0), float(eps), HQ=hq, HKV=hkv, HALF=d // 2, num_warps=1,
+        **pdl_options(q.device))
     return q_out, k_out
 
 

@@ -228,7 +228,7 @@ def test_switch_routes_the_op(monkeypatch):
 
 # ---- compiled code (no GPU needed: Triton compiles for sm_90 on the CPU) ------------------------------------------
 
-def _compile_sm90(M, N, K, norm=False, gated=False):
+def _compile_sm90(M, N, K, norm=False, gated=False, pdl=False):
     """PTX and shared memory of the kernel for an H100, the way a launch would specialise it for these shapes."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -242,7 +242,7 @@ def _compile_sm90(M, N, K, norm=False, gated=False):
     signature["eps"] = "fp32"
     constexprs = dict(BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], USE_DOT=c["USE_DOT"],
                       ACC_3D=c["ACC_3D"], EVEN_K=True, PARTIAL=partial, HAS_BIAS=False, HAS_RESIDUAL=False,
-                      NORM=norm, GATED=gated, DOT_IN_FP32=False, IEEE_DOT=False)
+                      NORM=norm, GATED=gated, DOT_IN_FP32=False, IEEE_DOT=False, PDL=pdl)
     signature.update({name: "constexpr" for name in constexprs})
     # Triton marks pointers and integers divisible by 16 at launch; these shapes' strides all are
     attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(names)
@@ -267,6 +267,17 @@ def test_sm90_code_streams_w_with_16_byte_loads(M, N, K):
         assert all(".v4." in line for line in loads), f"loads narrower than 16 bytes: {loads}"
         # W (8 KiB a step) never goes through shared memory: only the final cross-warp sums do
         assert shared <= 256, f"{shared} bytes of shared memory"
+
+
+@pytest.mark.parametrize("pdl", [False, True])
+def test_sm90_code_waits_for_the_previous_kernel_only_when_launched_dependent(pdl):
+    """With PDL the kernel starts by waiting on the previous grid and releasing the next (griddepcontrol), so it may
+    be launched early; without it there is neither."""
+    _, ptx, _ = _compile_sm90(1, 4096, 1024, pdl=pdl)
+    assert ("griddepcontrol.wait" in ptx) is pdl
+    assert ("griddepcontrol.launch_dependents" in ptx) is pdl
+    if pdl:   # the wait comes before any global load
+        assert ptx.index("griddepcontrol.wait") < ptx.index("ld.global") if "ld.global" in ptx else True
 
 
 @pytest.mark.parametrize("M,N,K,gated", [(1, 4096, 1024, False), (1, 3072, 1024, True), (2, 3072, 1024, True),

@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ember.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_options
+
 from .device_kernels import kernel_for
 
 
@@ -21,8 +23,11 @@ def _kv_cache_write_kernel(
     key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_mapping_ptr,
     stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_ch, stride_ct,
     NUM_KV_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr, HEADS_PAD: tl.constexpr, HEAD_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    if PDL:   # launched as a programmatic dependent (ember.kernels.pdl)
+        gdc_wait()
+        gdc_launch_dependents()
     token = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if slot < 0:  # padding token: writes nothing
@@ -58,4 +63,5 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tens
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         NUM_KV_HEADS=num_kv_heads, HEAD_SIZE=head_size, HEADS_PAD=triton.next_power_of_2(num_kv_heads),
-        HEAD_PAD=triton.next_power_of_2(head_size), BLOCK_SIZE=key_cache.shape[2], num_warps=4)
+        HEAD_PAD=triton.next_power_of_2(head_size), BLOCK_SIZE=key_cache.shape[2], num_warps=4,
+        **pdl_options(key.device))

@@ -9,6 +9,8 @@ import torch
 import triton
 
 from .attention_core import MODE_ALL, MODE_DECODES, MODE_PREFILLS
+from ember.kernels.pdl import pdl_options
+
 from .device_kernels import kernel_for
 from .unified_attention import reduce_segments_kernel, unified_attention_kernel
 
@@ -96,7 +98,7 @@ def unified_attention_2d(query: torch.Tensor, key_cache: torch.Tensor, value_cac
         BLOCK_M=config.block_m, BLOCK_Q=block_q, TILE_N=config.tile_n, NUM_SEGMENTS=1, MODE=mode,
         UNMASKED_MIDDLE=config.unmasked_middle,
         LIMIT_DECODES=num_decodes is not None and mode == MODE_DECODES, **flags,
-        num_warps=config.num_warps, num_stages=config.num_stages)
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_options(query.device))
 
 
 def segment_scratch_numel(num_seqs: int, num_heads: int, head_size: int, num_segments: int) -> tuple[int, int]:
@@ -136,11 +138,12 @@ def unified_attention_3d(query: torch.Tensor, key_cache: torch.Tensor, value_cac
         NUM_QUERIES_PER_KV=group, HEAD_SIZE=head_size, HEAD_PAD=head_pad, BLOCK_M=config.block_m, BLOCK_Q=1,
         TILE_N=config.tile_n, NUM_SEGMENTS=num_segments, MODE=MODE_DECODES, LIMIT_DECODES=limit, **flags,
         UNMASKED_MIDDLE=config.unmasked_middle,
-        num_warps=config.num_warps, num_stages=config.num_stages)
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_options(query.device))
     reduce = kernel_for(query.device, "unified_attention", "reduce_segments_kernel", reduce_segments_kernel)
     reduce[(num_seqs, num_heads)](
         out, scratch_out, scratch_max, scratch_sum, query_start_loc, seq_lens,
         num_decodes if limit else query_start_loc, sinks if sinks is not None else query_start_loc,
         num_seqs, int(sliding_window or 0), out.stride(0), out.stride(1),
         HEAD_SIZE=head_size, HEAD_PAD=head_pad, TILE_N=config.tile_n, NUM_SEGMENTS=num_segments,
-        LIMIT_DECODES=limit, USE_WINDOW=sliding_window is not None, USE_SINKS=sinks is not None, num_warps=4)
+        LIMIT_DECODES=limit, USE_WINDOW=sliding_window is not None, USE_SINKS=sinks is not None, num_warps=4,
+        **pdl_options(query.device))

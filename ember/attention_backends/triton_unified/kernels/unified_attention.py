@@ -15,6 +15,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ember.kernels.pdl import gdc_launch_dependents, gdc_wait
+
 from .attention_core import LOG2E, attend_tiles, cdiv, kv_tile_bounds, locate_query_block, reduce_max, reduce_sum
 
 
@@ -31,8 +33,11 @@ def unified_attention_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
     NUM_SEGMENTS: tl.constexpr, MODE: tl.constexpr, LIMIT_DECODES: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_SINKS: tl.constexpr, USE_ALIBI: tl.constexpr,
-    IEEE: tl.constexpr, UNMASKED_MIDDLE: tl.constexpr,
+    IEEE: tl.constexpr, UNMASKED_MIDDLE: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    if PDL:   # launched as a programmatic dependent (ember.kernels.pdl)
+        gdc_wait()
+        gdc_launch_dependents()
     kv_head = tl.program_id(1)
     seq, q_block, valid = locate_query_block(tl.program_id(0), query_start_loc_ptr, num_decodes_ptr, num_seqs,
                                              BLOCK_Q, MODE, LIMIT_DECODES)
@@ -124,9 +129,12 @@ def reduce_segments_kernel(
     out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, query_start_loc_ptr, seq_lens_ptr, num_decodes_ptr,
     sinks_ptr, num_seqs, window, stride_ot, stride_oh,
     HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, TILE_N: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
-    LIMIT_DECODES: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SINKS: tl.constexpr,
+    LIMIT_DECODES: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SINKS: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Combine the 3D kernel's per-segment partials of one (decode request, query head) into its output row."""
+    if PDL:   # launched as a programmatic dependent (ember.kernels.pdl)
+        gdc_wait()
+        gdc_launch_dependents()
     seq = tl.program_id(0)
     head = tl.program_id(1)
     limit = num_seqs
