@@ -184,3 +184,15 @@ def random_hf_model(config, seed: int = 0):
     for param in model.parameters():
         param.add_(torch.randn_like(param) * 0.05)
     return model
+
+
+def save_tiny_llama(path) -> str:
+    """A 2-layer random Llama (vocab 320, hidden 64, GQA 4/2, untied) saved as an HF folder; returns the path."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      tie_word_embeddings=False)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(path)
+    return str(path)

@@ -2,8 +2,7 @@
 exactly those of the synchronous engine, whatever stops, preempts, aborts or chunks the requests."""
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
+from tests.helpers.model_harness import save_tiny_llama
 
 from ember import LLM, SamplingParams
 from ember.runner.output import AsyncModelRunnerOutput
@@ -14,13 +13,7 @@ PROMPTS = [[1, 5, 9, 33, 7], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 1
 
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny_llama_async")
-    cfg = LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                      tie_word_embeddings=False)
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(path)
-    return str(path)
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny_llama_async"))
 
 
 def _params(stop_token: int) -> list[SamplingParams]:

@@ -4,7 +4,7 @@ and mixed batches, and it writes those tokens where the next step reads them."""
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
+from tests.helpers.model_harness import save_tiny_llama
 
 from ember import LLM, SamplingParams
 from ember.runner.sampling_inputs import fits_graph_tail
@@ -14,13 +14,7 @@ PROMPTS = [[1, 5, 9, 33, 7], [3, 4, 5, 6, 7, 8, 9], [200], [17, 250, 31, 64, 99,
 
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny_llama_tail")
-    cfg = LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                      tie_word_embeddings=False)
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(path)
-    return str(path)
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny_llama_tail"))
 
 
 @pytest.mark.parametrize("temperatures", [(0.0,), (0.9,), (0.0, 0.6, 1.0, 1.5)], ids=["greedy", "seeded", "mixed"])
