@@ -25,9 +25,10 @@ class RequestStatus(enum.Enum):
         return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
 
 
-@dataclass
+@dataclass(eq=False)
 class Request:
-    """A request as the scheduler sees it: all its tokens, how many have KV in the cache, its status."""
+    """A request as the scheduler sees it: all its tokens, how many have KV in the cache, its status. Two requests
+    are equal only if they are the same object (finding one in the running list compares identities, not fields)."""
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
