@@ -100,8 +100,10 @@ class InputBatch:
                        self.query_start_loc[:R + 1], self.seq_lens[:R], self.logits_indices[:R],
                        self.input_ids[:T], self.positions[:T], self.slot_mappings[:, :T],
                        max_num_rows=self.max_num_reqs)
-        for g in range(table.num_groups):
-            torch.index_select(table.block_tables[g], 0, idx, out=self.block_tables[g, :R])
+        if table.num_groups == 1:
+            torch.index_select(table.block_tables[0], 0, idx, out=self.block_tables[0, :R])
+        else:   # every group's rows in one gather and one copy, however many groups
+            self.block_tables[:, :R].copy_(torch.index_select(table.block_tables, 1, idx))
         # host copies of query_start_loc and seq_lens for backends that plan on the host (and the reference)
         ends = layout.starts + layout.query_lens
         qsl_cpu = torch.zeros(R + 1, dtype=torch.int32)

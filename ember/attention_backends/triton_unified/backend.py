@@ -51,6 +51,7 @@ class TritonUnifiedMetadataBuilder(MetadataBuilder):
         spec = ctx.group.spec
         self.split_launch = bool(ctx.option("split_launch", False))
         self.num_decodes = torch.zeros(1, dtype=torch.int32, device=ctx.device)   # [1]
+        self._num_decodes_value = 0     # what num_decodes holds: a steady decode batch writes it once, not per step
         max_decodes = min(ctx.max_num_reqs, ctx.max_num_tokens)
         rows = max_scratch_rows(max_decodes, spec.num_kv_heads, ctx.num_sms)
         num_out, _ = segment_scratch_numel(rows, 1, spec.head_size, 1)
@@ -59,7 +60,9 @@ class TritonUnifiedMetadataBuilder(MetadataBuilder):
         self.scratch_sum = torch.empty(rows, dtype=torch.float32, device=ctx.device)      # [rows]
 
     def build(self, common: CommonAttentionMetadata) -> TritonUnifiedMetadata:
-        self.num_decodes.fill_(common.num_decodes)
+        if common.num_decodes != self._num_decodes_value:
+            self.num_decodes.fill_(common.num_decodes)
+            self._num_decodes_value = common.num_decodes
         i = self.ctx.group_index
         return TritonUnifiedMetadata(
             query_start_loc=common.query_start_loc, seq_lens=common.seq_lens, block_table=common.block_tables[i],
