@@ -62,6 +62,8 @@ class RequestTable:
         self.logprobs = np.full(max_num_reqs, -1, dtype=np.int64)       # -1: none asked
         self.stop_ids: list[tuple[int, ...]] = [()] * max_num_reqs     # blocked while under min_tokens
         self.rows: dict[str, int] = {}
+        self.version = 0        # counts row arrivals and exits: equal versions mean the same request in every row
+        self.plan_cache = None  # (version, rows, plan) of the last sampling plan that stays valid while they do
         self._free = list(range(max_num_reqs))                          # a heap: the lowest free row first
         self._writes = _Writes()
 
@@ -119,6 +121,7 @@ class RequestTable:
             raise ValueError(f"seed {new.seed} must be in [0, 2**63)")
         row = heapq.heappop(self._free)
         self.rows[new.req_id] = row
+        self.version += 1
         tokens = np.asarray(tuple(new.prompt_token_ids) + tuple(new.output_token_ids), dtype=np.int64)
         token_index.append(row * self.width + np.arange(n, dtype=np.int64))
         token_values.append(tokens)
@@ -155,6 +158,7 @@ class RequestTable:
         if row is None:
             return False
         heapq.heappush(self._free, row)
+        self.version += 1
         return True
 
     def rows_of(self, req_ids) -> np.ndarray:

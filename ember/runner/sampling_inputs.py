@@ -35,7 +35,21 @@ class SamplingPlan:
 
 
 def plan_sampling(table: RequestTable, rows: np.ndarray, seq_ends: np.ndarray, upload: PackedUpload) -> SamplingPlan:
-    """Host flags for the batch rows `rows` whose queries end at `seq_ends`; stages the min_tokens block list."""
+    """Host flags for the batch rows `rows` whose queries end at `seq_ends`; stages the min_tokens block list.
+
+    The same rows holding the same requests as the last step (the table's version unchanged) give the same plan,
+    unless it has penalties (their widths follow the token counts) or a min_tokens block list (which ends once
+    enough tokens are out); otherwise the last plan is reused and no numpy runs."""
+    cached = table.plan_cache
+    if cached is not None and cached[0] == table.version and np.array_equal(cached[1], rows):
+        return cached[2]
+    plan = _plan(table, rows, seq_ends, upload)
+    reusable = plan.blocked is None and not (plan.use_repetition or plan.use_presence or plan.use_frequency)
+    table.plan_cache = (table.version, rows.copy(), plan) if reusable else None
+    return plan
+
+
+def _plan(table: RequestTable, rows: np.ndarray, seq_ends: np.ndarray, upload: PackedUpload) -> SamplingPlan:
     V = table.vocab_size
     pf, pi = table.params_f_np[rows], table.params_i_np[rows]        # [N, 7], [N, 3]
     greedy = pf[:, GREEDY] > 0.5

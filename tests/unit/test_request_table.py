@@ -149,3 +149,36 @@ def test_new_request_with_a_used_id_or_a_full_table_is_refused():
         table.apply(StepInput(new_requests=(NewRequest("b", (1,), SamplingParams(), 0, ((2,),), 0),)), upload)
     with pytest.raises(ValueError, match="no row in the table"):
         table.rows_of(["zzz"])
+
+
+def _plan_for(table, upload, ids, ends):
+    from ember.runner.sampling_inputs import plan_sampling
+    upload.begin()
+    return plan_sampling(table, table.rows_of(ids), np.asarray(ends), upload)
+
+
+def test_sampling_plan_is_reused_only_while_the_same_requests_hold_the_rows():
+    from ember.runner.step_input import NewRequest
+    table = RequestTable(1, BS, 4, MAX_LEN, VOCAB, CPU)
+    upload = PackedUpload(64, CPU)
+    add = lambda rid, p, eos=(): table.apply(StepInput(new_requests=(NewRequest(rid, (1, 2), p, 0, ((1,),), 0,
+                                                                                 (), eos),)), upload)
+    upload.begin()
+    add("a", SamplingParams(temperature=0.0))
+    add("b", SamplingParams(temperature=0.7))
+    first = _plan_for(table, upload, ["a", "b"], [3, 3])
+    assert not first.all_greedy and not first.all_random
+    assert _plan_for(table, upload, ["a", "b"], [4, 4]) is first          # the next decode step: reused
+    assert _plan_for(table, upload, ["b", "a"], [4, 4]) is not first      # other rows: planned again
+    table.remove("b")
+    upload.begin()
+    add("c", SamplingParams(temperature=0.0))                              # row of "b" reused by a greedy request
+    again = _plan_for(table, upload, ["a", "c"], [5, 3])
+    assert again.all_greedy
+    # a min_tokens block list is planned every step: it ends once enough tokens are out
+    upload.begin()
+    add("d", SamplingParams(temperature=0.7, min_tokens=2), eos=(5,))
+    blocked = _plan_for(table, upload, ["d"], [2])                         # no output token yet: EOS blocked
+    assert blocked.blocked is not None
+    assert _plan_for(table, upload, ["d"], [3]).blocked is not None       # one out: still blocked
+    assert _plan_for(table, upload, ["d"], [4]).blocked is None           # two out: free
