@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from ember import LLM
-from ember.bench.commands import (Workload, hf_latency, hf_throughput, model_bytes, release_engine, run_latency,
-                         run_throughput, startup_times, try_peer)
+from ember.bench.commands import model_bytes, release_engine, run_latency, run_throughput, startup_times, try_peer
+from ember.bench.hf_peer import hf_latency, hf_throughput
+from ember.bench.workloads import Workload
 from ember.bench.roofline import decode_roofline, measure_copy_bandwidth, run_roofline
 
 try:   # benches/ as a plain folder of files, or as a package

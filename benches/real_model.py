@@ -64,7 +64,7 @@ def text_throughput(path: str, dtype: str, num_prompts: int, runs: int) -> list[
     """nano-vllm's workload (random token prompts, in/out U[100, 1024]) through `LLM.generate`, outputs detokenized;
     the first run in the fresh engine first."""
     from ember import LLM, SamplingParams
-    from ember.bench.commands import random_workload
+    from ember.bench.workloads import random_workload
     llm = LLM(path, dtype=dtype)
     vocab = llm.engine.runner.hf_config.vocab_size
     work = random_workload(num_prompts, (100, 1024), (100, 1024), seed=0, max_token_id=min(vocab - 1, 10000))

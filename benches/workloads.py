@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from ember.bench.commands import Workload, random_workload
+from ember.bench.workloads import Workload, random_workload
 
 
 @dataclass(frozen=True)

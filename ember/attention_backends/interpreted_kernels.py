@@ -10,11 +10,12 @@ from __future__ import annotations
 import importlib
 import importlib.machinery
 import importlib.util
-import os
 import sys
 import threading
 
 import torch
+
+from ember.kernels.interpret import interpreter_on
 
 _lock = threading.Lock()
 
@@ -38,15 +39,8 @@ class KernelPicker:
                 package = importlib.util.module_from_spec(spec)
                 package.__path__ = [self.directory]
                 sys.modules[self.private_package] = package
-            previous = os.environ.get("TRITON_INTERPRET")
-            os.environ["TRITON_INTERPRET"] = "1"
-            try:
+            with interpreter_on():
                 module = importlib.import_module(f"{self.private_package}.{name}")
-            finally:
-                if previous is None:
-                    del os.environ["TRITON_INTERPRET"]
-                else:
-                    os.environ["TRITON_INTERPRET"] = previous
             self._modules[name] = module
             return module
 

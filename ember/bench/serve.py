@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ember.bench.commands import MAX_PROMPT_TOKEN_ID, Workload, parse_range, percentiles, random_workload
+from ember.bench.workloads import MAX_PROMPT_TOKEN_ID, Workload, parse_range, percentiles, random_workload
 
 
 @dataclass

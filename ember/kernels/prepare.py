@@ -16,10 +16,10 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
-import os
-import threading
 
 import torch
+
+from ember.kernels.interpret import interpreter_on
 
 
 def prepare_inputs(idx_mapping: torch.Tensor, starts: torch.Tensor, query_lens: torch.Tensor,
@@ -91,9 +91,6 @@ def _next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-_lock = threading.Lock()
-
-
 @functools.cache
 def _kernel(interpreted: bool):
     """The compiled kernel, or for CPU tensors an interpreted copy (whatever TRITON_INTERPRET said at import)."""
@@ -101,16 +98,8 @@ def _kernel(interpreted: bool):
     if not interpreted:
         return importlib.import_module(name).prepare_inputs_kernel
     # the kernel module imported a second time with TRITON_INTERPRET=1, so that it runs on CPU tensors
-    with _lock:
-        spec = importlib.util.find_spec(name)
-        module = importlib.util.module_from_spec(spec)
-        previous = os.environ.get("TRITON_INTERPRET")
-        os.environ["TRITON_INTERPRET"] = "1"
-        try:
-            spec.loader.exec_module(module)
-        finally:
-            if previous is None:
-                del os.environ["TRITON_INTERPRET"]
-            else:
-                os.environ["TRITON_INTERPRET"] = previous
+    spec = importlib.util.find_spec(name)
+    module = importlib.util.module_from_spec(spec)
+    with interpreter_on():
+        spec.loader.exec_module(module)
     return module.prepare_inputs_kernel

@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import os
 import sys
-import threading
 
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
+
+from ember.kernels.interpret import interpreter_on
 
 __all__ = ["random_bits_triton", "gumbel_noise_triton", "sample_triton"]
 
@@ -175,26 +175,15 @@ def _sample_reduce_kernel(partial_ptr, out_ptr, num_splits, BLOCK_SPLITS: tl.con
 
 # ---- launchers -----------------------------------------------------------------------------------------------
 
-_lock = threading.Lock()
-
-
 @functools.cache
 def _interpreted_module():
     """This module imported a second time with TRITON_INTERPRET=1, so its kernels run on CPU tensors."""
     name = __name__ + "_interpreted"
-    with _lock:
-        spec = importlib.util.spec_from_file_location(name, __file__)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        previous = os.environ.get("TRITON_INTERPRET")
-        os.environ["TRITON_INTERPRET"] = "1"
-        try:
-            spec.loader.exec_module(module)
-        finally:
-            if previous is None:
-                del os.environ["TRITON_INTERPRET"]
-            else:
-                os.environ["TRITON_INTERPRET"] = previous
+    spec = importlib.util.spec_from_file_location(name, __file__)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    with interpreter_on():
+        spec.loader.exec_module(module)
     return module
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from ember.attention_backends.op import get_forward_context
 from ember.runner.input_batch import InputBatch
 from ember.runner.request_table import RequestTable
 from ember.runner.sampler import Sampler
@@ -31,3 +32,17 @@ class DecodeTail:
         tokens = self.sampler(logits, meta).sampled_token_ids                             # [R]
         self.table.write_sampled(sample_index, tokens)
         return tokens
+
+
+def with_decode_tail(forward, tail: DecodeTail):
+    """`forward` followed, for uniform-decode batches padded to a FULL-graph bucket, by the decode tail; the result
+    returns (hidden, sampled tokens or None). A FULL graph of such a bucket records both."""
+
+    def forward_and_sample(*args):
+        hidden = forward(*args)
+        desc = get_forward_context().batch_descriptor
+        if desc is not None and desc.uniform_decode and desc.num_reqs is not None:
+            return hidden, tail(hidden, desc.num_reqs)
+        return hidden, None
+
+    return forward_and_sample

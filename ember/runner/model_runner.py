@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ember.attention_backends.op import ForwardContext, forward_context, get_forward_context
+from ember.attention_backends.op import ForwardContext, forward_context
 from ember.config import EngineConfig, parse_dtype
 from ember.graphs.buckets import resolve_capture_sizes
 from ember.graphs.compile import compile_cache_key, compile_model
@@ -26,14 +26,14 @@ from ember.graphs.modes import BatchDescriptor, CUDAGraphMode
 from ember.kv_spec import blocks_per_request
 from ember.models.loader import load_config, load_model, random_model
 from ember.runner.cpu_memory import cpu_kv_cache_bytes
-from ember.runner.decode_tail import DecodeTail
+from ember.runner.decode_tail import DecodeTail, with_decode_tail
 from ember.runner.input_batch import BatchLayout, InputBatch, PreparedBatch
 from ember.runner.kv_cache_setup import allocate_kv_caches, make_builders, select_backends
 from ember.runner.output import AsyncModelRunnerOutput, HostRing, ModelRunnerOutput, StartupTimes
 from ember.runner.request_table import RequestTable
 from ember.runner.sampler import Sampler, SamplerOutput, SamplingMetadata
 from ember.runner.sampling_inputs import SamplingPlan, fits_graph_tail, plan_sampling, sampling_metadata
-from ember.runner.step_input import NewRequest, StepInput
+from ember.runner.step_input import StepInput, null_block_step
 from ember.runner.upload import PackedUpload
 from ember.runner.warmup import run_warmup
 from ember.sampling_params import SamplingParams
@@ -150,22 +150,8 @@ class ModelRunner:
         self.compile_stats = getattr(forward, "stats", None)    # None when running eager
         self._forward_samples = self.modes.cudagraph_mode.has_full
         if self._forward_samples:
-            forward = self.graphs.wrap_full(self._with_decode_tail(forward))
+            forward = self.graphs.wrap_full(with_decode_tail(forward, self.decode_tail))
         return forward
-
-    def _with_decode_tail(self, forward):
-        """`forward` followed, for uniform-decode batches padded to a FULL-graph bucket, by the decode tail; returns
-        (hidden, sampled tokens or None). A FULL graph of such a bucket records both."""
-        tail = self.decode_tail
-
-        def forward_and_sample(*args):
-            hidden = forward(*args)
-            desc = get_forward_context().batch_descriptor
-            if desc is not None and desc.uniform_decode and desc.num_reqs is not None:
-                return hidden, tail(hidden, desc.num_reqs)
-            return hidden, None
-
-        return forward_and_sample
 
     def _run(self, batch: PreparedBatch, mode: CUDAGraphMode = CUDAGraphMode.NONE,
              desc: BatchDescriptor | None = None, skip: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -294,14 +280,8 @@ class ModelRunner:
         num_reqs = max(1, min(num_reqs, num_tokens), -(-num_tokens // width))
         per_req, extra = divmod(num_tokens, num_reqs)
         lens = [per_req + (r < extra) for r in range(num_reqs)]
-        bs, groups = self.config.cache.block_size, len(self.attn.groups)
-        new = tuple(NewRequest(f"__dummy_{r}__", (0,) * n, _DUMMY_PARAMS, 0, ((0,) * -(-n // bs),) * groups, 0)
-                    for r, n in enumerate(lens))
-        # single-token queries (decodes) lead the batch
-        lens_sorted = sorted(range(num_reqs), key=lambda r: lens[r] != 1)
-        step = StepInput(new_requests=new, req_ids=tuple(new[r].req_id for r in lens_sorted),
-                         num_scheduled_tokens=tuple(lens[r] for r in lens_sorted),
-                         num_decodes=sum(1 for n in lens if n == 1), num_computed_tokens=(0,) * num_reqs)
+        step = null_block_step("__dummy", lens, [_DUMMY_PARAMS] * num_reqs, self.config.cache.block_size,
+                               len(self.attn.groups))
         padded = num_reqs if desc is None else max(desc.padded_num_reqs(num_reqs), num_reqs)
         try:
             layout, seg, buf = self._stage(step, padded)
@@ -310,7 +290,7 @@ class ModelRunner:
                                              None if desc is None else desc.uniform_decode)
             return self._run(batch, mode, desc, skip)
         finally:
-            for r in new:
+            for r in step.new_requests:
                 self.table.remove(r.req_id)
 
     # ---- the step -------------------------------------------------------------------------------------------

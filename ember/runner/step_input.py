@@ -12,6 +12,7 @@ request, per KV-cache group.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ember.sampling_params import SamplingParams
@@ -75,3 +76,15 @@ class StepInput:
     @property
     def is_empty(self) -> bool:
         return not self.req_ids
+
+
+def null_block_step(name: str, query_lens: Sequence[int], params: Sequence[SamplingParams], block_size: int,
+                    num_groups: int) -> StepInput:
+    """A step of new requests `{name}_{i}` of token 0 whose blocks are all the null block 0 (warm-up, profiling and
+    capture run these; the caller drops their rows afterwards), single-token queries leading the batch."""
+    new = tuple(NewRequest(f"{name}_{r}", (0,) * n, p, 0, ((0,) * -(-n // block_size),) * num_groups, 0)
+                for r, (n, p) in enumerate(zip(query_lens, params)))
+    order = sorted(range(len(new)), key=lambda r: query_lens[r] != 1)
+    return StepInput(new_requests=new, req_ids=tuple(new[r].req_id for r in order),
+                     num_scheduled_tokens=tuple(query_lens[r] for r in order),
+                     num_decodes=sum(1 for n in query_lens if n == 1), num_computed_tokens=(0,) * len(new))

@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass
 
 from ember.kernels.gemv import GEMV_MAX_M
-from ember.runner.step_input import NewRequest, StepInput
+from ember.runner.step_input import null_block_step
 from ember.sampling_params import SamplingParams
 
 logger = logging.getLogger("ember")
@@ -107,21 +107,13 @@ def warmup_plan(max_num_tokens: int, max_num_reqs: int, max_model_len: int,
     return steps
 
 
-def _step_input(step: WarmupStep, block_size: int, num_groups: int) -> StepInput:
-    new = tuple(NewRequest(f"__warmup_{r}__", (0,) * n, step.params[r], 0, ((0,) * -(-n // block_size),) * num_groups,
-                           0) for r, n in enumerate(step.query_lens))
-    return StepInput(new_requests=new, req_ids=tuple(r.req_id for r in new), num_scheduled_tokens=step.query_lens,
-                     num_decodes=sum(1 for n in step.query_lens if n == 1),
-                     num_computed_tokens=(0,) * len(new))
-
-
 def run_warmup(runner) -> float:
     """Run every step of the runner's warm-up plan through `runner.execute`; returns the seconds it took."""
     t0 = time.perf_counter()
     plan = warmup_plan(runner.max_num_tokens, runner.max_num_reqs, runner.max_model_len, runner.capture_sizes)
     block_size, num_groups = runner.config.cache.block_size, len(runner.attn.groups)
     for step in plan:
-        step_input = _step_input(step, block_size, num_groups)
+        step_input = null_block_step("__warmup", step.query_lens, step.params, block_size, num_groups)
         try:
             runner.execute(step_input)
         finally:

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, Qwen3Config
 
-from ember.bench.commands import parse_range, percentiles, random_workload
+from ember.bench.workloads import parse_range, percentiles, random_workload
 from ember.bench.roofline import (Roofline, context_tokens_read, decode_roofline, decode_weight_bytes,
                                   kv_bytes_per_token, run_roofline, step_bytes)
 from ember.cli import main

@@ -326,7 +326,7 @@ def test_bench_serve_reports_every_request(server, tmp_path, capsys):
     assert code == 0
     report = json.loads(out.read_text())
     assert report["model"] == "test-model"
-    from ember.bench.commands import random_workload
+    from ember.bench.workloads import random_workload
     for run, count in zip(report["runs"], (6, 3)):
         workload = random_workload(count, (4, 8), (2, 4), seed=0)
         assert (run["completed"], run["failed"]) == (count, 0)
