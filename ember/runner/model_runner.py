@@ -24,6 +24,7 @@ from ember.graphs.cuda_graph import CUDAGraphManager
 from ember.graphs.dispatcher import CudaGraphDispatcher, resolve_modes
 from ember.graphs.modes import BatchDescriptor, CUDAGraphMode
 from ember.kv_spec import blocks_per_request
+from ember.models.layers.onednn import onednn_packing_supported, pack_linear_weights
 from ember.models.loader import load_config, load_model, random_model
 from ember.runner.cpu_memory import cpu_kv_cache_bytes
 from ember.runner.decode_tail import DecodeTail, with_decode_tail
@@ -75,6 +76,11 @@ class ModelRunner:
         self.max_num_tokens, self.max_num_reqs = sc.max_num_batched_tokens, sc.max_num_seqs
         self.attn = select_backends(self.model, cc.block_size, self.dtype, self.device, config.attention_backend)
         self.modes = resolve_modes(config.compile, self.device, self.attn.backends)
+        if self.modes.compile_mode == "none" and onednn_packing_supported(self.dtype, self.device):
+            # eager on the CPU: oneDNN's packed GEMM reads a decode step's weights about twice as fast as F.linear
+            t_pack = time.perf_counter()
+            packed = pack_linear_weights(self.model)
+            logger.info("packed %d linear weights for oneDNN in %.2f s", packed, time.perf_counter() - t_pack)
         self.capture_sizes = (resolve_capture_sizes(config.compile.cudagraph_capture_sizes, self.max_num_tokens)
                               if self.modes.cudagraph_mode != CUDAGraphMode.NONE else ())
         self.dispatcher = CudaGraphDispatcher(self.modes.cudagraph_mode, self.capture_sizes, self.max_num_reqs,

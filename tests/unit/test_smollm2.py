@@ -7,7 +7,9 @@ from ember import LLM, SamplingParams
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
            "<|im_start|>user\nWhat is 12 + 30?<|im_end|>\n<|im_start|>assistant\n"]
-LOGIT_TOL = 1e-4
+# relative to the largest |logit| (about 30 here): ember's CPU GEMMs (oneDNN, packed weights) sum in another order
+# than transformers' (MKL); 1e-5 of the range is about a hundred float32 rounding steps, and greedy tokens must match
+LOGIT_RTOL = 1e-5
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +27,7 @@ def test_first_step_logits_and_greedy_tokens(models):
         with torch.no_grad():
             ref = hf(torch.tensor([p])).logits[0]
         got = llm.engine.score(p)
-        assert (got - ref).abs().max().item() <= LOGIT_TOL
+        assert (got - ref).abs().max().item() <= LOGIT_RTOL * ref.abs().max().item()
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False)
     for p, o in zip(ids, outs):
         ref = hf.generate(torch.tensor([p]), max_new_tokens=32, min_new_tokens=32, do_sample=False,

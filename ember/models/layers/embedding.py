@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ember.models.layers.linear import make_param
+from ember.models.layers.onednn import onednn_linear
 
 
 class VocabEmbedding(nn.Module):
@@ -39,13 +40,20 @@ class LMHead(nn.Module):
         # A list keeps the embedding out of this module's children, so its weight is loaded and listed once.
         self._tied = [tied_to] if tied_to is not None else []
         self.weight = make_param((vocab_size, hidden_size)) if tied_to is None else None
+        self.packed_weight: torch.Tensor | None = None    # oneDNN's copy on the CPU (ember.models.layers.onednn)
 
     @property
     def tied(self) -> bool:
         return bool(self._tied)
 
+    def weight_to_pack(self) -> torch.Tensor:
+        """The [vocab, hidden] weight that `packed_weight` holds in oneDNN's layout (the embedding's when tied)."""
+        return self._tied[0].weight if self._tied else self.weight
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self._tied[0].weight if self._tied else self.weight
+        if self.packed_weight is not None:
+            return onednn_linear(hidden, self.packed_weight).float()
+        weight = self.weight_to_pack()
         # matmul in the model dtype like the reference, then float32 for sampling
         return F.linear(hidden, weight).float()
 

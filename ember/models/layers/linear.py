@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from ember.kernels.gemv import linear as gemv_linear
+from ember.models.layers.onednn import onednn_linear
 
 
 def check_shape(param: torch.Tensor, loaded: torch.Tensor, expected: tuple[int, ...] | torch.Size) -> None:
@@ -41,8 +42,15 @@ class Linear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.weight = make_param((out_features, in_features))
         self.bias = make_param((out_features,)) if bias else None
+        self.packed_weight: torch.Tensor | None = None    # oneDNN's copy on the CPU (ember.models.layers.onednn)
+
+    def weight_to_pack(self) -> torch.Tensor:
+        """The [out_features, in_features] weight that `packed_weight` holds in oneDNN's layout."""
+        return self.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed_weight is not None:
+            return onednn_linear(x, self.packed_weight, self.bias)
         # `ember::linear` on every device (F.linear off CUDA), so the compile passes see one op to fuse around:
         # a bandwidth-bound Triton GEMV for decode-sized batches on CUDA, cuBLAS for the rest
         return gemv_linear(x, self.weight, self.bias)

@@ -1,0 +1,41 @@
+"""Linear layers on the CPU through oneDNN, with each weight packed once into oneDNN's blocked layout.
+
+For decode-sized inputs (a few rows against a weight read from memory), oneDNN's packed GEMM runs about twice as
+fast as `F.linear`'s MKL path on the CPU (the LM head of a 135M model at 8 rows: 8 ms instead of 20). The packed
+copy is a second copy of the weight: the original stays the parameter, for state dicts and for the paths that slice
+it. Float32 only: bfloat16 and float16 GEMMs on CPUs without native support are emulated and gain nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+PACKED_DTYPES = (torch.float32,)
+
+
+def onednn_packing_supported(dtype: torch.dtype, device: torch.device | str) -> bool:
+    """Whether linear weights of `dtype` on `device` can be packed for oneDNN (a CPU build with it, float32)."""
+    return (torch.device(device).type == "cpu" and dtype in PACKED_DTYPES and torch.backends.mkldnn.is_available())
+
+
+@torch.no_grad()
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A [N, K] weight reordered into oneDNN's layout for `onednn_linear` (an opaque mkldnn tensor)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
+
+
+def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ W^T (+ bias) -> [..., N], W packed by `pack_weight`."""
+    return torch.ops.mkldnn._linear_pointwise.default(x, packed, bias, "none", [], "")
+
+
+def pack_linear_weights(model: nn.Module) -> int:
+    """Give every module with a `packed_weight` slot (ember's Linear layers and LM head) its packed weight; returns
+    how many were packed. Call after the weights are loaded; later changes to a weight are not seen."""
+    count = 0
+    for module in model.modules():
+        if hasattr(module, "packed_weight") and hasattr(module, "weight_to_pack"):
+            module.packed_weight = pack_weight(module.weight_to_pack())
+            count += 1
+    return count
