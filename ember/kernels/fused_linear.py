@@ -5,7 +5,8 @@ each optional, as one op. The fusion passes (ember.graphs.passes) put it where t
     norm: Llama-form RMSNorm with norm_weight [K] and eps (when norm_weight is given)
     act:  silu(gate) * up over [gate | up] when gated (weight [2N, K], bias [2N]), else identity
 
-Decode-sized batches on CUDA run one GEMV launch with every part inside (ember.kernels.gemv). Other batches run
+Decode-sized batches on CUDA run one GEMV launch with every part inside (ember.kernels.gemv), up to the row count at
+which it was measured faster for the weight's shape (ember.kernels.gemv_routing). Other batches run
 the parts as separate kernels: a Triton RMSNorm, cuBLAS (with the residual as its beta=1 accumulator where there is
 no bias and no activation), a Triton SiLU·mul. On a CPU the parts are the torch ops of the unfused model.
 """
@@ -15,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ember.kernels.gemv import gemv, gemv_applies, gemv_enabled
+from ember.kernels.gemv import gemv, gemv_applies, gemv_enabled, gemv_pays
 from ember.kernels.rms_norm import rms_norm, silu_mul
 
 
@@ -57,7 +58,7 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     if x.device.type == "cpu":
         return fused_linear_reference(x, weight, bias, norm_weight, eps, gated, residual)
     same_dtype = all(t is None or t.dtype == x.dtype for t in (norm_weight, residual))
-    if gemv_enabled() and same_dtype and gemv_applies(x, weight, bias):
+    if gemv_enabled() and same_dtype and gemv_applies(x, weight, bias) and gemv_pays(x, weight, gated):
         return gemv(x, weight, bias, residual, norm_weight=norm_weight, eps=eps, gated=gated)
     return _composed(x, weight, bias, norm_weight, eps, gated, residual)
 

@@ -39,12 +39,15 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from ember.kernels.gemv_routing import gemv_max_rows
 from ember.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_options
 
-__all__ = ["GEMV_MAX_M", "gemv", "gemv_applies", "gemv_config", "gemv_enabled", "linear", "set_gemv_enabled"]
+__all__ = ["GEMV_MAX_M", "gemv", "gemv_applies", "gemv_config", "gemv_enabled", "gemv_pays", "linear",
+           "set_gemv_enabled", "set_gemv_routing"]
 
 GEMV_MAX_M = 16          # rows handled by the kernel; more go to F.linear
-PROGRAMS_PER_SM = 4      # aim: every SM streams W with a few programs resident to hide load latency
+PROGRAMS_PER_SM = 2      # programs an SM gets a layer: 2 measured 5-10% faster than 4 or 8 over a decode step's
+                         # chained projections at 1 row (benches/gemv_sweep.py tiles)
 W_TILE_BYTES = 8192      # bytes of W one program loads per K step: 4 x 16-byte loads a thread at 4 warps
 MAX_BLOCK_N = 16
 DOT_MIN_M = 5            # tensor cores from this many rows: at 8 rows CUDA-core multiply-adds cost ~40% of the read
@@ -76,11 +79,9 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, residual_ptr, norm_weight_ptr, out_ptr,
     first sums its rows' squares over all of K and norms x as it loads it, rounding as the unfused ops round. GATED: W is [2N, K] (gate rows, then up rows) and the output silu(gate) * up [M, N].
     PARTIAL: out_ptr is float32 partials [SPLIT_K, M, N] ([SPLIT_K, M, 2N] when GATED), bias, activation and
     residual left to the reduce kernel.
-    PDL: launched as a programmatic dependent: wait for the previous kernel's results, then let the next kernel's
-    programs start, so that launches overlap the tail of the kernel before them."""
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
+    PDL: launched as a programmatic dependent: load the first W tile, wait for the previous kernel's results, then
+    let the next kernel's programs start, so that launches and weight reads overlap the tail of the kernel before
+    them."""
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     # not tl.sum/tl.zeros/tl.cdiv: those are @triton.jit library functions that the interpreted copy cannot call
@@ -110,6 +111,21 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, residual_ptr, norm_weight_ptr, out_ptr,
         else:
             acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
     acc_up = acc
+
+    # W never comes from the kernel before this one: on CUDA cores the first W tile is loaded before the PDL wait,
+    # so the weight stream starts while that kernel drains, and every step loads the next tile before it multiplies
+    # (two tiles in registers, one in flight: the only pipelining a load that feeds no tl.dot gets)
+    if not USE_DOT:
+        # masked past the program's K range; the mask is constant over 16 elements (k_end's divisibility), so the
+        # loads stay 16 bytes wide
+        next_ok = ((k_begin + ks) < k_end)[None, None, :]
+        w_next = tl.load(w_ptrs + k_begin, mask=next_ok, other=0.0)
+        w_up_next = w_next
+        if GATED:
+            w_up_next = tl.load(w_ptrs + up_offset + k_begin, mask=next_ok, other=0.0)
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
 
     if NORM and not PARTIAL:
         # one pass: the norm is a per-row scale, so sum x^2 beside the products and scale the sums at the end
@@ -157,21 +173,23 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, residual_ptr, norm_weight_ptr, out_ptr,
                     w_up = tl.load(w_ptrs + up_offset + k, mask=k_ok[:, None], other=0.0)
                 if NORM:
                     nw = tl.load(nw_ptrs + k, mask=k_ok[None, :], other=0.0)
-        elif EVEN_K:
-            x = tl.load(x_ptrs + k)
-            w = tl.load(w_ptrs + k)
-            if GATED:
-                w_up = tl.load(w_ptrs + up_offset + k)
-            if NORM:
-                nw = tl.load(nw_ptrs + k)
         else:
-            k_ok = (k + ks)[None, None, :] < k_end
-            x = tl.load(x_ptrs + k, mask=k_ok, other=0.0)
-            w = tl.load(w_ptrs + k, mask=k_ok, other=0.0)
+            w = w_next
+            w_up = w_up_next
+            k_next = k + BLOCK_K
+            next_ok = ((k_next + ks) < k_end)[None, None, :]
+            w_next = tl.load(w_ptrs + k_next, mask=next_ok, other=0.0)
             if GATED:
-                w_up = tl.load(w_ptrs + up_offset + k, mask=k_ok, other=0.0)
-            if NORM:
-                nw = tl.load(nw_ptrs + k, mask=k_ok, other=0.0)
+                w_up_next = tl.load(w_ptrs + up_offset + k_next, mask=next_ok, other=0.0)
+            if EVEN_K:
+                x = tl.load(x_ptrs + k)
+                if NORM:
+                    nw = tl.load(nw_ptrs + k)
+            else:
+                k_ok = (k + ks)[None, None, :] < k_end
+                x = tl.load(x_ptrs + k, mask=k_ok, other=0.0)
+                if NORM:
+                    nw = tl.load(nw_ptrs + k, mask=k_ok, other=0.0)
         if NORM and PARTIAL:
             # the unfused RMSNorm rounds twice: the normed value to x's dtype, then its product with the weight
             x = (x.to(tl.float32) * rstd).to(x.dtype)
@@ -439,11 +457,27 @@ def gemv_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
             and (bias is None or bias.dtype == x.dtype))
 
 
+_routed = True
+
+
+def set_gemv_routing(routed: bool) -> None:
+    """Follow the measured GEMV/cuBLAS crossover (True, the default), or send every row count the kernel applies to
+    through it (False: kernel tests, and the sweep that measures the crossover)."""
+    global _routed
+    _routed = bool(routed)
+
+
+def gemv_pays(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> bool:
+    """Whether the GEMV was measured faster than cuBLAS at x's row count for this weight shape
+    (ember.kernels.gemv_routing), or routing is off."""
+    return not _routed or x.shape[0] <= gemv_max_rows(weight.shape[0], weight.shape[1], gated)
+
+
 @torch.library.custom_op("ember::linear", mutates_args=())
 def _linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [M, K] @ weight [N, K]^T (+ bias [N]) -> a new [M, N]: the Triton kernel when it is enabled and applies,
-    else F.linear."""
-    if gemv_enabled() and gemv_applies(x, weight, bias):
+    """x [M, K] @ weight [N, K]^T (+ bias [N]) -> a new [M, N]: the Triton kernel when it is enabled, applies and
+    was measured faster for this shape and row count, else F.linear."""
+    if gemv_enabled() and gemv_applies(x, weight, bias) and gemv_pays(x, weight):
         return gemv(x, weight, bias)
     return F.linear(x, weight, bias)
 

@@ -16,6 +16,15 @@ import ember.kernels.gemv as G
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
+
+@pytest.fixture(autouse=True)
+def _every_row_count_through_the_gemv():
+    """These tests are about the kernel: the op takes it at every row count it applies to, whatever the measured
+    crossover would route to cuBLAS."""
+    G.set_gemv_routing(False)
+    yield
+    G.set_gemv_routing(True)
+
 SHAPES = {   # name: (N, K) of W [N, K]
     "qwen3-0.6b qkv": (4096, 1024), "qwen3-0.6b gate_up": (6144, 1024), "qwen3-0.6b o_proj": (1024, 2048),
     "qwen3-0.6b down": (1024, 3072), "llama-3.1-8b qkv": (6144, 4096), "llama-3.1-8b o_proj": (4096, 4096),

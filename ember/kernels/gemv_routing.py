@@ -1,0 +1,54 @@
+"""Where ember's GEMV beats cuBLAS: the largest row count, per weight shape, at which the GEMV (with its fusions)
+was measured faster than the same layer as separate kernels on cuBLAS. The table is data
+(gemv_crossover.json beside this file), written on an H100 by
+
+    PYTHONPATH=. python benches/gemv_sweep.py crossover --write
+
+Each projection of the bundled configs is timed alone, many calls captured in one CUDA graph with its weights
+rotated out of L2. A shape that is not in the table takes the entry nearest in weight size (same gating first);
+without a table, the GEMV takes one row only, where it won for every measured shape."""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import warnings
+from pathlib import Path
+
+__all__ = ["TABLE_PATH", "gemv_max_rows", "load_table"]
+
+TABLE_PATH = Path(__file__).with_name("gemv_crossover.json")
+FALLBACK_MAX_ROWS = 1
+
+
+def load_table(path: Path = TABLE_PATH) -> dict[tuple[int, int, bool], int]:
+    """{(weight rows, K, gated): max rows} from `path`; {} (with a warning) when it is missing or unreadable."""
+    try:
+        entries = json.loads(path.read_text())["shapes"]
+        return {(int(e["n"]), int(e["k"]), bool(e["gated"])): int(e["max_rows"]) for e in entries}
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        warnings.warn(f"ignoring the GEMV crossover table {path}: {e!r}; the GEMV takes {FALLBACK_MAX_ROWS} row")
+        return {}
+
+
+@functools.cache
+def _table() -> dict[tuple[int, int, bool], int]:
+    return load_table()
+
+
+@functools.lru_cache(maxsize=None)
+def gemv_max_rows(n: int, k: int, gated: bool, table: tuple | None = None) -> int:
+    """The most rows the GEMV should take for a weight of `n` rows and `k` columns (gate and up rows counted when
+    `gated`). `table`: entries as a tuple of ((n, k, gated), max_rows) pairs instead of the stored table."""
+    entries = dict(table) if table is not None else _table()
+    if not entries:
+        return FALLBACK_MAX_ROWS
+    if (n, k, gated) in entries:
+        return entries[(n, k, gated)]
+    size = math.log(n * k)
+    same = [key for key in entries if key[2] == gated] or list(entries)
+    nearest = min(same, key=lambda key: (abs(math.log(key[0] * key[1]) - size), key))
+    return entries[nearest]
