@@ -55,12 +55,19 @@ def get_forward_context() -> ForwardContext:
     return ctx
 
 
-@torch.library.custom_op("ember::attention", mutates_args=("out",))
-def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: torch.Tensor, layer_name: str) -> None:
-    """query [T, Hq, D], key/value [T, Hkv, D]; writes the attention output into out [T, Hq, D]."""
+def run_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: torch.Tensor,
+                  layer_name: str) -> None:
+    """The body of `ember::attention`: the layer's backend impl over its cache and this step's metadata. Eager CPU
+    forwards call it directly; a custom op's dispatch costs more than a small decode's attention there."""
     ctx = get_forward_context()
     layer = ctx.layers[layer_name]
     layer.impl.forward(query, key, value, layer.kv_cache, ctx.attn_metadata[layer.group_index], out)
+
+
+@torch.library.custom_op("ember::attention", mutates_args=("out",))
+def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: torch.Tensor, layer_name: str) -> None:
+    """query [T, Hq, D], key/value [T, Hkv, D]; writes the attention output into out [T, Hq, D]."""
+    run_attention(query, key, value, out, layer_name)
 
 
 @attention.register_fake

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-import ember.attention_backends.op  # noqa: F401  (registers torch.ops.ember.attention)
+from ember.attention_backends.op import run_attention   # the import also registers torch.ops.ember.attention
 from ember.attention_backends.base import AttentionLayerOptions
 
 
@@ -31,5 +31,8 @@ class Attention(nn.Module):
         k = k.view(num_tokens, o.num_kv_heads, o.head_size)
         v = v.view(num_tokens, o.num_kv_heads, o.head_size)
         out = torch.empty_like(q)
-        torch.ops.ember.attention(q, k, v, out, self.layer_name)
+        if q.device.type == "cpu" and not torch.compiler.is_compiling():
+            run_attention(q, k, v, out, self.layer_name)     # eager on the CPU: no graph needs the op boundary
+        else:
+            torch.ops.ember.attention(q, k, v, out, self.layer_name)
         return out.view(num_tokens, o.num_heads * o.head_size)
