@@ -59,9 +59,11 @@ class Sampler(nn.Module):
         kernels = self._kernels(logits)
         has_filters = meta.top_k is not None or meta.top_p is not None or meta.min_p is not None
         one_pass = kernels is not None and not has_filters
+        # greedy rows with nothing to apply take the argmax of the caller's logits as they are: no copy to make
+        argmax_only = kernels is None and meta.all_greedy and not meta.has_penalties and meta.blocked_token_ids is None
         # the one-pass kernel reads the caller's logits in their own dtype unless something must change them first
-        if (not one_pass or meta.has_penalties or meta.blocked_token_ids is not None
-                or logits.dtype not in _KERNEL_LOGITS_DTYPES):
+        if not argmax_only and (not one_pass or meta.has_penalties or meta.blocked_token_ids is not None
+                                or logits.dtype not in _KERNEL_LOGITS_DTYPES):
             # a private float32 copy: the steps below work in place and the caller's logits stay untouched
             logits = logits.to(torch.float32, copy=True)                 # [N, V]
             logits = apply_penalties(logits, meta)
