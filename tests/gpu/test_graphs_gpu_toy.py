@@ -177,3 +177,31 @@ def test_dispatched_replay_is_bitwise_equal_to_the_compiled_run(mixed_setup, ste
     assert sum(w.num_replays for w in pieces) - piece_replays == (len(pieces) if mode == M.PIECEWISE else 0)
     # nothing new was captured by a step
     assert manager.graphs_captured[M.FULL] == 3 and manager.graphs_captured[M.PIECEWISE] == len(pieces) * len(SIZES)
+
+
+def test_capture_warms_up_once_per_kind_of_step():
+    """One NONE warm-up run before the first capture of each (mode, uniform decode) kind, none before the rest;
+    `warmup_each` runs one before every capture."""
+    model = make_toy()
+    for warmup_each in (False, True):
+        manager = CUDAGraphManager("cuda")
+        compiled = compile_model(model, "default", cache_key=compile_cache_key(TOY, torch.float32),
+                                 graph_manager=manager)
+        forward = manager.wrap_full(compiled)
+        harness = Harness(model)
+        dispatcher = CudaGraphDispatcher(M.FULL_AND_PIECEWISE, SIZES, max_num_seqs=4,
+                                         support=CudaGraphSupport.UNIFORM_BATCH)
+        captures = dispatcher.capture_list()
+        runs = []
+
+        def run_step(mode, desc):
+            runs.append((mode, desc))
+            return harness.run(forward, desc.num_tokens, mode, desc)
+        with torch.inference_mode():
+            harness.fill(MAX_TOKENS, seed=0)
+            harness.run(forward, MAX_TOKENS, M.NONE, None)
+            manager.capture_all(run_step, captures, warmup_each=warmup_each)
+        warmups = [d for m, d in runs if m == M.NONE]
+        kinds = {(m, d.uniform_decode) for m, d in captures}
+        assert len(warmups) == (len(captures) if warmup_each else len(kinds)), (len(warmups), kinds)
+        assert len(runs) - len(warmups) == len(captures)
