@@ -23,7 +23,6 @@ import torch.nn.functional as F
 from ember.attention_backends.base import (AttentionBackend, AttentionImpl, AttentionLayerOptions, CudaGraphSupport,
                                            MetadataBuilder)
 from ember.attention_backends.common import CommonAttentionMetadata
-from ember.attention_backends.torch_ref import write_kv
 from ember.kv_spec import KVCacheSpec
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -57,8 +56,8 @@ class PartMetadata:
 
 @dataclass(frozen=True)
 class CpuSdpaMetadata:
-    """The slot mapping for the K/V write, and the decode and prefill parts (either may be None)."""
-    slot_mapping: torch.Tensor   # [num_tokens_padded] int64
+    """The slots of the K/V write, and the decode and prefill parts (either may be None)."""
+    write_slots: torch.Tensor    # [num_tokens_padded] int64, padding's -1 sent to the null block 0
     decodes: PartMetadata | None
     prefills: PartMetadata | None
 
@@ -106,7 +105,8 @@ class CpuSdpaMetadataBuilder(MetadataBuilder):
         if num_reqs > num_decodes:
             prefills = _part(table[num_decodes:num_reqs], query_lens[num_decodes:], seq_lens[num_decodes:],
                              num_decodes, spec.block_size, spec.sliding_window)
-        return CpuSdpaMetadata(common.slot_mappings[i], decodes, prefills)
+        # clamped once here rather than in each layer's write
+        return CpuSdpaMetadata(common.slot_mappings[i].clamp(min=0), decodes, prefills)
 
 
 def attend_part(query: torch.Tensor, kv_cache: torch.Tensor, part: PartMetadata, options: AttentionLayerOptions,
@@ -120,18 +120,26 @@ def attend_part(query: torch.Tensor, kv_cache: torch.Tensor, part: PartMetadata,
         dense = q.new_zeros(r * length, hkv * group, d)
         dense.index_copy_(0, part.padded_rows, q)
         q = dense
-    # [R, L, Hkv, G, D] -> [R, Hkv, G * L, D]: the query heads of one KV head share its K/V
-    q = q.reshape(r, length, hkv, group, d).permute(0, 2, 3, 1, 4).reshape(r, hkv, group * length, d)
+    # [R, L, Hkv, G, D] -> [R, Hkv, G * L, D]: the query heads of one KV head share its K/V (a view for decodes,
+    # whose L is 1: a decode step runs this for every layer, so it keeps to as few ops as it can)
+    q = (q.reshape(r, hkv, group, d) if length == 1 else
+         q.reshape(r, length, hkv, group, d).permute(0, 2, 3, 1, 4).reshape(r, hkv, group * length, d))
     k = kv_cache[0].index_select(0, part.block_ids).view(r, span, hkv, d).transpose(1, 2)   # [R, Hkv, S, D]
     v = kv_cache[1].index_select(0, part.block_ids).view(r, span, hkv, d).transpose(1, 2)
     if part.mask is None:          # one decode: its keys are exactly the first single_len, no mask needed
         k, v = k[:, :, :part.single_len], v[:, :, :part.single_len]
-    o = F.scaled_dot_product_attention(q.to(k.dtype), k, v, attn_mask=part.mask_for(group),
-                                       scale=options.scale)                     # [R, Hkv, G * L, D]
+    if q.dtype != k.dtype:
+        q = q.to(k.dtype)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=part.mask_for(group), scale=options.scale)
+    rows = out[part.token_start:part.token_start + part.num_tokens]            # [T, Hq, D]
+    if length == 1:                # decodes: the rows are [R, Hkv, G, D] as they stand; one copy, which casts
+        rows.view(r, hkv, group, d).copy_(o)
+        return
+    # [R, Hkv, G * L, D] -> [R * L, Hq, D]
     o = o.reshape(r, hkv, group, length, d).permute(0, 3, 1, 2, 4).reshape(r * length, hkv * group, d)
     if part.padded_rows is not None:
         o = o.index_select(0, part.padded_rows)
-    out[part.token_start:part.token_start + part.num_tokens] = o.to(out.dtype)
+    rows.copy_(o)
 
 
 class CpuSdpaImpl(AttentionImpl):
@@ -139,7 +147,9 @@ class CpuSdpaImpl(AttentionImpl):
 
     def forward(self, query, key, value, kv_cache, metadata: CpuSdpaMetadata, out) -> None:
         if self.options.kv_sharing_target is None:
-            write_kv(key, value, kv_cache, metadata.slot_mapping)
+            slots = metadata.write_slots[:key.shape[0]]
+            kv_cache[0].view(-1, *key.shape[1:]).index_copy_(0, slots, key.to(kv_cache.dtype))
+            kv_cache[1].view(-1, *value.shape[1:]).index_copy_(0, slots, value.to(kv_cache.dtype))
         for part in (metadata.decodes, metadata.prefills):
             if part is not None:
                 attend_part(query, kv_cache, part, self.options, out)
