@@ -44,14 +44,20 @@ class PartMetadata:
     single_len: int = 0
     _group_masks: dict = field(default_factory=dict, compare=False)
 
-    def mask_for(self, group: int) -> torch.Tensor | None:
+    def mask_for(self, group: int, dtype: torch.dtype) -> torch.Tensor | None:
         """[R, 1, group * L, S]: the mask repeated for the query heads folded into the query dimension; built
-        once per step and shared by every layer."""
-        if self.mask is None or group == 1:
-            return self.mask
-        if group not in self._group_masks:
-            self._group_masks[group] = self.mask.repeat(1, 1, group, 1)
-        return self._group_masks[group]
+        once per step and shared by every layer. Decodes get an additive `dtype` mask [R, 1, 1, S] that broadcasts
+        over the folded heads: from a boolean mask SDPA would build that in every layer."""
+        if self.mask is None:
+            return None
+        key = (group, dtype)
+        if key not in self._group_masks:
+            if self.max_query_len == 1:
+                mask = torch.zeros(self.mask.shape, dtype=dtype).masked_fill_(~self.mask, float("-inf"))
+            else:
+                mask = self.mask if group == 1 else self.mask.repeat(1, 1, group, 1)
+            self._group_masks[key] = mask
+        return self._group_masks[key]
 
 
 @dataclass(frozen=True)
@@ -130,7 +136,7 @@ def attend_part(query: torch.Tensor, kv_cache: torch.Tensor, part: PartMetadata,
         k, v = k[:, :, :part.single_len], v[:, :, :part.single_len]
     if q.dtype != k.dtype:
         q = q.to(k.dtype)
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=part.mask_for(group), scale=options.scale)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=part.mask_for(group, q.dtype), scale=options.scale)
     rows = out[part.token_start:part.token_start + part.num_tokens]            # [T, Hq, D]
     if length == 1:                # decodes: the rows are [R, Hkv, G, D] as they stand; one copy, which casts
         rows.view(r, hkv, group, d).copy_(o)

@@ -76,7 +76,11 @@ def test_one_builder_call_serves_every_layer_without_a_request_loop():
     assert (md.prefills.num_reqs, md.prefills.num_tokens, md.prefills.max_query_len) == (2, 13, 9)
     assert md.prefills.mask.shape == (2, 1, 9, 32) and md.prefills.padded_rows.tolist() == list(range(9)) + [9, 10,
                                                                                                                11, 12]
-    assert md.prefills.mask_for(2) is md.prefills.mask_for(2)      # built once, shared by the layers
+    assert md.prefills.mask_for(2, torch.float32) is md.prefills.mask_for(2, torch.float32)   # built once per step
+    # decodes attend with an additive mask that broadcasts over the folded query heads: 0 where a key is seen
+    decode_mask = md.decodes.mask_for(2, torch.float32)
+    assert decode_mask.shape == (2, 1, 1, md.decodes.span) and decode_mask.dtype == torch.float32
+    assert torch.equal(decode_mask == 0, md.decodes.mask) and bool(torch.isneginf(decode_mask[~md.decodes.mask]).all())
 
 
 SPEC = KVCacheSpec(16, 2, 64, torch.float32)
