@@ -4,6 +4,7 @@ wrong for bfloat16 (bfloat16 runs in tests/gpu)."""
 
 import pytest
 import torch
+import triton
 
 # CPU tensors run the kernels in Triton's interpreter whatever TRITON_INTERPRET says at import time (the kernel
 # package keeps interpreted copies for them), so this module needs no environment set-up.
@@ -118,17 +119,22 @@ def test_split_launch_decodes_then_prefills_matches_reference(shape):
                          + [(s, 2) for s in SHAPES if s.name in ("small_decode", "mixed_small", "all_options")]
                          + [(s, 4) for s in SHAPES if s.name in ("sinks", "sliding_window", "gqa_8")],
                          ids=lambda v: v.name if isinstance(v, BatchShape) else f"seg{v}")
-def test_3d_split_kv_matches_reference(shape, num_segments):
+@pytest.mark.parametrize("fused", [False, True], ids=["reduce_kernel", "fused_combine"])
+def test_3d_split_kv_matches_reference(shape, num_segments, fused):
+    """Split-KV decode with a reduce launch, or combined by each pair's last segment program (counters back at 0)."""
     dtype = _dtype_for(shape)
     batch = _batch(shape, dtype)
     out = torch.full_like(batch.query, float("nan"))
     n_out, n_rows = K.segment_scratch_numel(batch.num_reqs_padded, shape.num_heads, shape.head_size, num_segments)
     scratch = [torch.full((n,), float("nan")) for n in (n_out, n_rows, n_rows)]   # stale scratch must not leak
     num_decodes = torch.tensor([shape.num_decodes], dtype=torch.int32)
+    counters = torch.zeros(batch.num_reqs_padded * shape.num_kv_heads, dtype=torch.int32) if fused else None
     K.unified_attention_3d(batch.query, batch.kv_cache[0], batch.kv_cache[1], out, batch.block_table,
                            batch.query_start_loc, batch.seq_lens, num_seqs=batch.num_reqs_padded, config=TILE,
                            num_segments=num_segments, scratch_out=scratch[0], scratch_max=scratch[1],
-                           scratch_sum=scratch[2], num_decodes=num_decodes, **_kwargs(batch))
+                           scratch_sum=scratch[2], num_decodes=num_decodes, counters=counters, **_kwargs(batch))
+    if fused:
+        assert not counters.any(), "a pair's counter was not reset"
     if shape.num_decodes < len(shape.query_lens):   # mixed: finish the prefills with the 2D kernel
         assert out[shape.num_decodes:].isnan().all()
         K.unified_attention_2d(batch.query, batch.kv_cache[0], batch.kv_cache[1], out, batch.block_table,
@@ -164,6 +170,11 @@ def test_launchers_reject_bad_arguments():
         tiny = torch.empty(1)
         K.unified_attention_3d(*args, num_seqs=1, scale=1.0, config=TILE, num_segments=2,
                                scratch_out=tiny, scratch_max=tiny, scratch_sum=tiny)
+    n_out, n_rows = K.segment_scratch_numel(1, 8, batch.query.shape[2], 2)
+    with pytest.raises(ValueError, match="counters must be int32"):
+        K.unified_attention_3d(*args, num_seqs=1, scale=1.0, config=TILE, num_segments=2,
+                               scratch_out=torch.empty(n_out), scratch_max=torch.empty(n_rows),
+                               scratch_sum=torch.empty(n_rows), counters=torch.zeros(1, dtype=torch.int64))
 
 
 @pytest.mark.parametrize("shape", [s for s in SHAPES if s.name in ("long_prefill", "chunked_prefill_with_context",
@@ -187,3 +198,37 @@ def test_unmasked_middle_loops_match_reference(shape):
                            config=tile, mode=K.MODE_PREFILLS,
                            num_decodes=num_decodes, **_kwargs(batch))
     _assert_matches(out, batch, dtype)
+
+
+def test_sm90_code_of_the_fused_combine_counts_with_an_acq_rel_atomic():
+    """Compiled for an H100 on the CPU: each 3D program releases its partials through a GPU-scope acq_rel atomic
+    after a barrier, and the combining program reads partials past L1 (ld.global.cg)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from ember.attention_backends.triton_unified.kernels import unified_attention as U
+    fn = U.unified_attention_kernel.fn
+    names = fn.__code__.co_varnames[:fn.__code__.co_argcount]
+    floats = {"qk_scale", "softcap"}
+    dtypes = {"part_out_ptr": "*fp32", "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32", "counter_ptr": "*i32",
+              "block_table_ptr": "*i32", "query_start_loc_ptr": "*i32", "seq_lens_ptr": "*i32",
+              "num_decodes_ptr": "*i32", "sinks_ptr": "*fp32", "alibi_ptr": "*fp32"}
+    constexprs = dict(NUM_QUERIES_PER_KV=2, HEAD_SIZE=128, HEAD_PAD=128, BLOCK_SIZE=16, BLOCK_M=16, BLOCK_Q=1,
+                      TILE_N=64, NUM_SEGMENTS=16, MODE=K.MODE_DECODES, LIMIT_DECODES=False, USE_WINDOW=False,
+                      USE_SOFTCAP=False, USE_SINKS=False, USE_ALIBI=False, IEEE=False, UNMASKED_MIDDLE=False,
+                      FUSED_COMBINE=True, PDL=False)
+    signature = {}
+    for name in names:
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            signature[name] = dtypes.get(name, "*bf16")
+        else:
+            signature[name] = "fp32" if name in floats else "i32"
+    kernel = triton.runtime.jit.JITFunction(fn)   # compiled even where TRITON_INTERPRET=1
+    compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
+                              target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=3))
+    ptx = compiled.asm["ptx"]
+    atomic = [line for line in ptx.splitlines() if "atom." in line and ".add" in line]
+    assert atomic and all(".acq_rel" in line and ".gpu" in line for line in atomic), atomic
+    assert "bar.sync" in ptx[:ptx.index(atomic[0])], "no barrier before the release"
+    assert "ld.global.cg" in ptx

@@ -15,7 +15,7 @@ from ember.kv_spec import KVCacheSpec
 
 from .kernels import (MODE_DECODES, segment_scratch_numel, unified_attention_2d, unified_attention_3d,
                       write_kv_cache)
-from .plan import MAX_GROUP_3D, max_scratch_rows, plan_launch
+from .plan import FUSED_COMBINE_MAX_GROUP, MAX_GROUP_3D, max_scratch_rows, plan_launch
 
 MIN_HEAD_SIZE, MAX_HEAD_SIZE = 16, 256
 MAX_QUERIES_PER_KV = 128   # the decode tile packs one token's query heads into at most 128 rows
@@ -32,6 +32,7 @@ class TritonUnifiedMetadata:
     scratch_out: torch.Tensor       # [rows * head_pad] fp32, 3D partial outputs
     scratch_max: torch.Tensor       # [rows] fp32, 3D partial maxima
     scratch_sum: torch.Tensor       # [rows] fp32, 3D partial sums
+    segment_counters: torch.Tensor  # [decode requests * KV heads] int32, 0 between launches
     num_reqs_padded: int
     num_tokens_padded: int
     uniform_decode: bool
@@ -58,6 +59,8 @@ class TritonUnifiedMetadataBuilder(MetadataBuilder):
         self.scratch_out = torch.empty(num_out, dtype=torch.float32, device=ctx.device)   # [rows * head_pad]
         self.scratch_max = torch.empty(rows, dtype=torch.float32, device=ctx.device)      # [rows]
         self.scratch_sum = torch.empty(rows, dtype=torch.float32, device=ctx.device)      # [rows]
+        # one arrival count per (decode request, KV head) for the fused combine; each launch leaves them at 0
+        self.segment_counters = torch.zeros(max_decodes * spec.num_kv_heads, dtype=torch.int32, device=ctx.device)
 
     def build(self, common: CommonAttentionMetadata) -> TritonUnifiedMetadata:
         if common.num_decodes != self._num_decodes_value:
@@ -67,7 +70,8 @@ class TritonUnifiedMetadataBuilder(MetadataBuilder):
         return TritonUnifiedMetadata(
             query_start_loc=common.query_start_loc, seq_lens=common.seq_lens, block_table=common.block_tables[i],
             slot_mapping=common.slot_mappings[i], num_decodes=self.num_decodes, scratch_out=self.scratch_out,
-            scratch_max=self.scratch_max, scratch_sum=self.scratch_sum, num_reqs_padded=common.num_reqs_padded,
+            scratch_max=self.scratch_max, scratch_sum=self.scratch_sum, segment_counters=self.segment_counters,
+            num_reqs_padded=common.num_reqs_padded,
             num_tokens_padded=common.num_tokens_padded, uniform_decode=common.uniform_decode,
             split_launch=self.split_launch, num_sms=self.ctx.num_sms, num_decode_tokens=common.num_decode_tokens,
             num_prefill_tokens=common.num_prefill_tokens)
@@ -94,7 +98,9 @@ class TritonUnifiedImpl(AttentionImpl):
             unified_attention_3d(*layout, num_seqs=plan.num_decode_seqs, config=plan.decode,
                                  num_segments=plan.num_segments, scratch_out=metadata.scratch_out,
                                  scratch_max=metadata.scratch_max, scratch_sum=metadata.scratch_sum,
-                                 num_decodes=decode_count, **options)
+                                 num_decodes=decode_count, **options,
+                                 counters=metadata.segment_counters
+                                 if o.num_heads // o.num_kv_heads <= FUSED_COMBINE_MAX_GROUP else None)
         elif plan.decode is not None:
             unified_attention_2d(*layout, num_seqs=plan.num_decode_seqs, num_tokens=metadata.num_tokens_padded,
                                  config=plan.decode, mode=MODE_DECODES, num_decodes=decode_count, **options)

@@ -1,4 +1,4 @@
-"""Device helpers shared by the 2D and 3D unified attention kernels and the segment reduce.
+"""Device helpers shared by the 2D and 3D unified attention kernels and the segment combine.
 
 Scores live in log2 units (multiplied by log2(e)) so the online softmax can use exp2. Masks are applied only on
 the tiles that need them: the KV range of a query block is split into a masked front (sliding-window edge), an
@@ -159,3 +159,32 @@ def attend_tiles(acc, m_i, l_i, q, k_base, v_base, block_table_row, tile_lo, til
         acc = acc * alpha[:, None] + pv
         m_i = m_new
     return acc, m_i, l_i
+
+
+@triton.jit
+def combine_segments(out_row_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, sinks_ptr, row0, head, num_written,
+                     HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
+                     USE_SINKS: tl.constexpr):
+    """One (request, query head) of the 3D kernel: out_row_ptr[:HEAD_SIZE] = the combination of its partial rows
+    row0 .. row0 + num_written - 1 (fp32 out [HEAD_PAD], max and sum in log2 units), plus the sink's logit.
+    Partials are read past L1 (.cg): another SM of the same grid may have written them."""
+    segs = tl.arange(0, NUM_SEGMENTS)
+    seg_ok = segs < num_written
+    row = row0 + segs                                                               # [NUM_SEGMENTS]
+    m = tl.load(part_max_ptr + row, mask=seg_ok, other=float("-inf"), cache_modifier=".cg")
+    l = tl.load(part_sum_ptr + row, mask=seg_ok, other=0.0, cache_modifier=".cg")
+    m_all = reduce_max(m, 0)
+    if USE_SINKS:
+        sink = tl.load(sinks_ptr + head).to(tl.float32) * LOG2E
+        m_all = tl.maximum(m_all, sink)
+    m_ref = tl.where(m_all == float("-inf"), 0.0, m_all)
+    w = tl.where(seg_ok, tl.exp2(m - m_ref), 0.0)                                   # [NUM_SEGMENTS]
+    denom = reduce_sum(l * w, 0)
+    if USE_SINKS:
+        denom += tl.exp2(sink - m_ref)
+    denom = tl.where(denom == 0.0, 1.0, denom)
+    offs_d = tl.arange(0, HEAD_PAD)
+    acc = tl.load(part_out_ptr + row[:, None] * HEAD_PAD + offs_d[None, :], mask=seg_ok[:, None], other=0.0,
+                  cache_modifier=".cg")
+    o = reduce_sum(acc * w[:, None], 0) / denom                                    # [HEAD_PAD]
+    tl.store(out_row_ptr + offs_d, o.to(out_row_ptr.dtype.element_ty), mask=offs_d < HEAD_SIZE)

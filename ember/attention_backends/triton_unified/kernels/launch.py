@@ -93,7 +93,7 @@ def unified_attention_2d(query: torch.Tensor, key_cache: torch.Tensor, value_cac
                                (out.stride(0), out.stride(1)))
     kernel = kernel_for(query.device, "unified_attention", "unified_attention_kernel", unified_attention_kernel)
     kernel[(programs, num_kv_heads)](
-        out, out, out, out, *args,
+        out, out, out, out, out, *args,
         NUM_QUERIES_PER_KV=group, HEAD_SIZE=head_size, HEAD_PAD=max(16, triton.next_power_of_2(head_size)),
         BLOCK_M=config.block_m, BLOCK_Q=block_q, TILE_N=config.tile_n, NUM_SEGMENTS=1, MODE=mode,
         UNMASKED_MIDDLE=config.unmasked_middle,
@@ -113,10 +113,13 @@ def unified_attention_3d(query: torch.Tensor, key_cache: torch.Tensor, value_cac
                          scratch_out: torch.Tensor, scratch_max: torch.Tensor, scratch_sum: torch.Tensor,
                          num_decodes: torch.Tensor | None = None, sliding_window: int | None = None,
                          soft_cap: float | None = None, sinks: torch.Tensor | None = None,
-                         alibi_slopes: torch.Tensor | None = None) -> None:
+                         alibi_slopes: torch.Tensor | None = None, counters: torch.Tensor | None = None) -> None:
     """Split-KV decode attention over the first num_seqs requests (or the first num_decodes[0], if given), each with
     one query token: num_segments programs per (request, KV head), then a reduce. Scratch: flat fp32 tensors of at
-    least segment_scratch_numel(...) elements."""
+    least segment_scratch_numel(...) elements.
+
+    counters: int32, at least num_seqs x KV heads elements, all 0: the last segment program of each (request, KV
+    head) combines the segments itself and resets its counter, and no reduce kernel is launched."""
     num_heads, num_kv_heads, head_size = _check(query, key_cache, out)
     group = num_heads // num_kv_heads
     config.block_q(group)
@@ -126,19 +129,25 @@ def unified_attention_3d(query: torch.Tensor, key_cache: torch.Tensor, value_cac
     if scratch_out.numel() < need_out or scratch_max.numel() < need_rows or scratch_sum.numel() < need_rows:
         raise ValueError(f"segment scratch holds {scratch_out.numel()}/{scratch_max.numel()} elements; "
                          f"{need_out}/{need_rows} needed for {num_seqs} requests x {num_segments} segments")
+    if counters is not None and (counters.dtype != torch.int32 or counters.numel() < num_seqs * num_kv_heads):
+        raise ValueError(f"counters must be int32 with at least {num_seqs * num_kv_heads} elements, got "
+                         f"{counters.dtype} [{counters.numel()}]")
     if num_seqs == 0:
         return
     args, flags = _common_args(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, num_decodes,
-                               sinks, alibi_slopes, num_seqs, scale, sliding_window, soft_cap, (0, 0))
+                               sinks, alibi_slopes, num_seqs, scale, sliding_window, soft_cap,
+                               (out.stride(0), out.stride(1)))
     head_pad = max(16, triton.next_power_of_2(head_size))
     limit = num_decodes is not None
     kernel = kernel_for(query.device, "unified_attention", "unified_attention_kernel", unified_attention_kernel)
     kernel[(num_seqs, num_kv_heads, num_segments)](
-        out, scratch_out, scratch_max, scratch_sum, *args,
+        out, scratch_out, scratch_max, scratch_sum, counters if counters is not None else out, *args,
         NUM_QUERIES_PER_KV=group, HEAD_SIZE=head_size, HEAD_PAD=head_pad, BLOCK_M=config.block_m, BLOCK_Q=1,
         TILE_N=config.tile_n, NUM_SEGMENTS=num_segments, MODE=MODE_DECODES, LIMIT_DECODES=limit, **flags,
-        UNMASKED_MIDDLE=config.unmasked_middle,
+        UNMASKED_MIDDLE=config.unmasked_middle, FUSED_COMBINE=counters is not None,
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl_options(query.device))
+    if counters is not None:
+        return
     reduce = kernel_for(query.device, "unified_attention", "reduce_segments_kernel", reduce_segments_kernel)
     reduce[(num_seqs, num_heads)](
         out, scratch_out, scratch_max, scratch_sum, query_start_loc, seq_lens,

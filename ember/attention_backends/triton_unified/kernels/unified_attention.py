@@ -3,8 +3,9 @@
 The same program body is compiled two ways. With NUM_SEGMENTS == 1 (the 2D kernel, grid = query blocks x KV
 heads) a program owns a query block's whole KV range and writes the normalized output. With NUM_SEGMENTS > 1
 (the 3D split-KV kernel, a third grid axis over segments of the KV range) it writes fp32 partial
-(out, max, sum) into scratch that `reduce_segments` combines; that fills the GPU when a decode batch is too
-small to.
+(out, max, sum) into scratch, which the last segment program of each (request, KV head) to finish combines
+(FUSED_COMBINE, counted with an atomic per pair) or `reduce_segments` combines in a second launch; that fills the
+GPU when a decode batch is too small to.
 
 A query tile packs the query heads sharing one KV head (GQA): row m is query token m // G of the block and
 query head kv_head * G + m % G, so every K/V tile is loaded once for the whole group.
@@ -17,14 +18,14 @@ import triton.language as tl
 
 from ember.kernels.pdl import gdc_launch_dependents, gdc_wait
 
-from .attention_core import LOG2E, attend_tiles, cdiv, kv_tile_bounds, locate_query_block, reduce_max, reduce_sum
+from .attention_core import LOG2E, attend_tiles, cdiv, combine_segments, kv_tile_bounds, locate_query_block
 
 
 # num_seqs, the step's (padded) request count, varies per step: out of the specialization key (Triton would compile
 # 1 and multiples of 16 apart); strides, window and scales are fixed per layer and cache
 @triton.jit(do_not_specialize=["num_seqs"])
 def unified_attention_kernel(
-    out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr,
+    out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, counter_ptr,
     q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, query_start_loc_ptr, seq_lens_ptr, num_decodes_ptr,
     sinks_ptr, alibi_ptr,
     num_seqs, qk_scale, softcap, window,
@@ -33,7 +34,8 @@ def unified_attention_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
     NUM_SEGMENTS: tl.constexpr, MODE: tl.constexpr, LIMIT_DECODES: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_SINKS: tl.constexpr, USE_ALIBI: tl.constexpr,
-    IEEE: tl.constexpr, UNMASKED_MIDDLE: tl.constexpr, PDL: tl.constexpr = False,
+    IEEE: tl.constexpr, UNMASKED_MIDDLE: tl.constexpr, FUSED_COMBINE: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     if PDL:   # launched as a programmatic dependent (ember.kernels.pdl)
         gdc_wait()
@@ -122,6 +124,23 @@ def unified_attention_kernel(
         tl.store(part_max_ptr + part_row, m_i, mask=row_ok)
         tl.store(part_sum_ptr + part_row, l_i, mask=row_ok)
         tl.store(part_out_ptr + part_row[:, None] * HEAD_PAD + offs_d[None, :], acc, mask=row_ok[:, None])
+        if FUSED_COMBINE:
+            # the last segment program of this (request, KV head) to finish combines them all, so no reduce kernel
+            # is launched: every thread's partial stores come before the count's release (barrier, then acq_rel),
+            # and the last program's reads after its acquire; it leaves the counter at 0 for the next launch
+            tl.debug_barrier()
+            count_ptr = counter_ptr + seq.to(tl.int64) * tl.num_programs(1) + kv_head
+            arrived = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
+            num_written = cdiv(hi - lo, tiles_per_segment)
+            if arrived == num_written - 1:
+                tl.atomic_xchg(count_ptr, 0, sem="relaxed", scope="gpu")
+                tl.debug_barrier()
+                for g in tl.static_range(NUM_QUERIES_PER_KV):
+                    head_g = kv_head * NUM_QUERIES_PER_KV + g
+                    row0 = (seq.to(tl.int64) * tl.num_programs(1) * NUM_QUERIES_PER_KV + head_g) * NUM_SEGMENTS
+                    combine_segments(out_ptr + q_start.to(tl.int64) * stride_ot + head_g * stride_oh, part_out_ptr,
+                                     part_max_ptr, part_sum_ptr, sinks_ptr, row0, head_g, num_written, HEAD_SIZE,
+                                     HEAD_PAD, NUM_SEGMENTS, USE_SINKS)
 
 
 @triton.jit(do_not_specialize=["num_seqs"])
@@ -149,24 +168,7 @@ def reduce_segments_kernel(
     # the segments the attention kernel wrote: same split as there, so stale scratch is never read
     lo, a, b, hi = kv_tile_bounds(q_pos, q_pos, window, TILE_N, USE_WINDOW)
     tiles_per_segment = cdiv(hi - lo, NUM_SEGMENTS)
-    num_written = cdiv(hi - lo, tiles_per_segment)
-    segs = tl.arange(0, NUM_SEGMENTS)
-    seg_ok = segs < num_written
-    row = (seq.to(tl.int64) * tl.num_programs(1) + head) * NUM_SEGMENTS + segs   # [NUM_SEGMENTS]
-    m = tl.load(part_max_ptr + row, mask=seg_ok, other=float("-inf"))
-    l = tl.load(part_sum_ptr + row, mask=seg_ok, other=0.0)
-    m_all = reduce_max(m, 0)
-    if USE_SINKS:
-        sink = tl.load(sinks_ptr + head).to(tl.float32) * LOG2E
-        m_all = tl.maximum(m_all, sink)
-    m_ref = tl.where(m_all == float("-inf"), 0.0, m_all)
-    w = tl.where(seg_ok, tl.exp2(m - m_ref), 0.0)                                   # [NUM_SEGMENTS]
-    denom = reduce_sum(l * w, 0)
-    if USE_SINKS:
-        denom += tl.exp2(sink - m_ref)
-    denom = tl.where(denom == 0.0, 1.0, denom)
-    offs_d = tl.arange(0, HEAD_PAD)
-    acc = tl.load(part_out_ptr + row[:, None] * HEAD_PAD + offs_d[None, :], mask=seg_ok[:, None], other=0.0)
-    o = reduce_sum(acc * w[:, None], 0) / denom                                    # [HEAD_PAD]
-    tl.store(out_ptr + q_start.to(tl.int64) * stride_ot + head * stride_oh + offs_d,
-             o.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_SIZE)
+    row0 = (seq.to(tl.int64) * tl.num_programs(1) + head) * NUM_SEGMENTS
+    combine_segments(out_ptr + q_start.to(tl.int64) * stride_ot + head * stride_oh, part_out_ptr, part_max_ptr,
+                     part_sum_ptr, sinks_ptr, row0, head, cdiv(hi - lo, tiles_per_segment), HEAD_SIZE, HEAD_PAD,
+                     NUM_SEGMENTS, USE_SINKS)
