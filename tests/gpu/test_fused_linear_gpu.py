@@ -12,19 +12,11 @@ import torch
 import torch.nn.functional as F
 
 import ember.kernels.fused_linear  # noqa: F401  (registers the op)
-import ember.kernels.gemv as G
 import ember.kernels.qk_norm_rope  # noqa: F401  (registers the op)
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+              pytest.mark.usefixtures("gemv_unrouted")]   # the kernel at every row count
 
-
-@pytest.fixture(autouse=True)
-def _every_row_count_through_the_gemv():
-    """These tests are about the kernel: the op takes it at every row count it applies to, whatever the measured
-    crossover would route to cuBLAS."""
-    G.set_gemv_routing(False)
-    yield
-    G.set_gemv_routing(True)
 
 SHAPES = {   # name: (N outputs, K, gated)
     "qwen3-0.6b qkv": (4096, 1024, False), "qwen3-0.6b gate_up": (3072, 1024, True),

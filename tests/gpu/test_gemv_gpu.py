@@ -14,16 +14,9 @@ import torch.nn.functional as F
 
 import ember.kernels.gemv as G
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+              pytest.mark.usefixtures("gemv_unrouted")]   # the kernel at every row count
 
-
-@pytest.fixture(autouse=True)
-def _every_row_count_through_the_gemv():
-    """These tests are about the kernel: the op takes it at every row count it applies to, whatever the measured
-    crossover would route to cuBLAS."""
-    G.set_gemv_routing(False)
-    yield
-    G.set_gemv_routing(True)
 
 SHAPES = {   # name: (N, K) of W [N, K]
     "qwen3-0.6b qkv": (4096, 1024), "qwen3-0.6b gate_up": (6144, 1024), "qwen3-0.6b o_proj": (1024, 2048),
