@@ -196,11 +196,12 @@ class KVCacheCoordinator:
         self.req_hashes: dict[str, list[int]] = {}
         self.windows = sorted({g.spec.sliding_window for g in groups if g.spec.sliding_window is not None})
         self.req_release_pos: dict[str, int] = {}   # first query position at which windows were last applied
-        # the first query position at which some window's lower edge crosses its next block boundary: until a
-        # request's chunk starts there, it has nothing to release
-        self.req_next_release: dict[str, int] = {}
         # tokens each request's blocks hold in every group (what a step may reach without allocating), and how
-        # many full blocks were last published: lets a decode step skip the allocator and the prefix hashing
+        # many full blocks were last published: lets a decode step skip the allocator and the prefix hashing.
+        # Sliding windows release only when the allocator is called (a step that needs a block, or a prefill
+        # chunk): a request then holds what its window slid past a few steps longer, but never more blocks than
+        # right after its last allocation, so the peak a request holds is unchanged, and a decode step between
+        # two allocations costs no call here.
         self.req_capacity: dict[str, int] = {}
         self.req_num_published: dict[str, int] = {}
 
@@ -265,8 +266,6 @@ class KVCacheCoordinator:
             return
         self.req_release_pos[request_id] = first_query_pos
         bs = self.block_size
-        self.req_next_release[request_id] = min((max(0, first_query_pos - w + 1) // bs + 1) * bs + w - 1
-                                                for w in self.windows)
         moved = {w for w in self.windows
                  if max(0, first_query_pos - w + 1) // bs > max(0, prev - w + 1) // bs}
         for m in self.managers:
@@ -316,7 +315,6 @@ class KVCacheCoordinator:
         self.req_hashes.pop(request.request_id, None)
         self.req_release_pos.pop(request.request_id, None)
         self.req_capacity.pop(request.request_id, None)
-        self.req_next_release.pop(request.request_id, None)
         self.req_num_published.pop(request.request_id, None)
 
     @property

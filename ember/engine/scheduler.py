@@ -94,9 +94,9 @@ class Scheduler:
         running_reqs: list[RunningRequest] = []
 
         kv, max_len = self.kv, self.max_model_len
-        # a request whose blocks already hold the step's tokens, and whose windows (if any) release nothing at this
-        # chunk start, needs no allocator call: the common decode step costs a compare or two
-        capacity, next_release, windows = kv.req_capacity, kv.req_next_release, bool(kv.windows)
+        # a request whose blocks already hold the step's tokens needs no allocator call: the common decode step
+        # costs a compare (sliding windows release what they slid past at the next allocator call)
+        capacity = kv.req_capacity
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -108,8 +108,7 @@ class Scheduler:
             computed = req.num_computed_tokens
             end = num_tokens + pending
             num_new = min(end - computed, budget)
-            if (computed + num_new > capacity.get(req.request_id, 0)
-                    or windows and computed >= next_release.get(req.request_id, 0)):
+            if computed + num_new > capacity.get(req.request_id, 0):
                 while not kv.try_allocate(req, computed + num_new):
                     victim = self.running.pop()     # the newest running request
                     self._preempt(victim)

@@ -75,6 +75,27 @@ def test_sliding_group_frees_blocks_that_slide_out():
     assert kv.num_free_blocks == 63
 
 
+def test_decode_calls_the_allocator_only_for_a_new_block_and_releases_there(monkeypatch):
+    """A decode step whose blocks have room makes no allocator call, sliding window or not; the window's release
+    happens at the next call, which leaves the request what one-token steps need."""
+    kv = KVCacheCoordinator([KVCacheGroup(("g",), FULL), KVCacheGroup(("l",), LOCAL)], 64, False)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64), kv, max_model_len=64)
+    calls = []
+    real = kv.try_allocate
+    monkeypatch.setattr(kv, "try_allocate", lambda req, n, cached=None: calls.append(n) or real(req, n, cached))
+    req = make("a", 6)
+    sched.add_request(req)
+    for _ in range(31):                  # the prompt, then 30 decode steps: tokens up to 36
+        out = sched.schedule()
+        sched.update(out, [7] * len(out.scheduled))
+    assert req.num_computed_tokens == 36
+    assert calls == [6] + [n for n in range(7, 37) if n % BS == 1], calls     # 9, 13, ..., 33
+    live = [b for b in kv.block_ids(req)[1] if b != NULL_BLOCK]
+    # last call at 33 tokens: query 32 sees keys 25..32, blocks 6..8
+    assert len(live) == 3 <= LOCAL.max_blocks_held(33)
+    assert kv.block_ids(req)[1][:6] == [NULL_BLOCK] * 6
+
+
 def test_allocation_is_all_or_nothing_across_groups():
     kv = KVCacheCoordinator([KVCacheGroup(("g",), FULL), KVCacheGroup(("l",), LOCAL)], 8, False)   # 7 usable
     a = make("a", 12)
@@ -91,13 +112,18 @@ def test_preemption_and_finishing_free_every_group():
     reqs = [make("a", 9), make("b", 9, start=20), make("c", 9, start=40)]
     for r in reqs:
         sched.add_request(r)
+    largest_chunk: dict[str, int] = {}
     for _ in range(200):
         if not sched.has_unfinished():
             break
         out = sched.schedule()
         for s in out.scheduled:
+            # windows release at the request's next allocator call: until then it may hold what its largest chunk
+            # (a prefill) needed, never more
+            rid = s.request.request_id
+            largest_chunk[rid] = max(largest_chunk.get(rid, 0), s.num_new_tokens)
             held = sum(b != NULL_BLOCK for b in kv.block_ids(s.request)[1])
-            assert held <= LOCAL.max_blocks_held(s.num_computed_tokens + s.num_new_tokens, s.num_new_tokens)
+            assert held <= LOCAL.max_blocks_held(s.num_computed_tokens + s.num_new_tokens, largest_chunk[rid])
         for req, _ in sched.update(out, [7] * len(out.scheduled)):
             if len(req.output_token_ids) >= 12:
                 sched.finish(req, RequestStatus.FINISHED_LENGTH)
