@@ -24,9 +24,9 @@ from ember.graphs.cuda_graph import CUDAGraphManager
 from ember.graphs.dispatcher import CudaGraphDispatcher, resolve_modes
 from ember.graphs.modes import BatchDescriptor, CUDAGraphMode
 from ember.kv_spec import blocks_per_request
-from ember.models.layers.onednn import onednn_packing_supported, pack_linear_weights
+from ember.models.layers.onednn import onednn_packing_supported, pack_linear_weights, packable_bytes
 from ember.models.loader import load_config, load_model, random_model
-from ember.runner.cpu_memory import cpu_kv_cache_bytes
+from ember.runner.cpu_memory import available_memory_bytes, cpu_kv_cache_bytes
 from ember.runner.decode_tail import DecodeTail, with_decode_tail
 from ember.runner.input_batch import BatchLayout, InputBatch, PreparedBatch
 from ember.runner.kv_cache_setup import allocate_kv_caches, make_builders, select_backends
@@ -77,10 +77,7 @@ class ModelRunner:
         self.attn = select_backends(self.model, cc.block_size, self.dtype, self.device, config.attention_backend)
         self.modes = resolve_modes(config.compile, self.device, self.attn.backends)
         if self.modes.compile_mode == "none" and onednn_packing_supported(self.dtype, self.device):
-            # eager on the CPU: oneDNN's packed GEMM reads a decode step's weights about twice as fast as F.linear
-            t_pack = time.perf_counter()
-            packed = pack_linear_weights(self.model)
-            logger.info("packed %d linear weights for oneDNN in %.2f s", packed, time.perf_counter() - t_pack)
+            self._pack_cpu_weights()
         self.capture_sizes = (resolve_capture_sizes(config.compile.cudagraph_capture_sizes, self.max_num_tokens)
                               if self.modes.cudagraph_mode != CUDAGraphMode.NONE else ())
         self.dispatcher = CudaGraphDispatcher(self.modes.cudagraph_mode, self.capture_sizes, self.max_num_reqs,
@@ -140,6 +137,19 @@ class ModelRunner:
         ckpt = getattr(self.hf_config, "torch_dtype", None) or getattr(self.hf_config, "dtype", None)
         ckpt = parse_dtype(str(ckpt).replace("torch.", "")) if ckpt is not None else torch.bfloat16
         return torch.bfloat16 if ckpt == torch.float32 else ckpt
+
+    def _pack_cpu_weights(self) -> None:
+        """Eager on the CPU: oneDNN's packed GEMM runs a decode step's linear layers about twice as fast as
+        F.linear, for a second copy of their weights, which must fit in half of the memory available now."""
+        extra, available = packable_bytes(self.model), available_memory_bytes()
+        if available is not None and extra > available // 2:
+            logger.info("linear weights stay unpacked (F.linear): their oneDNN copy of %.2f GiB would take more than "
+                        "half of the %.2f GiB available", extra / 2**30, available / 2**30)
+            return
+        t0 = time.perf_counter()
+        packed = pack_linear_weights(self.model)
+        logger.info("packed %d linear weights (%.2f GiB) for oneDNN in %.2f s", packed, extra / 2**30,
+                    time.perf_counter() - t0)
 
     def model_max_len(self) -> int:
         return int(getattr(self.hf_config, "max_position_embeddings", 0) or 1 << 20)

@@ -37,7 +37,7 @@ def test_packing_is_float32_on_the_cpu_only():
     assert not onednn_packing_supported(torch.float32, "meta")
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma2"])
 def test_packed_model_matches_transformers(family, tmp_path):
     hf = random_hf_model(tiny_config(family))
     hf.save_pretrained(tmp_path)
@@ -71,3 +71,11 @@ def test_engine_packs_float32_weights_on_the_cpu(tiny_llama, dtype, packs):
     out = llm.generate([{"prompt_token_ids": [3, 5, 7]}], SamplingParams(temperature=0, max_tokens=4,
                                                                           ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_weights_stay_unpacked_when_their_copy_would_not_fit(tiny_llama, monkeypatch):
+    import ember.runner.model_runner as model_runner
+    monkeypatch.setattr(model_runner, "available_memory_bytes", lambda: 1 << 10)   # 1 KiB available
+    llm = LLM(tiny_llama, device="cpu", dtype="float32", num_kv_blocks=16, max_num_seqs=4)
+    linears = [m for m in llm.engine.runner.model.modules() if isinstance(m, Linear)]
+    assert linears and all(m.packed_weight is None for m in linears)

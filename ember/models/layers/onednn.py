@@ -30,6 +30,12 @@ def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise.default(x, packed, bias, "none", [], "")
 
 
+def packable_bytes(model: nn.Module) -> int:
+    """Bytes that `pack_linear_weights` would add: one more copy of every packable weight."""
+    return sum(m.weight_to_pack().nbytes for m in model.modules()
+               if hasattr(m, "packed_weight") and hasattr(m, "weight_to_pack"))
+
+
 def pack_linear_weights(model: nn.Module) -> int:
     """Give every module with a `packed_weight` slot (ember's Linear layers and LM head) its packed weight; returns
     how many were packed. Call after the weights are loaded; later changes to a weight are not seen."""
