@@ -155,13 +155,18 @@ class KVCacheManager:
         blocks[done:lo] = [NULL_BLOCK] * (lo - done)
         self.req_num_released[request_id] = lo
 
-    def allocate(self, request_id: str, num_total_tokens: int, cached_blocks: Sequence[int] = ()) -> None:
-        """Give the request blocks for its first `num_total_tokens` tokens (the caller checked there are enough)."""
+    def allocate(self, request_id: str, num_total_tokens: int, cached_blocks: Sequence[int] = (),
+                 num_new: int | None = None) -> None:
+        """Give the request blocks for its first `num_total_tokens` tokens (the caller checked there are enough);
+        `num_new`: the new blocks that takes, if the caller counted them already (after `cached_blocks`)."""
         blocks = self.req_blocks.setdefault(request_id, [])
         if cached_blocks:
             self.pool.touch(cached_blocks)
             blocks.extend(cached_blocks)
-        blocks.extend(self.pool.allocate(self.blocks_needed(request_id, num_total_tokens)))
+        if num_new is None:
+            num_new = self.blocks_needed(request_id, num_total_tokens)
+        if num_new:
+            blocks.extend(self.pool.allocate(num_new))
 
     def publish(self, request_id: str, hashes: Sequence[int]) -> None:
         """Hand the request's full blocks with these prefix hashes to the pool's prefix map (the ones still held)."""
@@ -245,14 +250,17 @@ class KVCacheCoordinator:
             return True     # the common decode step: the last block still has room
         cached_blocks = cached_blocks or [()] * len(self.managers)
         needed = 0
+        new_per_group = []
         for m, cached in zip(self.managers, cached_blocks):
             # cached blocks that sit in the free list are taken out of it by touch(), so count them as used
-            needed += sum(1 for b in cached if b != NULL_BLOCK and self.pool.ref_cnt[b] == 0)
-            needed += m.blocks_needed(rid, num_total_tokens, len(cached))
+            if cached:
+                needed += sum(1 for b in cached if b != NULL_BLOCK and self.pool.ref_cnt[b] == 0)
+            new_per_group.append(m.blocks_needed(rid, num_total_tokens, len(cached)))
+        needed += sum(new_per_group)
         if needed > self.pool.num_free_blocks:
             return False
-        for m, cached in zip(self.managers, cached_blocks):
-            m.allocate(rid, num_total_tokens, cached)
+        for m, cached, num_new in zip(self.managers, cached_blocks, new_per_group):
+            m.allocate(rid, num_total_tokens, cached, num_new)
         self.req_capacity[rid] = min(len(m.req_blocks[rid]) for m in self.managers) * self.block_size
         return True
 
