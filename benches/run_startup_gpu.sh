@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Start-up, cold then warm, for each model given (default: the Qwen3-0.6B and Llama-3.1-8B configs), each start in
+# a fresh process; cold starts from empty ember and Triton caches, warm from the ones the cold start filled:
+#   bash benches/run_startup_gpu.sh [MODEL ...]
+# Prints benches/startup.py's JSON line per start and the runner's start-up split; logs under $OUT.
+set -u
+export PYTHONPATH=. PYTHONUNBUFFERED=1
+OUT=${OUT:-bench_out}; mkdir -p "$OUT"
+MODELS=${*:-qwen3-0.6b llama-3.1-8b}
+for model in $MODELS; do
+  cache=$(mktemp -d)
+  export EMBER_CACHE=$cache/ember TRITON_CACHE_DIR=$cache/triton
+  for label in cold warm; do
+    echo "== $model $label"
+    timeout 280 python3 benches/startup.py --model "$model" --label "$label" > "$OUT/startup_${model}_$label.log" 2>&1
+    grep -h "start-up\|captured\|STARTUP" "$OUT/startup_${model}_$label.log" | cut -c1-600
+  done
+  rm -rf "$cache"
+done
