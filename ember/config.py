@@ -32,6 +32,18 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return _DTYPES[dtype]
 
 
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device, hf_config) -> torch.dtype:
+    """The compute dtype for `dtype` ("auto": float32 on the CPU; on a GPU the checkpoint's dtype, with a float32
+    checkpoint (or none named) run in bfloat16)."""
+    if dtype != "auto":
+        return parse_dtype(dtype)
+    if device.type == "cpu":
+        return torch.float32
+    ckpt = getattr(hf_config, "torch_dtype", None) or getattr(hf_config, "dtype", None)
+    ckpt = parse_dtype(str(ckpt).replace("torch.", "")) if ckpt is not None else torch.bfloat16
+    return torch.bfloat16 if ckpt == torch.float32 else ckpt
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Which model to run and in which precision."""

@@ -17,14 +17,14 @@ import numpy as np
 import torch
 
 from ember.attention_backends.op import ForwardContext, forward_context
-from ember.config import EngineConfig, parse_dtype
+from ember.config import EngineConfig, resolve_dtype
 from ember.graphs.buckets import resolve_capture_sizes
 from ember.graphs.compile import compile_cache_key, compile_model
 from ember.graphs.cuda_graph import CUDAGraphManager
 from ember.graphs.dispatcher import CudaGraphDispatcher, resolve_modes
 from ember.graphs.modes import BatchDescriptor, CUDAGraphMode
 from ember.kv_spec import blocks_per_request
-from ember.models.layers.onednn import onednn_packing_supported, pack_linear_weights, packable_bytes
+from ember.models.layers.onednn import onednn_packing_supported, pack_if_it_fits
 from ember.models.loader import load_config, load_model, random_model
 from ember.runner.cpu_memory import available_memory_bytes, cpu_kv_cache_bytes
 from ember.runner.decode_tail import DecodeTail, with_decode_tail
@@ -64,7 +64,7 @@ class ModelRunner:
         self.times = StartupTimes()
         t0 = time.perf_counter()
         self.hf_config = hf_config if hf_config is not None else load_config(model_path)
-        self.dtype = self._resolve_dtype(config.model.dtype)
+        self.dtype = resolve_dtype(config.model.dtype, self.device, self.hf_config)
         if load_format == "dummy":
             self.model = random_model(self.hf_config, self.dtype, self.device, seed=config.model.seed)
         else:
@@ -77,7 +77,8 @@ class ModelRunner:
         self.attn = select_backends(self.model, cc.block_size, self.dtype, self.device, config.attention_backend)
         self.modes = resolve_modes(config.compile, self.device, self.attn.backends)
         if self.modes.compile_mode == "none" and onednn_packing_supported(self.dtype, self.device):
-            self._pack_cpu_weights()
+            # eager on the CPU: oneDNN's packed GEMM runs decode-sized linear layers about twice as fast as F.linear
+            pack_if_it_fits(self.model, available_memory_bytes())
         self.capture_sizes = (resolve_capture_sizes(config.compile.cudagraph_capture_sizes, self.max_num_tokens)
                               if self.modes.cudagraph_mode != CUDAGraphMode.NONE else ())
         self.dispatcher = CudaGraphDispatcher(self.modes.cudagraph_mode, self.capture_sizes, self.max_num_reqs,
@@ -129,28 +130,6 @@ class ModelRunner:
                     total - t.load_s - t.compile_s - t.capture_s - t.warmup_s)
 
     # ---- start-up -------------------------------------------------------------------------------------------
-    def _resolve_dtype(self, dtype) -> torch.dtype:
-        if dtype != "auto":
-            return parse_dtype(dtype)
-        if self.device.type == "cpu":
-            return torch.float32
-        ckpt = getattr(self.hf_config, "torch_dtype", None) or getattr(self.hf_config, "dtype", None)
-        ckpt = parse_dtype(str(ckpt).replace("torch.", "")) if ckpt is not None else torch.bfloat16
-        return torch.bfloat16 if ckpt == torch.float32 else ckpt
-
-    def _pack_cpu_weights(self) -> None:
-        """Eager on the CPU: oneDNN's packed GEMM runs a decode step's linear layers about twice as fast as
-        F.linear, for a second copy of their weights, which must fit in half of the memory available now."""
-        extra, available = packable_bytes(self.model), available_memory_bytes()
-        if available is not None and extra > available // 2:
-            logger.info("linear weights stay unpacked (F.linear): their oneDNN copy of %.2f GiB would take more than "
-                        "half of the %.2f GiB available", extra / 2**30, available / 2**30)
-            return
-        t0 = time.perf_counter()
-        packed = pack_linear_weights(self.model)
-        logger.info("packed %d linear weights (%.2f GiB) for oneDNN in %.2f s", packed, extra / 2**30,
-                    time.perf_counter() - t0)
-
     def model_max_len(self) -> int:
         return int(getattr(self.hf_config, "max_position_embeddings", 0) or 1 << 20)
 

@@ -7,6 +7,7 @@ import gc
 import pytest
 import torch
 from tests.helpers.bf16_check import bf16_report
+from tests.helpers.engine_checks import add_mixed_requests
 
 from ember import LLM, SamplingParams
 from ember.graphs.modes import CUDAGraphMode
@@ -157,9 +158,7 @@ def test_sampler_inside_full_decode_graph_equals_outside(temperatures):
               max_num_batched_tokens=512, cudagraph_capture_sizes=CAPTURE, gpu_memory_utilization=0.4,
               cudagraph_mode="full")
     engine, runner = llm.engine, llm.engine.runner
-    for i, p in enumerate(workload()[:5]):
-        engine.add_request(p, SamplingParams(temperature=temperatures[i % len(temperatures)], seed=20 + i,
-                                             max_tokens=6, ignore_eos=True))
+    add_mixed_requests(engine, workload()[:5], temperatures, seed=20, max_tokens=6)
     in_graph = 0
     for _ in range(5):
         out = engine.scheduler.schedule()

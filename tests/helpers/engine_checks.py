@@ -30,3 +30,11 @@ def drain(engine) -> list:
             return outputs
         outputs += engine.step()
     raise AssertionError("the engine did not finish within 10000 steps")
+
+
+def add_mixed_requests(engine, prompts, temperatures, seed: int, max_tokens: int) -> None:
+    """One request per prompt, ignoring EOS: the temperatures taken in turn, seeds seed, seed + 1, ..."""
+    from ember import SamplingParams
+    for i, p in enumerate(prompts):
+        engine.add_request(p, SamplingParams(temperature=temperatures[i % len(temperatures)], seed=seed + i,
+                                             max_tokens=max_tokens, ignore_eos=True))

@@ -4,6 +4,7 @@ and mixed batches, and it writes those tokens where the next step reads them."""
 
 import pytest
 import torch
+from tests.helpers.engine_checks import add_mixed_requests
 from tests.helpers.model_harness import save_tiny_llama
 
 from ember import LLM, SamplingParams
@@ -21,9 +22,7 @@ def tiny_llama(tmp_path_factory):
 def test_tail_samples_what_the_step_sampler_samples(tiny_llama, temperatures):
     llm = LLM(tiny_llama, device="cpu", enforce_eager=True, async_scheduling=False)
     engine, runner = llm.engine, llm.engine.runner
-    for i, p in enumerate(PROMPTS):
-        engine.add_request(p, SamplingParams(temperature=temperatures[i % len(temperatures)], seed=40 + i,
-                                             max_tokens=8, ignore_eos=True))
+    add_mixed_requests(engine, PROMPTS, temperatures, seed=40, max_tokens=8)
     compared = 0
     for _ in range(6):
         out = engine.scheduler.schedule()

@@ -8,8 +8,13 @@ it. Float32 only: bfloat16 and float16 GEMMs on CPUs without native support are 
 
 from __future__ import annotations
 
+import logging
+import time
+
 import torch
 from torch import nn
+
+logger = logging.getLogger("ember")
 
 PACKED_DTYPES = (torch.float32,)
 
@@ -45,3 +50,18 @@ def pack_linear_weights(model: nn.Module) -> int:
             module.packed_weight = pack_weight(module.weight_to_pack())
             count += 1
     return count
+
+
+def pack_if_it_fits(model: nn.Module, available_bytes: int | None) -> int:
+    """`pack_linear_weights` when the packed copy takes at most half of `available_bytes` (None: unknown, pack);
+    returns how many weights were packed (0 when they stay unpacked and run through F.linear)."""
+    extra = packable_bytes(model)
+    if available_bytes is not None and extra > available_bytes // 2:
+        logger.info("linear weights stay unpacked (F.linear): their oneDNN copy of %.2f GiB would take more than "
+                    "half of the %.2f GiB available", extra / 2**30, available_bytes / 2**30)
+        return 0
+    t0 = time.perf_counter()
+    packed = pack_linear_weights(model)
+    logger.info("packed %d linear weights (%.2f GiB) for oneDNN in %.2f s", packed, extra / 2**30,
+                time.perf_counter() - t0)
+    return packed
