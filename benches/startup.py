@@ -1,12 +1,14 @@
 """Start-up of `LLM(...)` in a fresh process, from the call to ready, split into load / compile / capture / rest.
 
     python benches/startup.py --model qwen3-0.6b --label cold [--cudagraph-capture lazy] [--replay-table]
-        [--tokens-out FILE] [--tokens-ref FILE]
+        [--tokens-out FILE] [--tokens-ref FILE] [--profile N]
 
 Cold or warm is the caller's choice: point EMBER_CACHE and TRITON_CACHE_DIR at empty or at filled folders. The
-script then runs a fixed greedy workload twice (first run vs second run in this process), optionally times the
+script then runs a greedy workload twice (first run vs second run in this process; each run has prompts
+of its own, of the same lengths, so the prefix cache cannot favour the second), optionally times the
 replay of every captured FULL graph (the step time per bucket, for choosing capture sizes), and prints one JSON
-line. `--tokens-ref` compares the greedy tokens with those another run wrote through `--tokens-out`.
+line. `--profile N` runs `LLM(...)` under cProfile and prints its N costliest functions (cumulative and own
+time), and the Triton compilations of start-up per kernel. `--tokens-ref` compares the greedy tokens with those another run wrote through `--tokens-out`.
 """
 
 from __future__ import annotations
@@ -36,6 +38,15 @@ def replay_table(runner) -> list[dict]:
     return rows
 
 
+def _print_profile(profiler, n: int) -> None:
+    import io
+    import pstats
+    for order in ("cumulative", "tottime"):
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats(order).print_stats(n)
+        print(f"PROFILE by {order}\n" + text.getvalue(), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default="qwen3-0.6b")
@@ -45,6 +56,7 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=128)
     parser.add_argument("--tokens-out", default=None)
     parser.add_argument("--tokens-ref", default=None)
+    parser.add_argument("--profile", type=int, default=0, metavar="N")
     args = parser.parse_args()
 
     import logging
@@ -57,10 +69,22 @@ def main() -> None:
     kwargs = {"load_format": "dummy"}
     if args.cudagraph_capture is not None:
         kwargs["cudagraph_capture"] = args.cudagraph_capture
+    from ember.kernels.jit_counter import TritonCompileCounter
+    counter = TritonCompileCounter().install()
+    profiler = None
+    if args.profile:
+        import cProfile
+        profiler = cProfile.Profile()
     t1 = time.perf_counter()
+    if profiler is not None:
+        profiler.enable()
     llm = LLM(args.model, **kwargs)
     torch.cuda.synchronize()
     total_s = time.perf_counter() - t1
+    if profiler is not None:
+        profiler.disable()
+        _print_profile(profiler, args.profile)
+    print("TRITON_COMPILES", counter.total, json.dumps(counter.kernels.most_common()), flush=True)
     runner = llm.engine.runner
     times, stats = runner.times, getattr(runner, "compile_stats", None)
     result = {"label": args.label, "import_s": round(import_s, 2), "total_s": round(total_s, 2),
@@ -74,15 +98,18 @@ def main() -> None:
                                                       "artifacts_saved", "backend_seconds") if hasattr(stats, k)})
         result["cache_counters"] = stats.cache_counters
 
-    rng = random.Random(0)
-    prompts = [[rng.randrange(1000, 20000) for _ in range(rng.randint(16, 512))] for _ in range(args.num_prompts)]
     params = SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)
-    runs = []
-    for _ in range(2):
+    runs, tokens = [], None
+    for run in range(2):
+        # each run its own prompts (same lengths), so the second finds nothing of the first in the prefix cache
+        rng, lengths = random.Random(run), random.Random(0)
+        prompts = [[rng.randrange(1000, 20000) for _ in range(lengths.randint(16, 512))]
+                   for _ in range(args.num_prompts)]
         t2 = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
         runs.append(time.perf_counter() - t2)
-    tokens = [list(o.outputs[0].token_ids) for o in outputs]
+        if tokens is None:
+            tokens = [list(o.outputs[0].token_ids) for o in outputs]
     num_out = sum(len(t) for t in tokens)
     result["run1_s"], result["run2_s"] = round(runs[0], 3), round(runs[1], 3)
     result["run1_tok_s"], result["run2_tok_s"] = round(num_out / runs[0]), round(num_out / runs[1])
