@@ -7,7 +7,7 @@ API:
         .save(split, pieces, groups, artifacts, single_output, inputs)   after a cold compile; manifest written last
         .load() -> LoadedGraph | None                   None when absent; a warning and None when corrupt
     describe_graph_inputs(model, call_inputs, gm, example_inputs) -> list[InputSpec] | reason
-    LoadedForward(model, loaded_graph)(input_ids, positions) -> hidden     the warm start's forward, no dynamo
+    LoadedForward(model, loaded_graph)(*call_inputs) -> hidden      the warm start's forward, no dynamo
     InputSpec: ("param", name) | ("input", index) | ("size", input_index, dim)
 
 Layout of a store, one per cache key: `split.pkl` (the split graph: which piece or attention call runs, in order,
@@ -236,8 +236,7 @@ class LoadedForward:
                 self.args.append(None)
                 self.per_call.append((i, spec))
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        call = (input_ids, positions)
+    def __call__(self, *call: torch.Tensor) -> torch.Tensor:
         args = list(self.args)
         for i, spec in self.per_call:
             args[i] = call[spec[1]] if spec[0] == "input" else call[spec[1]].shape[spec[2]]

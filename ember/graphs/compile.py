@@ -7,6 +7,7 @@ API:
     compile_model(model, compile_mode, *, cache_key=None, cache_root=None, graph_manager=None,
                   disabled_fusions=()) -> forward callable
     CompiledModel(model, ..., disabled_fusions=(), dedupe=True)(input_ids [T], positions [T]) -> hidden [T, H]
+        (input_ids, positions, logits_indices [N]) -> hidden [N, H] for a model whose tail runs on those tokens
         .stats -> CompileStats;  .split_module -> the split torch.fx.GraphModule, traced or loaded (after 1st call)
         .fusion -> the fusion passes (ember.graphs.passes) Inductor runs on each distinct piece, with their match
                    counts (zero on a warm start: loaded pieces are not passed through again)
@@ -22,7 +23,10 @@ and saves the split graph and the artifacts (`ember.graphs.artifacts`). With the
 are loaded and called directly: no dynamo trace, no Inductor lowering. The directory name adds the enabled fusion
 passes to `cache_key`, so turning a pass off never loads code compiled with it. Every later call, whatever its token count,
 reuses that one graph: the compiled frame keeps no guards (the model, its parameters and the grad mode are fixed
-for an inference engine), so call it under torch.inference_mode() consistently.
+for an inference engine), so call it under torch.inference_mode() consistently, and always with the same inputs.
+A third input, `logits_indices`, is traced with a dynamic size of its own (the row count of a prefill-skipping
+tail, which changes inside the forward); that trace gives each input size its own symbol even where two are equal
+at the first call (no duck sizing), since a guard that ties them would be dropped with the others.
 With a `graph_manager` (ember.graphs.cuda_graph), each compiled piece is wrapped for PIECEWISE CUDA graphs.
 """
 
@@ -278,10 +282,10 @@ def _compile_piece(piece: torch.fx.GraphModule, args: list, inductor_options: Ma
 
 
 def _private_forward(model: nn.Module) -> Callable:
-    """`model(input_ids, positions)` behind a code object of its own: dynamo caches compiled frames per code object,
-    and since this frame keeps no guards, a shared code object could hand one model's graph to another."""
-    def forward(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return model(input_ids, positions)
+    """`model(*inputs)` behind a code object of its own: dynamo caches compiled frames per code object, and since
+    this frame keeps no guards, a shared code object could hand one model's graph to another."""
+    def forward(*inputs: torch.Tensor) -> torch.Tensor:
+        return model(*inputs)
     forward.__code__ = forward.__code__.replace()
     return forward
 
@@ -305,6 +309,7 @@ class CompiledModel:
         self.graph_manager = graph_manager
         self.store = ArtifactStore(self.cache_dir) if use_artifacts else None
         self._call_inputs: tuple[torch.Tensor, ...] = ()
+        self._arity: int | None = None          # how many inputs the first call had; every call must have as many
         self.backend = PiecewiseBackend(self.stats, graph_manager, dedupe=dedupe, inductor_options=inductor_options,
                                         store=self.store, describe_inputs=self._describe_inputs)
         self._compiled: Callable = torch.compile(_private_forward(model), backend=self.backend, fullgraph=True,
@@ -312,10 +317,15 @@ class CompiledModel:
         self.split_module: torch.fx.GraphModule | None = None
         self._ready = False
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                 logits_indices: torch.Tensor | None = None) -> torch.Tensor:
+        inputs = (input_ids, positions) if logits_indices is None else (input_ids, positions, logits_indices)
         if self._ready:
-            return self._compiled(input_ids, positions)
-        return self._first_call(input_ids, positions)
+            if len(inputs) != self._arity:
+                raise ValueError(f"this compiled model was traced with {self._arity} inputs and is called with "
+                                 f"{len(inputs)}; logits_indices must be given on every call or on none")
+            return self._compiled(*inputs)
+        return self._first_call(inputs)
 
     def _describe_inputs(self, gm: torch.fx.GraphModule, example_inputs: list) -> list[InputSpec] | str:
         return describe_graph_inputs(self.model, self._call_inputs, gm, example_inputs)
@@ -337,11 +347,15 @@ class CompiledModel:
         self.stats.num_attention_splits, self.stats.artifacts_loaded = len(attention), graph.num_groups
         return True
 
-    def _first_call(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        num_tokens = input_ids.shape[0]
+    def _first_call(self, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        num_tokens = inputs[0].shape[0]
         if num_tokens < 2:
             raise ValueError(f"the first call of a compiled model compiles it and needs at least 2 tokens, got "
                              f"{num_tokens}; warm up with a larger batch (e.g. max_num_batched_tokens)")
+        if len(inputs) > 2 and inputs[2].shape[0] < 2:
+            raise ValueError(f"the first call of a compiled model compiles it and needs at least 2 logits_indices, "
+                             f"got {inputs[2].shape[0]}; warm up with more requests")
+        from torch.fx.experimental import _config as shapes_config
         from torch._dynamo.utils import counters
         keys = [("inductor", "fxgraph_cache_hit"), ("inductor", "fxgraph_cache_miss"),
                 ("aot_autograd", "autograd_cache_hit"), ("aot_autograd", "autograd_cache_miss")]
@@ -349,17 +363,22 @@ class CompiledModel:
         start = time.perf_counter()
         with inductor_cache_scope(self.cache_dir):
             if self._load():
-                out = self._compiled(input_ids, positions)
+                out = self._compiled(*inputs)
             else:
-                torch._dynamo.mark_dynamic(input_ids, 0)
-                torch._dynamo.mark_dynamic(positions, positions.dim() - 1)
-                self._call_inputs = (input_ids, positions)
+                torch._dynamo.mark_dynamic(inputs[0], 0)
+                torch._dynamo.mark_dynamic(inputs[1], inputs[1].dim() - 1)
+                for extra in inputs[2:]:
+                    torch._dynamo.mark_dynamic(extra, 0)
+                self._call_inputs = inputs
                 try:
-                    out = self._compiled(input_ids, positions)
+                    # the tail's row count must keep a symbol of its own even where it equals the token count
+                    with shapes_config.patch(use_duck_shape=len(inputs) == 2):
+                        out = self._compiled(*inputs)
                 finally:
                     self._call_inputs = ()
                 self.split_module = self.backend.split_module
         self.stats.seconds = time.perf_counter() - start
+        self._arity = len(inputs)
         self.stats.cache_counters = {k: counters[g][k] - before[k] for g, k in keys}
         self._ready = True
         s, c = self.stats, self.stats.cache_counters

@@ -119,8 +119,11 @@ class CudaGraphDispatcher:
     """
 
     def __init__(self, cudagraph_mode: CUDAGraphMode, capture_sizes: Sequence[int], max_num_seqs: int,
-                 support: CudaGraphSupport = CudaGraphSupport.ALWAYS):
+                 support: CudaGraphSupport = CudaGraphSupport.ALWAYS, pad_piecewise_reqs: bool = False):
         self.mode = CUDAGraphMode.parse(cudagraph_mode)
+        # PIECEWISE descriptors that pad the request rows as FULL ones do: a model whose last layers run on one row
+        # per request (a prefill-skipping tail) needs a row count fixed per bucket for those layers' graphs
+        self.pad_piecewise_reqs = pad_piecewise_reqs
         self.support = CudaGraphSupport(support)
         self.max_num_seqs = max_num_seqs
         if self.mode == M.NONE:
@@ -144,6 +147,9 @@ class CudaGraphDispatcher:
         # a bucket of T tokens holds at most T requests, and never more than the request rows that exist
         return BatchDescriptor(bucket, min(bucket, self.max_num_seqs), uniform_decode)
 
+    def _piecewise_desc(self, bucket: int) -> BatchDescriptor:
+        return BatchDescriptor(bucket, min(bucket, self.max_num_seqs) if self.pad_piecewise_reqs else None)
+
     def dispatch(self, num_tokens: int, num_reqs: int, uniform_decode: bool) -> tuple[CUDAGraphMode, BatchDescriptor]:
         """The runtime mode and padded descriptor for a step of `num_tokens` tokens over `num_reqs` requests."""
         if self._full_decode and uniform_decode and num_tokens == num_reqs:
@@ -155,7 +161,7 @@ class CudaGraphDispatcher:
             if bucket is not None:
                 if self._full_mixed:
                     return M.FULL, self._full_desc(bucket, False)
-                return M.PIECEWISE, BatchDescriptor(bucket)
+                return M.PIECEWISE, self._piecewise_desc(bucket)
         return M.NONE, BatchDescriptor(num_tokens, None, uniform_decode)
 
     def capture_list(self) -> list[tuple[CUDAGraphMode, BatchDescriptor]]:
@@ -167,5 +173,5 @@ class CudaGraphDispatcher:
         if self._full_mixed:
             out += [(M.FULL, self._full_desc(s, False)) for s in self.sizes]
         elif self._piecewise_mixed:
-            out += [(M.PIECEWISE, BatchDescriptor(s)) for s in self.sizes]
+            out += [(M.PIECEWISE, self._piecewise_desc(s)) for s in self.sizes]
         return sorted(out, key=lambda md: (-md[1].num_tokens, md[0].value, md[1].uniform_decode))

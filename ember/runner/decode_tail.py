@@ -19,15 +19,19 @@ from ember.runner.sampling_inputs import graph_sampling_metadata
 
 
 class DecodeTail:
-    """`tail(hidden, num_rows)` -> sampled tokens [num_rows] of the step whose inputs sit in `input_batch`."""
+    """`tail(hidden, num_rows)` -> sampled tokens [num_rows] of the step whose inputs sit in `input_batch`;
+    `rows_are_logits`: the forward returns only the logits tokens' rows (a prefill-skipping model), in order."""
 
-    def __init__(self, model: torch.nn.Module, sampler: Sampler, table: RequestTable, input_batch: InputBatch):
+    def __init__(self, model: torch.nn.Module, sampler: Sampler, table: RequestTable, input_batch: InputBatch,
+                 rows_are_logits: bool = False):
         self.model, self.sampler, self.table, self.input_batch = model, sampler, table, input_batch
+        self.rows_are_logits = rows_are_logits
 
     def __call__(self, hidden: torch.Tensor, num_rows: int) -> torch.Tensor:
         ib = self.input_batch
         idx, sample_index = ib.row_info[0, :num_rows], ib.row_info[3, :num_rows]
-        logits = self.model.compute_logits(hidden[ib.logits_indices[:num_rows]])          # [R, V]
+        rows = hidden[:num_rows] if self.rows_are_logits else hidden[ib.logits_indices[:num_rows]]
+        logits = self.model.compute_logits(rows)                                          # [R, V]
         meta = graph_sampling_metadata(self.table, idx, ib.seq_lens[:num_rows])
         tokens = self.sampler(logits, meta).sampled_token_ids                             # [R]
         self.table.write_sampled(sample_index, tokens)

@@ -81,19 +81,19 @@ class ModelRunner:
             pack_if_it_fits(self.model, available_memory_bytes())
         self.capture_sizes = (resolve_capture_sizes(config.compile.cudagraph_capture_sizes, self.max_num_tokens)
                               if self.modes.cudagraph_mode != CUDAGraphMode.NONE else ())
+        # a tail of KV-sharing layers runs on the logits tokens only, with metadata of its own (one query per
+        # request) from builders of its own. Compiled, it traces a row count of its own, which needs two rows at
+        # the first call; under graphs the row count is fixed per bucket (request rows padded, PIECEWISE too)
+        has_tail = bool(getattr(self.model, "skips_prefill", False))
+        self.skip_prefill = has_tail and (self.modes.compile_mode == "none" or self.max_num_reqs >= 2)
+        if has_tail and not self.skip_prefill:
+            logger.info("KV-sharing layers run on every token: a compiled prefill skip needs max_num_seqs >= 2")
         self.dispatcher = CudaGraphDispatcher(self.modes.cudagraph_mode, self.capture_sizes, self.max_num_reqs,
-                                              self.modes.support)
+                                              self.modes.support, pad_piecewise_reqs=self.skip_prefill)
         # buffers are sized for the longest context the model allows; the KV cache may cap it lower below
         upper_len = config.model.max_model_len or self.model_max_len()
         self.table = RequestTable(len(self.attn.groups), cc.block_size, self.max_num_reqs, upper_len,
                                   self.vocab_size, self.device)
-        # a tail of KV-sharing layers runs on the logits tokens only, with metadata of its own (one query per
-        # request) from builders of its own; eager only for now: compiled pieces and CUDA graphs see one token count
-        has_tail = bool(getattr(self.model, "skips_prefill", False))
-        self.skip_prefill = has_tail and self.modes.compile_mode == "none" and not self.capture_sizes
-        if has_tail and not self.skip_prefill:
-            logger.info("KV-sharing layers run on every token: the prefill skip needs eager mode (compile_mode "
-                        "'none', no CUDA graphs)")
         self.input_batch = InputBatch(len(self.attn.groups), self.max_num_reqs, self.max_num_tokens,
                                       self.table.max_blocks, self.device, tail_metadata=has_tail)
         self.upload = PackedUpload(4 * self.max_num_tokens + 16 * self.max_num_reqs + 1024, self.device)
@@ -102,7 +102,8 @@ class ModelRunner:
         self.builders = make_builders(*builder_args)
         self.tail_builders = make_builders(*builder_args) if has_tail else []
         self.sampler = Sampler()
-        self.decode_tail = DecodeTail(self.model, self.sampler, self.table, self.input_batch)
+        self.decode_tail = DecodeTail(self.model, self.sampler, self.table, self.input_batch,
+                                      rows_are_logits=self.skip_prefill)
         self.host_ring = HostRing(self.max_num_reqs, self.device) if self.device.type == "cuda" else None
         self.graphs = (CUDAGraphManager(self.device, lazy=config.compile.cudagraph_capture == "lazy")
                        if self.modes.cudagraph_mode != CUDAGraphMode.NONE else None)
@@ -136,7 +137,7 @@ class ModelRunner:
     def _build_forward(self):
         mode = self.modes.compile_mode
         key = (compile_cache_key(self.hf_config.to_dict(), self.dtype, device=self.device,
-                                 settings={"capture_sizes": list(self.capture_sizes),
+                                 settings={"capture_sizes": list(self.capture_sizes), "prefill_skip": self.skip_prefill,
                                            "disabled_fusions": list(self.config.compile.disabled_fusions)})
                if mode != "none" else None)
         piecewise = self.graphs if self.modes.cudagraph_mode.has_piecewise else None

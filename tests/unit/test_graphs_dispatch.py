@@ -265,3 +265,15 @@ def test_weak_alias_views_the_same_memory():
     assert alias.data_ptr() == view.data_ptr() and alias.shape == view.shape and alias.stride() == view.stride()
     base[2] = 100.0
     assert alias[0, 0].item() == 100.0 and torch.equal(alias, view)
+
+
+def test_piecewise_descriptors_pad_requests_for_a_skipping_tail():
+    plain = CudaGraphDispatcher(M.PIECEWISE, [8, 16, 32], max_num_seqs=12)
+    padded = CudaGraphDispatcher(M.PIECEWISE, [8, 16, 32], max_num_seqs=12, pad_piecewise_reqs=True)
+    assert plain.dispatch(10, 3, False) == (M.PIECEWISE, BatchDescriptor(16))
+    # the tail's row count is fixed per bucket: min(bucket, max_num_seqs)
+    assert padded.dispatch(10, 3, False) == (M.PIECEWISE, BatchDescriptor(16, 12))
+    assert padded.dispatch(5, 2, False) == (M.PIECEWISE, BatchDescriptor(8, 8))
+    assert {d for _, d in padded.capture_list()} == {BatchDescriptor(8, 8), BatchDescriptor(16, 12),
+                                                     BatchDescriptor(32, 12)}
+    assert padded.dispatch(40, 3, False) == (M.NONE, BatchDescriptor(40, None, False))

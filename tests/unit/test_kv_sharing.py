@@ -111,3 +111,33 @@ def test_engine_greedy_tokens_equal_the_reference_with_the_skip_on_and_off(engin
     scored = llm.engine.score(prompts[1])
     ref = hf(torch.tensor([prompts[1]])).logits[0].float()
     assert scored.shape == ref.shape and (scored - ref).abs().max().item() <= LOGITS_ATOL
+
+
+def test_compiled_engine_skips_the_prefill_and_reloads_it(engine_pair, tmp_path, monkeypatch):
+    """Under torch.compile (Inductor's C++ backend) the tail's row count is a dynamic size of its own: greedy tokens
+    equal the reference, the forward returns one row per request, and a second build loads the same graph."""
+    from ember import LLM, SamplingParams
+
+    monkeypatch.setenv("EMBER_CACHE", str(tmp_path))
+    hf, path = engine_pair
+    prompts = PROMPTS + [list(range(60, 90))]
+    expected = []
+    for p in prompts:
+        out = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                          max_new_tokens=12, min_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
+        expected.append(out[0, len(p):].tolist())
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    for build in ("traced", "loaded"):
+        llm = LLM(path, device="cpu", block_size=8, max_num_batched_tokens=16, compile_mode="default")
+        runner = llm.engine.runner
+        stats = runner.compile_stats
+        assert runner.skip_prefill
+        assert (stats.artifacts_loaded > 0) == (build == "loaded")
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == expected, build
+        with torch.inference_mode():
+            hidden, _ = runner._dummy_forward(16, 3, skip=True)
+            assert hidden.shape[0] == 3
+            # traced with the tail's rows: calling it without them is refused, not silently wrong
+            with pytest.raises(ValueError, match="logits_indices"):
+                runner.forward_fn(torch.zeros(4, dtype=torch.int64), torch.arange(4))
