@@ -81,9 +81,8 @@ class ModelRunner:
             pack_if_it_fits(self.model, available_memory_bytes())
         self.capture_sizes = (resolve_capture_sizes(config.compile.cudagraph_capture_sizes, self.max_num_tokens)
                               if self.modes.cudagraph_mode != CUDAGraphMode.NONE else ())
-        # a tail of KV-sharing layers runs on the logits tokens only, with metadata of its own (one query per
-        # request) from builders of its own. Compiled, it traces a row count of its own, which needs two rows at
-        # the first call; under graphs the row count is fixed per bucket (request rows padded, PIECEWISE too)
+        # a tail of KV-sharing layers runs on the logits tokens only, with builders of its own; compiled, it traces
+        # a row count of its own (two rows at least); under graphs request rows are padded per bucket, PIECEWISE too
         has_tail = bool(getattr(self.model, "skips_prefill", False))
         self.skip_prefill = has_tail and (self.modes.compile_mode == "none" or self.max_num_reqs >= 2)
         if has_tail and not self.skip_prefill:
@@ -159,6 +158,9 @@ class ModelRunner:
         with forward_context(ForwardContext(self.layer_states, metadata, desc, mode)):
             if skip:
                 out = self.forward_fn(batch.input_ids, batch.positions, batch.logits_indices_padded)
+            elif self.skip_prefill and self.modes.compile_mode != "none":   # traced with the rows: pass them all
+                rows = torch.arange(batch.input_ids.shape[0], device=self.device)
+                out = self.forward_fn(batch.input_ids, batch.positions, rows)
             else:
                 out = self.forward_fn(batch.input_ids, batch.positions)
         return out if self._forward_samples else (out, None)
@@ -258,7 +260,7 @@ class ModelRunner:
     def _capture(self) -> None:
         def run_step(mode: CUDAGraphMode, desc: BatchDescriptor) -> None:
             num_reqs = desc.num_reqs if desc.uniform_decode else 1
-            self._dummy_forward(desc.num_tokens, num_reqs, mode, desc)
+            self._dummy_forward(desc.num_tokens, num_reqs, mode, desc, skip=self.skip_prefill)
 
         captures = self.dispatcher.capture_list()
         if self.graphs.lazy:
@@ -380,6 +382,8 @@ class ModelRunner:
         try:
             num_reqs = step.num_reqs
             mode, desc = self.dispatcher.dispatch(step.total_num_tokens, num_reqs, step.num_decodes == num_reqs)
+            if self.skip_prefill:   # every row is wanted: graphs of this model were captured with the tail's rows
+                mode, desc = CUDAGraphMode.NONE, BatchDescriptor(step.total_num_tokens)
             num_reqs_padded = desc.padded_num_reqs(num_reqs)
             layout, seg, buf = self._stage(step, num_reqs_padded)
             batch = self.input_batch.prepare(self.table, layout, seg, buf, desc.num_tokens, num_reqs_padded,

@@ -141,3 +141,7 @@ def test_compiled_engine_skips_the_prefill_and_reloads_it(engine_pair, tmp_path,
             # traced with the tail's rows: calling it without them is refused, not silently wrong
             with pytest.raises(ValueError, match="logits_indices"):
                 runner.forward_fn(torch.zeros(4, dtype=torch.int64), torch.arange(4))
+        # scoring needs every token's logits: the compiled tail then runs on every row
+        scored = llm.engine.score(prompts[1])
+        ref = hf(torch.tensor([prompts[1]])).logits[0].float()
+        assert scored.shape == ref.shape and (scored - ref).abs().max().item() <= LOGITS_ATOL
