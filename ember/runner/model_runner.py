@@ -108,22 +108,22 @@ class ModelRunner:
                        if self.modes.cudagraph_mode != CUDAGraphMode.NONE else None)
         self.forward_fn = self._build_forward()
 
-        # a full-size step against a two-block cache: compiles the model and measures the activation peak
-        self.layer_states = allocate_kv_caches(self.attn, 2, self.device, len(self.builders))
+        # a full-size step against a two-block cache compiles the model and measures the activation peak
+        tail_offset = len(self.builders) if self.tail_builders else 0   # where KV-sharing layers read metadata
+        self.layer_states = allocate_kv_caches(self.attn, 2, self.device, tail_offset)
         needs_warmup = self.device.type == "cuda" or self.modes.compile_mode != "none"
         peak = self._profile_run() if needs_warmup else 0
         self.num_blocks = self._num_kv_blocks(peak)
         self.max_model_len = self._resolve_max_model_len()
         self._log_capacity()
-        self.layer_states = allocate_kv_caches(self.attn, self.num_blocks, self.device, len(self.builders))
+        self.layer_states = allocate_kv_caches(self.attn, self.num_blocks, self.device, tail_offset)
         if self.graphs is not None:
             self._capture()
         if config.compile.jit_warmup or (config.compile.jit_warmup is None and self.device.type == "cuda"):
             # under lazy capture the warm-up's steps run without graphs: they must not count as a bucket's uses
             with self.graphs.pause() if self.graphs is not None and self.graphs.lazy else contextlib.nullcontext():
                 self.times.warmup_s = run_warmup(self)
-        t = self.times
-        total = time.perf_counter() - t0
+        t, total = self.times, time.perf_counter() - t0
         logger.info("start-up %.1f s: load %.1f s, compile %.1f s%s, capture %.1f s (%.0f MiB), warm-up %.1f s, "
                     "other %.1f s", total, t.load_s, t.compile_s, " (cached)" if t.compile_cache_hit else "",
                     t.capture_s, t.graph_memory_bytes / 2**20, t.warmup_s,
