@@ -162,6 +162,25 @@ def attend_tiles(acc, m_i, l_i, q, k_base, v_base, block_table_row, tile_lo, til
 
 
 @triton.jit
+def attend_new_key(acc, m_i, l_i, q, k_new, v_new, qk_scale, softcap, USE_SOFTCAP: tl.constexpr):
+    """One more key at the query's own position, from registers: the online-softmax step of `attend_tiles` for
+    k_new/v_new [HEAD_PAD] (already in the cache's dtype). Neither ALiBi (distance 0) nor the window or the causal
+    mask can hide a token's own key, so it needs no mask."""
+    s = reduce_sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1)            # [M]
+    if USE_SOFTCAP:
+        s = softcap * _tanh(s * (qk_scale / softcap)) * LOG2E
+    else:
+        s = s * (qk_scale * LOG2E)
+    m_new = tl.maximum(m_i, s)
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new)
+    l_i = l_i * alpha + p
+    # p rounded to the value dtype as attend_tiles' P @ V rounds it
+    acc = acc * alpha[:, None] + p.to(v_new.dtype).to(tl.float32)[:, None] * v_new.to(tl.float32)[None, :]
+    return acc, m_new, l_i
+
+
+@triton.jit
 def combine_segments(out_row_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, sinks_ptr, row0, head, num_written,
                      HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
                      USE_SINKS: tl.constexpr):

@@ -5,6 +5,9 @@ one KV head of a tile of consecutive tokens at a time; with the head outside the
 is one contiguous run of block_size * head_size elements (4 KiB for 16 x 128 bf16), so a tile is a few long
 contiguous reads instead of block_size short rows strided by num_kv_heads * head_size. The write side pays the
 strided access instead, once per token, which is cheap next to the many reads of every cached token.
+
+A decode-only step needs no launch of this kernel: the decode attention kernel writes its tokens (`new_kv` of the
+launchers), with the same slot rule.
 """
 
 from __future__ import annotations

@@ -49,19 +49,36 @@ def _check(query: torch.Tensor, key_cache: torch.Tensor, out: torch.Tensor) -> t
     return num_heads, num_kv_heads, head_size
 
 
+def _new_kv_args(new_kv, query, key_cache):
+    """The kernel's (key, value, slot_mapping) pointers and their strides for `new_kv`, or stand-ins without it."""
+    if new_kv is None:
+        return (query, query, query), (0, 0, 0, 0)
+    key, value, slot_mapping = new_kv
+    if (key.shape[0] < query.shape[0] or key.shape[1:] != key_cache.shape[1::2] or value.shape != key.shape):
+        raise ValueError(f"new key {tuple(key.shape)} and value {tuple(value.shape)} must be [{query.shape[0]} "
+                         f"tokens, {key_cache.shape[1]}, {key_cache.shape[3]}] like the query and the cache")
+    if slot_mapping.dtype != torch.int64 or slot_mapping.shape[0] < query.shape[0]:
+        raise ValueError(f"slot_mapping must be int64 with an entry per token, got {slot_mapping.dtype} "
+                         f"[{slot_mapping.shape[0]}] for {query.shape[0]} tokens")
+    key = key if key.stride(2) == 1 else key.contiguous()
+    value = value if value.stride(2) == 1 else value.contiguous()
+    return (key, value, slot_mapping), (key.stride(0), key.stride(1), value.stride(0), value.stride(1))
+
+
 def _common_args(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, num_decodes, sinks,
-                 alibi_slopes, num_seqs, scale, sliding_window, soft_cap, stride_out):
+                 alibi_slopes, num_seqs, scale, sliding_window, soft_cap, stride_out, new_kv=None):
     # Unused optional pointers get a harmless stand-in: the kernel never dereferences them (constexpr flags).
     dummy = query_start_loc
+    new_ptrs, new_strides = _new_kv_args(new_kv, query, key_cache)
     return ((query, key_cache, value_cache, block_table, query_start_loc, seq_lens,
              num_decodes if num_decodes is not None else dummy,
-             sinks if sinks is not None else dummy, alibi_slopes if alibi_slopes is not None else dummy,
+             sinks if sinks is not None else dummy, alibi_slopes if alibi_slopes is not None else dummy, *new_ptrs,
              num_seqs, float(scale), float(soft_cap or 0.0), int(sliding_window or 0),
              query.stride(0), query.stride(1), *stride_out,
-             key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_table.stride(0)),
+             key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_table.stride(0), *new_strides),
             dict(USE_WINDOW=sliding_window is not None, USE_SOFTCAP=bool(soft_cap), USE_SINKS=sinks is not None,
                  USE_ALIBI=alibi_slopes is not None, IEEE=query.dtype == torch.float32,
-                 BLOCK_SIZE=key_cache.shape[2]))
+                 BLOCK_SIZE=key_cache.shape[2], NEW_KV=new_kv is not None))
 
 
 def unified_attention_2d(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, out: torch.Tensor,
@@ -69,12 +86,19 @@ def unified_attention_2d(query: torch.Tensor, key_cache: torch.Tensor, value_cac
                          num_seqs: int, num_tokens: int, scale: float, config: TileConfig, mode: int = MODE_ALL,
                          num_decodes: torch.Tensor | None = None, sliding_window: int | None = None,
                          soft_cap: float | None = None, sinks: torch.Tensor | None = None,
-                         alibi_slopes: torch.Tensor | None = None) -> None:
+                         alibi_slopes: torch.Tensor | None = None,
+                         new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
     """Causal paged attention into out [T, Hq, D] for query [T, Hq, D] over caches [blocks, Hkv, block_size, D].
 
     num_seqs: rows of seq_lens (query_start_loc has num_seqs + 1); num_tokens: the padded token count the grid
     covers. mode: MODE_ALL, MODE_DECODES (program i is request i; config.block_m >= G) or MODE_PREFILLS (requests
-    from num_decodes[0] on). num_decodes: int32 [1] device tensor of leading decodes, read by the kernel."""
+    from num_decodes[0] on). num_decodes: int32 [1] device tensor of leading decodes, read by the kernel.
+
+    new_kv: (key, value [T, Hkv, D], slot_mapping [T] int64), MODE_DECODES only: the cache does not hold the
+    decodes' new tokens yet; the kernel attends them from key/value and writes them at their slots, the work of
+    `write_kv_cache` for these tokens (slot -1: nothing written, the cache's entry is attended)."""
+    if new_kv is not None and mode != MODE_DECODES:
+        raise ValueError(f"new_kv needs mode MODE_DECODES ({MODE_DECODES}), got mode {mode}")
     num_heads, num_kv_heads, head_size = _check(query, key_cache, out)
     group = num_heads // num_kv_heads
     block_q = config.block_q(group)
@@ -90,7 +114,7 @@ def unified_attention_2d(query: torch.Tensor, key_cache: torch.Tensor, value_cac
         return
     args, flags = _common_args(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, num_decodes,
                                sinks, alibi_slopes, num_seqs, scale, sliding_window, soft_cap,
-                               (out.stride(0), out.stride(1)))
+                               (out.stride(0), out.stride(1)), new_kv)
     kernel = kernel_for(query.device, "unified_attention", "unified_attention_kernel", unified_attention_kernel)
     kernel[(programs, num_kv_heads)](
         out, out, out, out, out, *args,
@@ -113,10 +137,14 @@ def unified_attention_3d(query: torch.Tensor, key_cache: torch.Tensor, value_cac
                          scratch_out: torch.Tensor, scratch_max: torch.Tensor, scratch_sum: torch.Tensor,
                          num_decodes: torch.Tensor | None = None, sliding_window: int | None = None,
                          soft_cap: float | None = None, sinks: torch.Tensor | None = None,
-                         alibi_slopes: torch.Tensor | None = None, counters: torch.Tensor | None = None) -> None:
+                         alibi_slopes: torch.Tensor | None = None, counters: torch.Tensor | None = None,
+                         new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
     """Split-KV decode attention over the first num_seqs requests (or the first num_decodes[0], if given), each with
     one query token: num_segments programs per (request, KV head), then a reduce. Scratch: flat fp32 tensors of at
     least segment_scratch_numel(...) elements.
+
+    new_kv: as in `unified_attention_2d`; the last segment program of each (request, KV head) attends and writes
+    the new token.
 
     counters: int32, at least num_seqs x KV heads elements, all 0: the last segment program of each (request, KV
     head) combines the segments itself and resets its counter, and no reduce kernel is launched."""
@@ -136,7 +164,7 @@ def unified_attention_3d(query: torch.Tensor, key_cache: torch.Tensor, value_cac
         return
     args, flags = _common_args(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, num_decodes,
                                sinks, alibi_slopes, num_seqs, scale, sliding_window, soft_cap,
-                               (out.stride(0), out.stride(1)))
+                               (out.stride(0), out.stride(1)), new_kv)
     head_pad = max(16, triton.next_power_of_2(head_size))
     limit = num_decodes is not None
     kernel = kernel_for(query.device, "unified_attention", "unified_attention_kernel", unified_attention_kernel)

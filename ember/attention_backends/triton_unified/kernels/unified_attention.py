@@ -7,6 +7,11 @@ heads) a program owns a query block's whole KV range and writes the normalized o
 (FUSED_COMBINE, counted with an atomic per pair) or `reduce_segments` combines in a second launch; that fills the
 GPU when a decode batch is too small to.
 
+With NEW_KV (decode launches only: one query token per request) the kernel also does the KV-cache write of the
+step's new tokens: the cache holds each request's keys up to seq_len - 1, the program whose KV range ends at the
+new token attends that key from the key/value inputs (registers, never the cache) and stores it at the token's slot,
+so no program reads a cache entry another program of the launch writes and no separate write kernel is launched.
+
 A query tile packs the query heads sharing one KV head (GQA): row m is query token m // G of the block and
 query head kv_head * G + m % G, so every K/V tile is loaded once for the whole group.
 """
@@ -18,7 +23,8 @@ import triton.language as tl
 
 from ember.kernels.pdl import gdc_launch_dependents, gdc_wait
 
-from .attention_core import LOG2E, attend_tiles, cdiv, combine_segments, kv_tile_bounds, locate_query_block
+from .attention_core import (LOG2E, attend_new_key, attend_tiles, cdiv, combine_segments, kv_tile_bounds,
+                             locate_query_block)
 
 
 # num_seqs, the step's (padded) request count, varies per step: out of the specialization key (Triton would compile
@@ -27,15 +33,16 @@ from .attention_core import LOG2E, attend_tiles, cdiv, combine_segments, kv_tile
 def unified_attention_kernel(
     out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, counter_ptr,
     q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, query_start_loc_ptr, seq_lens_ptr, num_decodes_ptr,
-    sinks_ptr, alibi_ptr,
+    sinks_ptr, alibi_ptr, key_ptr, value_ptr, slot_mapping_ptr,
     num_seqs, qk_scale, softcap, window,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ch, stride_ct, stride_bt,
+    stride_kt, stride_kh, stride_vt, stride_vh,
     NUM_QUERIES_PER_KV: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
     NUM_SEGMENTS: tl.constexpr, MODE: tl.constexpr, LIMIT_DECODES: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_SINKS: tl.constexpr, USE_ALIBI: tl.constexpr,
     IEEE: tl.constexpr, UNMASKED_MIDDLE: tl.constexpr, FUSED_COMBINE: tl.constexpr = False,
-    PDL: tl.constexpr = False,
+    NEW_KV: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     if PDL:   # launched as a programmatic dependent (ember.kernels.pdl)
         gdc_wait()
@@ -88,29 +95,61 @@ def unified_attention_kernel(
         if seg_lo >= hi:  # segment past the sequence's end
             return
         seg_hi = tl.minimum(seg_lo + tiles_per_segment, hi)
+    # the loops read cached keys [0, kv_len); segments keep the split above (the reduce recomputes it)
+    kv_len = seq_len
+    if NEW_KV:
+        # decode: the new token (position seq_len - 1) comes from the inputs, not the cache; a slot of -1 (write
+        # nothing, as the cache-write kernel) leaves the cache as it is and reads the token from there
+        slot = tl.load(slot_mapping_ptr + q_start).to(tl.int64)
+        has_new = slot >= 0
+        kv_len = tl.where(has_new, seq_len - 1, seq_len)
+        hi_cached = cdiv(kv_len, TILE_N)
+        a = tl.minimum(a, hi_cached)
+        b = tl.minimum(tl.maximum(kv_len // TILE_N, a), hi_cached)   # tiles before b: cached and visible to all
+        hi_loop = hi_cached
+    else:
+        hi_loop = hi
 
     block_table_row = block_table_ptr + seq.to(tl.int64) * stride_bt
     k_base = k_cache_ptr + kv_head.to(tl.int64) * stride_ch
     v_base = v_cache_ptr + kv_head.to(tl.int64) * stride_ch
+    if NEW_KV:
+        # the one program whose range ends at the new token (the last segment) stores it now, its loads overlapping
+        # the loops, and attends it after them. The loops never attend that cache entry (at most they load the
+        # key's bytes, whose score is masked), so the order of store and loads does not matter.
+        owner = has_new & (seg_hi == hi)
+        new_ok = tl.where(owner, d_ok, False)   # not d_ok & owner: the interpreter makes that int32, not a mask
+        src = q_start.to(tl.int64)
+        k_new = tl.load(key_ptr + src * stride_kt + kv_head * stride_kh + offs_d, mask=new_ok, other=0.0)
+        v_new = tl.load(value_ptr + src * stride_vt + kv_head * stride_vh + offs_d, mask=new_ok, other=0.0)
+        k_new = k_new.to(k_cache_ptr.dtype.element_ty)
+        v_new = v_new.to(v_cache_ptr.dtype.element_ty)
+        dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_ct + offs_d
+        tl.store(k_base + dst, k_new, mask=new_ok)
+        tl.store(v_base + dst, v_new, mask=new_ok)
     if UNMASKED_MIDDLE:
         # three loops: masks only on the window edge and the causal diagonal (less ALU per tile, but three
         # inlined loops raise register pressure; TileConfig.unmasked_middle picks per launch)
         acc, m_i, l_i = attend_tiles(acc, m_i, l_i, q, k_base, v_base, block_table_row,
-                                     tl.maximum(lo, seg_lo), tl.minimum(a, seg_hi), q_pos, seq_len, slopes,
+                                     tl.maximum(lo, seg_lo), tl.minimum(a, seg_hi), q_pos, kv_len, slopes,
                                      qk_scale, softcap, window, stride_cb, stride_ct, HEAD_SIZE, HEAD_PAD, BLOCK_SIZE,
                                      TILE_N, True, USE_WINDOW, USE_SOFTCAP, USE_ALIBI, IEEE)
         acc, m_i, l_i = attend_tiles(acc, m_i, l_i, q, k_base, v_base, block_table_row,
-                                     tl.maximum(a, seg_lo), tl.minimum(b, seg_hi), q_pos, seq_len, slopes,
+                                     tl.maximum(a, seg_lo), tl.minimum(b, seg_hi), q_pos, kv_len, slopes,
                                      qk_scale, softcap, window, stride_cb, stride_ct, HEAD_SIZE, HEAD_PAD, BLOCK_SIZE,
                                      TILE_N, False, USE_WINDOW, USE_SOFTCAP, USE_ALIBI, IEEE)
         acc, m_i, l_i = attend_tiles(acc, m_i, l_i, q, k_base, v_base, block_table_row,
-                                     tl.maximum(b, seg_lo), tl.minimum(hi, seg_hi), q_pos, seq_len, slopes,
+                                     tl.maximum(b, seg_lo), tl.minimum(hi_loop, seg_hi), q_pos, kv_len, slopes,
                                      qk_scale, softcap, window, stride_cb, stride_ct, HEAD_SIZE, HEAD_PAD, BLOCK_SIZE,
                                      TILE_N, True, USE_WINDOW, USE_SOFTCAP, USE_ALIBI, IEEE)
     else:
-        acc, m_i, l_i = attend_tiles(acc, m_i, l_i, q, k_base, v_base, block_table_row, seg_lo, seg_hi, q_pos,
-                                     seq_len, slopes, qk_scale, softcap, window, stride_cb, stride_ct, HEAD_SIZE,
-                                     HEAD_PAD, BLOCK_SIZE, TILE_N, True, USE_WINDOW, USE_SOFTCAP, USE_ALIBI, IEEE)
+        acc, m_i, l_i = attend_tiles(acc, m_i, l_i, q, k_base, v_base, block_table_row, seg_lo,
+                                     tl.minimum(hi_loop, seg_hi), q_pos, kv_len, slopes, qk_scale, softcap, window,
+                                     stride_cb, stride_ct, HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, TILE_N, True, USE_WINDOW,
+                                     USE_SOFTCAP, USE_ALIBI, IEEE)
+    if NEW_KV:
+        if owner:
+            acc, m_i, l_i = attend_new_key(acc, m_i, l_i, q, k_new, v_new, qk_scale, softcap, USE_SOFTCAP)
 
     if NUM_SEGMENTS == 1:
         l_i = tl.where(l_i == 0.0, 1.0, l_i)

@@ -1,0 +1,146 @@
+"""The decode attention kernels writing the step's new K/V themselves (`new_kv`) against the cache-write kernel
+followed by the same kernels without it: the same outputs and byte-identical caches, 2D and 3D split-KV. CPU tensors
+run the interpreted kernels; float16/float32 only (the interpreter's tl.dot is wrong for bfloat16)."""
+
+import pytest
+import torch
+import triton
+
+import ember.attention_backends.triton_unified.kernels as K
+from tests.helpers.paged_batches import BatchShape, make_paged_batch, reference_output, tolerance
+
+SHAPES = {
+    # seq_len 1 (no context), on and just past a 16-key tile edge; padding requests and tokens
+    "edges_padded": BatchShape("edges_padded", (1, 1, 1, 1), (1, 16, 17, 40), pad_reqs=2, pad_tokens=3),
+    "gqa_4": BatchShape("gqa_4", (1, 1, 1), (33, 64, 5), num_heads=8, num_kv_heads=2),
+    "sliding_window": BatchShape("sliding_window", (1, 1, 1), (60, 9, 33), sliding_window=16),
+    "window_1": BatchShape("window_1", (1, 1), (20, 17), sliding_window=1),
+    "all_options": BatchShape("all_options", (1, 1, 1), (70, 5, 48), sliding_window=20, soft_cap=3.0, sinks=True,
+                              alibi=True),
+    "block_32_head_80": BatchShape("block_32_head_80", (1, 1), (61, 32), block_size=32, head_size=80),
+}
+TILE = K.TileConfig(block_m=16, tile_n=16)
+# fused and unfused differ only in the summation order of the new key's score (and an output rounding in float16)
+SAME = {torch.float32: 1e-5, torch.float16: 4e-3}
+
+
+def _attend(batch, cache, segments, new_kv, tile=TILE):
+    """Output of one decode launch over `cache` (2D for segments == 1, else 3D split-KV)."""
+    s = batch.shape
+    out = torch.full_like(batch.query, float("nan"))
+    layout = (batch.query, cache[0], cache[1], out, batch.block_table, batch.query_start_loc, batch.seq_lens)
+    kwargs = dict(scale=s.head_size ** -0.5, sliding_window=s.sliding_window, soft_cap=s.soft_cap, sinks=batch.sinks,
+                  alibi_slopes=batch.alibi_slopes, new_kv=new_kv)
+    if segments == 1:
+        K.unified_attention_2d(*layout, num_seqs=batch.num_reqs_padded, num_tokens=batch.num_tokens_padded,
+                               config=tile, mode=K.MODE_DECODES, **kwargs)
+    else:
+        n_out, n_rows = K.segment_scratch_numel(batch.num_reqs_padded, s.num_heads, s.head_size, segments)
+        scratch = [torch.full((n,), float("nan")) for n in (n_out, n_rows, n_rows)]
+        K.unified_attention_3d(*layout, num_seqs=batch.num_reqs_padded, config=tile, num_segments=segments,
+                               scratch_out=scratch[0], scratch_max=scratch[1], scratch_sum=scratch[2], **kwargs)
+    return out
+
+
+def _both(batch, segments, tile=TILE):
+    """(fused output, fused cache, unfused output, unfused cache), each from a copy of the batch's stale cache."""
+    unfused_cache = batch.kv_cache.clone()
+    K.write_kv_cache(batch.key, batch.value, unfused_cache[0], unfused_cache[1], batch.slot_mapping)
+    unfused = _attend(batch, unfused_cache, segments, None, tile)
+    fused_cache = batch.kv_cache.clone()
+    fused = _attend(batch, fused_cache, segments, (batch.key, batch.value, batch.slot_mapping), tile)
+    return fused, fused_cache, unfused, unfused_cache
+
+
+CASES = [(name, segments) for name in SHAPES for segments in (1, 4)] + [("edges_padded", 2), ("all_options", 8)]
+
+
+@pytest.mark.parametrize("name,segments", CASES, ids=[f"{n}-{'2d' if g == 1 else f'3d_seg{g}'}" for n, g in CASES])
+def test_fused_write_matches_write_kernel_then_attention(name, segments):
+    shape = SHAPES[name]
+    dtype = torch.float16 if list(SHAPES).index(name) % 2 else torch.float32
+    batch = make_paged_batch(shape, dtype, "cpu")
+    fused, fused_cache, unfused, unfused_cache = _both(batch, segments)
+    # every new token written once at its slot, padding nowhere, the NaN null block untouched: the write kernel's
+    # cache, byte for byte, and the batch's expected one
+    torch.testing.assert_close(fused_cache, unfused_cache, atol=0, rtol=0, equal_nan=True)
+    torch.testing.assert_close(fused_cache, batch.expected_cache, atol=0, rtol=0, equal_nan=True)
+    n = batch.num_tokens
+    assert not fused[:n].isnan().any(), "a decode row was not written"
+    assert fused[n:].isnan().all(), "a padding row was written"
+    assert (fused[:n].float() - unfused[:n].float()).abs().max().item() <= SAME[dtype]
+    assert (fused[:n].float() - reference_output(batch)).abs().max().item() <= tolerance(dtype)
+
+
+@pytest.mark.parametrize("segments", [1, 4], ids=["2d", "3d"])
+def test_fused_write_unmasked_middle_loops(segments):
+    """The three-loop variant: the tile that holds the new token must stay out of the unmasked middle."""
+    batch = make_paged_batch(BatchShape("middle", (1, 1, 1), (48, 49, 70), sliding_window=40), torch.float32, "cpu")
+    fused, fused_cache, unfused, unfused_cache = _both(batch, segments, K.TileConfig(16, 16, unmasked_middle=True))
+    torch.testing.assert_close(fused_cache, unfused_cache, atol=0, rtol=0, equal_nan=True)
+    assert (fused[:3] - unfused[:3]).abs().max().item() <= SAME[torch.float32]
+    assert (fused[:3] - reference_output(batch)).abs().max().item() <= tolerance(torch.float32)
+
+
+@pytest.mark.parametrize("segments", [1, 4], ids=["2d", "3d"])
+def test_slot_minus_one_writes_nothing_and_attends_the_cache(segments):
+    """As the write kernel: a token whose slot is -1 is not written, and its position is read from the cache."""
+    batch = make_paged_batch(BatchShape("unslotted", (1, 1, 1), (30, 17, 9)), torch.float32, "cpu")
+    batch.slot_mapping[1] = -1
+    fused, fused_cache, unfused, unfused_cache = _both(batch, segments)
+    torch.testing.assert_close(fused_cache, unfused_cache, atol=0, rtol=0, equal_nan=True)
+    assert not torch.equal(fused_cache[:, 1:], batch.expected_cache[:, 1:]), "the unslotted token was written"
+    assert (fused[:3] - unfused[:3]).abs().max().item() <= SAME[torch.float32]
+
+
+def test_fused_write_casts_to_the_cache_dtype():
+    batch = make_paged_batch(BatchShape("cast", (1, 1), (20, 7)), torch.float32, "cpu")
+    batch.kv_cache = batch.kv_cache.half()
+    batch.query = batch.query.half()
+    fused, fused_cache, unfused, unfused_cache = _both(batch, 1)
+    torch.testing.assert_close(fused_cache, unfused_cache, atol=0, rtol=0, equal_nan=True)
+    assert (fused[:2].float() - unfused[:2].float()).abs().max().item() <= SAME[torch.float16]
+
+
+def test_new_kv_arguments_are_checked():
+    batch = make_paged_batch(BatchShape("bad", (1, 5), (4, 9)), torch.float32, "cpu")
+    out = torch.empty_like(batch.query)
+    layout = (batch.query, batch.kv_cache[0], batch.kv_cache[1], out, batch.block_table, batch.query_start_loc,
+              batch.seq_lens)
+    with pytest.raises(ValueError, match="new_kv needs mode MODE_DECODES"):
+        K.unified_attention_2d(*layout, num_seqs=2, num_tokens=6, scale=1.0, config=TILE,
+                               new_kv=(batch.key, batch.value, batch.slot_mapping))
+    with pytest.raises(ValueError, match="slot_mapping must be int64"):
+        K.unified_attention_2d(*layout, num_seqs=2, num_tokens=6, scale=1.0, config=TILE, mode=K.MODE_DECODES,
+                               new_kv=(batch.key, batch.value, batch.slot_mapping.int()))
+    with pytest.raises(ValueError, match=r"new key \(6, 1, 64\)"):
+        K.unified_attention_2d(*layout, num_seqs=2, num_tokens=6, scale=1.0, config=TILE, mode=K.MODE_DECODES,
+                               new_kv=(batch.key[:, :1], batch.value[:, :1], batch.slot_mapping))
+
+
+@pytest.mark.parametrize("segments", [1, 16], ids=["2d", "3d"])
+def test_fused_write_compiles_for_sm90(segments):
+    """Compiled for an H100 on the CPU (the GPU path the interpreter does not check): both the key and the value
+    store are in the code, guarded by the branch of the program that owns the new token."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from ember.attention_backends.triton_unified.kernels import unified_attention as U
+    fn = U.unified_attention_kernel.fn
+    names = fn.__code__.co_varnames[:fn.__code__.co_argcount]
+    dtypes = {"part_out_ptr": "*fp32", "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32", "counter_ptr": "*i32",
+              "block_table_ptr": "*i32", "query_start_loc_ptr": "*i32", "seq_lens_ptr": "*i32",
+              "num_decodes_ptr": "*i32", "sinks_ptr": "*fp32", "alibi_ptr": "*fp32", "slot_mapping_ptr": "*i64"}
+    constexprs = dict(NUM_QUERIES_PER_KV=2, HEAD_SIZE=128, HEAD_PAD=128, BLOCK_SIZE=16, BLOCK_M=16, BLOCK_Q=1,
+                      TILE_N=64, NUM_SEGMENTS=segments, MODE=K.MODE_DECODES, LIMIT_DECODES=False, USE_WINDOW=False,
+                      USE_SOFTCAP=False, USE_SINKS=False, USE_ALIBI=False, IEEE=False, UNMASKED_MIDDLE=False,
+                      FUSED_COMBINE=False, NEW_KV=True, PDL=False)
+    signature = {name: "constexpr" if name in constexprs else dtypes.get(name, "*bf16") if name.endswith("_ptr")
+                 else "fp32" if name in ("qk_scale", "softcap") else "i32" for name in names}
+    kernel = triton.runtime.jit.JITFunction(fn)   # compiled even where TRITON_INTERPRET=1
+    compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
+                              target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=3))
+    ttir = compiled.asm["ttir"]
+    stores = [line for line in ttir.splitlines() if "tt.store" in line]
+    # output (2D) or the three partials (3D), plus the new key and value
+    assert len(stores) == (1 if segments == 1 else 3) + 2, stores
+    assert "scf.if" in ttir
