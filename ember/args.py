@@ -4,6 +4,25 @@ from __future__ import annotations
 
 import argparse
 
+_TRUE, _FALSE = ("1", "true", "on", "yes"), ("0", "false", "off", "no")
+
+
+def backend_option(text: str) -> tuple[str, object]:
+    """`NAME=VALUE` of --attention-backend-option as (name, value): true/false/on/off/yes/no/1/0 become booleans,
+    other numbers ints or floats, anything else stays a string."""
+    name, sep, raw = text.partition("=")
+    name, raw = name.strip(), raw.strip()
+    if not sep or not name.isidentifier() or not raw:
+        raise argparse.ArgumentTypeError(f"{text!r} is not NAME=VALUE (e.g. fused_decode_kv_write=off)")
+    if raw.lower() in _TRUE or raw.lower() in _FALSE:
+        return name, raw.lower() in _TRUE
+    for kind in (int, float):
+        try:
+            return name, kind(raw)
+        except ValueError:
+            pass
+    return name, raw
+
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Add the flags that configure an engine (`LLM(...)` arguments) to a parser."""
@@ -22,6 +41,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
                    help="wait for each step's tokens before scheduling the next (no host/device overlap)")
     p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--attention-backend-option", dest="attention_backend_options", action="append", default=[],
+                   type=backend_option, metavar="NAME=VALUE",
+                   help="a switch of the attention backend, e.g. fused_decode_kv_write=off or split_launch=on "
+                        "(triton_unified; repeatable)")
     p.add_argument("--compile-mode", default="auto", choices=["auto", "none", "default"])
     p.add_argument("--cudagraph-mode", default="auto")
     p.add_argument("--cudagraph-capture", default="eager", choices=["eager", "lazy"],
@@ -45,4 +68,4 @@ def engine_kwargs(args) -> dict:
                 compile_mode=args.compile_mode, cudagraph_mode=args.cudagraph_mode,
                 enforce_eager=args.enforce_eager, seed=args.seed, async_scheduling=args.async_scheduling,
                 disabled_fusions=tuple(args.disable_fusion), cudagraph_capture=args.cudagraph_capture,
-                jit_warmup=args.jit_warmup)
+                jit_warmup=args.jit_warmup, attention_backend_options=dict(args.attention_backend_options) or None)

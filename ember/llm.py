@@ -48,6 +48,9 @@ class LLM:
         if attention_backend != "auto":      # a misspelt name fails now, not after the model has loaded
             from ember.attention_backends.registry import get_backend
             get_backend(attention_backend)
+        if attention_backend_options:
+            from ember.attention_backends.registry import check_backend_options
+            check_backend_options(dict(attention_backend_options), attention_backend)
         if load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format {load_format!r} is not supported; use 'auto' or 'dummy' (random weights)")
         hf_config = None

@@ -93,6 +93,7 @@ class AttentionBackend:
     cudagraph_support: ClassVar[CudaGraphSupport] = CudaGraphSupport.NEVER
     builder_cls: ClassVar[type[MetadataBuilder]] = MetadataBuilder
     impl_cls: ClassVar[type[AttentionImpl]] = AttentionImpl
+    option_names: ClassVar[tuple[str, ...]] = ()         # the `backend_options` its builder reads
 
     @staticmethod
     def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:

@@ -82,6 +82,24 @@ def get_backend(name: str) -> type[AttentionBackend]:
     return _loaded[name]
 
 
+def check_backend_options(names, backend: str = "auto") -> None:
+    """ValueError for an option name that `backend` (for "auto": every registered backend that loads) does not
+    read, so that a misspelt switch fails at start-up instead of changing nothing."""
+    if backend != "auto":
+        known = set(get_backend(backend).option_names)
+    else:
+        known = set()
+        for name in available_backends():
+            try:
+                known.update(get_backend(name).option_names)
+            except ImportError:   # a plug-in whose dependencies are missing reads no options here
+                continue
+    unknown = sorted(set(names) - known)
+    if unknown:
+        raise ValueError(f"attention backend option(s) {unknown} are not read by backend {backend!r}; "
+                         f"known: {sorted(known)}")
+
+
 @dataclass(frozen=True)
 class Selection:
     """The chosen backend and why the others were passed over."""

@@ -126,7 +126,7 @@ def test_2d_and_3d_agree_on_the_same_decode_batch(name, dtype):
     assert (out_2d[:batch.num_tokens].float() - out_3d[:batch.num_tokens].float()).abs().max() <= tolerance(dtype)
 
 
-def _backend_parts(shape, dtype, split_launch, max_num_reqs=64, max_num_tokens=8192):
+def _backend_parts(shape, dtype, split_launch, max_num_reqs=64, max_num_tokens=8192, fused_write=True):
     from ember.attention_backends.base import BuilderContext
     from ember.attention_backends.registry import get_backend
     from ember.kv_spec import KVCacheGroup, KVCacheSpec
@@ -134,7 +134,7 @@ def _backend_parts(shape, dtype, split_launch, max_num_reqs=64, max_num_tokens=8
     spec = KVCacheSpec(shape.block_size, shape.num_kv_heads, shape.head_size, dtype, shape.sliding_window)
     ctx = BuilderContext(KVCacheGroup(("layer.0",), spec), 0, dtype, torch.device("cuda"), max_num_reqs,
                          max_num_tokens, 65536, capture_sizes=(1, 2, 4, 8, 16, 32, 64), num_sms=_num_sms(),
-                         backend_options=(("split_launch", split_launch),))
+                         backend_options=(("split_launch", split_launch), ("fused_decode_kv_write", fused_write)))
     assert backend.supports(spec, dtype, torch.device("cuda"), shape.options()) == []
     return backend, backend.builder_cls(ctx)
 
@@ -166,6 +166,32 @@ def test_backend_matches_torch_ref_without_host_sync(name, split_launch):
                      TorchRefBackend.builder_cls(builder.ctx).build(common), ref_out)
     torch.testing.assert_close(cache[:, 1:], ref_cache.transpose(2, 3)[:, 1:], atol=0, rtol=0)
     assert _err(out, ref_out[:batch.num_tokens].float()) <= tolerance(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("name", ["small_decode", "single_long_decode", "large_decode", "all_options", "gqa_8",
+                                  "padding_rows"])
+def test_fused_decode_kv_write_matches_the_write_kernel(name, dtype):
+    """A uniform-decode bucket with `fused_decode_kv_write` on (the attention launch writes the new K/V) and off
+    (the write kernel first): byte-identical caches, outputs equal within rounding, both at the reference."""
+    shape = next(s for s in SHAPES if s.name == name)
+    shape = dataclasses.replace(shape, query_lens=(1,) * len(shape.query_lens))
+    batch = make_paged_batch(shape, dtype, "cuda")
+    common = common_metadata(batch)
+    assert common.uniform_decode
+    ref = reference_output(batch)
+    outs, caches = [], []
+    for fused_write in (True, False):
+        backend, builder = _backend_parts(shape, dtype, False, fused_write=fused_write)
+        impl = backend.impl_cls(shape.options(), sinks=batch.sinks, alibi_slopes=batch.alibi_slopes)
+        cache, out = batch.kv_cache.clone(), torch.full_like(batch.query, float("nan"))
+        impl.forward(batch.query, batch.key, batch.value, cache, builder.build(common), out)
+        outs.append(out)
+        caches.append(cache)
+    torch.testing.assert_close(caches[0], caches[1], atol=0, rtol=0, equal_nan=True)
+    torch.testing.assert_close(caches[0], batch.expected_cache, atol=0, rtol=0, equal_nan=True)
+    assert _err(outs[0], ref) <= tolerance(dtype) and _err(outs[1], ref) <= tolerance(dtype)
+    assert (outs[0][:batch.num_tokens].float() - outs[1][:batch.num_tokens].float()).abs().max() <= tolerance(dtype)
 
 
 @pytest.mark.parametrize("split_launch", [False, True], ids=["single", "split"])

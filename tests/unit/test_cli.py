@@ -4,6 +4,8 @@ built-in backends; bad arguments exit with a clear message."""
 import subprocess
 import sys
 
+import pytest
+
 from ember import LLM, SamplingParams
 from ember.cli import main
 
@@ -56,3 +58,25 @@ def test_ctrl_c_ends_with_one_line_and_exit_130(monkeypatch, capsys):
     assert main(["generate", "--device", "cpu", "--prompt", "hi"]) == 130
     err = capsys.readouterr().err
     assert err == "ember: interrupted\n"
+
+
+def test_attention_backend_options_from_the_command_line(monkeypatch, capsys):
+    import argparse
+    from ember.args import add_engine_args, engine_kwargs
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = parser.parse_args(["--attention-backend-option", "fused_decode_kv_write=off",
+                              "--attention-backend-option", "split_launch=True", "--attention-backend-option", "x=2"])
+    assert engine_kwargs(args)["attention_backend_options"] == {"fused_decode_kv_write": False,
+                                                                "split_launch": True, "x": 2}
+    assert engine_kwargs(parser.parse_args([]))["attention_backend_options"] is None
+    monkeypatch.setattr("ember.llm.Engine", lambda *a, **k: (_ for _ in ()).throw(AssertionError("model loaded")))
+    monkeypatch.setattr("ember.models.default_model.ensure_default_model",
+                        lambda *a, **k: (_ for _ in ()).throw(AssertionError("model fetched")))
+    with pytest.raises(SystemExit) as exit_info:   # argparse's own error exit
+        main(["generate", "--device", "cpu", "--prompt", "hi", "--attention-backend-option", "split_launch"])
+    assert exit_info.value.code == 2
+    assert "'split_launch' is not NAME=VALUE" in capsys.readouterr().err
+    assert main(["generate", "--device", "cpu", "--prompt", "hi", "--attention-backend-option",
+                 "fused_decode_kv_wirte=off"]) == 2
+    assert "['fused_decode_kv_wirte'] are not read by backend 'auto'" in capsys.readouterr().err

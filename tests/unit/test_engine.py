@@ -151,14 +151,29 @@ def test_chunked_prefill_with_prefix_caching(tiny_llama):
     assert llm.engine.stats.num_prefix_cache_hits == 3 * 16
 
 
-def test_triton_backend_through_the_engine_matches_reference(tiny_qwen3, monkeypatch):
+@pytest.mark.parametrize("fused_write", [True, False], ids=["fused_decode_kv_write", "write_kernel"])
+def test_triton_backend_through_the_engine_matches_reference(tiny_qwen3, monkeypatch, fused_write):
     """The whole engine through the Triton kernels (interpreted on the CPU) gives the reference backend's tokens,
-    with chunked prefill and decodes mixed in one step."""
+    with chunked prefill and decodes mixed in one step, then decode-only steps (whose attention launch writes the
+    new K/V itself unless `fused_decode_kv_write` is off); the top-5 logprobs of every step agree too (a random tiny
+    model's greedy tokens barely depend on the context)."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     path, _ = tiny_qwen3
-    prompts = [[1, 5, 9, 33, 7], list(range(3, 40)), [200]]
-    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    ref = generate(LLM(path, device="cpu", attention_backend="torch_ref", max_num_batched_tokens=16), prompts, params)
-    llm = LLM(path, device="cpu", attention_backend="triton_unified", max_num_batched_tokens=16)
+    prompts = [{"prompt_token_ids": p} for p in ([1, 5, 9, 33, 7], list(range(3, 40)), [200])]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=5)
+    ref = LLM(path, device="cpu", attention_backend="torch_ref", max_num_batched_tokens=16).generate(
+        prompts, params, use_tqdm=False)
+    llm = LLM(path, device="cpu", attention_backend="triton_unified", max_num_batched_tokens=16,
+              attention_backend_options={"fused_decode_kv_write": fused_write})
     assert llm.engine.runner.attn.backends[0].name == "triton_unified"
-    assert generate(llm, prompts, params) == ref
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
+    for g, r in zip(got, ref):
+        for g_step, r_step in zip(g.outputs[0].logprobs, r.outputs[0].logprobs, strict=True):
+            assert g_step.keys() == r_step.keys()
+            assert max(abs(g_step[t].logprob - r_step[t].logprob) for t in r_step) <= 1e-4
+
+
+def test_a_misspelt_attention_backend_option_is_refused():
+    with pytest.raises(ValueError, match=r"\['fused_decode_kv_wirte'\] are not read by backend 'triton_unified'"):
+        LLM(None, attention_backend="triton_unified", attention_backend_options={"fused_decode_kv_wirte": False})

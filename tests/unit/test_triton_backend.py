@@ -16,23 +16,27 @@ from ember.kv_spec import KVCacheGroup, KVCacheSpec
 Backend = B.TritonUnifiedBackend
 
 
-def _context(shape: BatchShape, dtype, num_sms=0, split_launch=False, max_num_reqs=16, max_num_tokens=256):
+def _context(shape: BatchShape, dtype, num_sms=0, split_launch=False, max_num_reqs=16, max_num_tokens=256,
+             fused_write=None):
     spec = KVCacheSpec(shape.block_size, shape.num_kv_heads, shape.head_size, dtype, shape.sliding_window)
     group = KVCacheGroup(("layer.0",), spec)
+    options = (("split_launch", split_launch),)
+    if fused_write is not None:   # None: the builder's default
+        options += (("fused_decode_kv_write", fused_write),)
     return BuilderContext(group, 0, dtype, torch.device("cpu"), max_num_reqs, max_num_tokens, 1024,
-                          capture_sizes=(1, 2, 4, 8), num_sms=num_sms,
-                          backend_options=(("split_launch", split_launch),))
+                          capture_sizes=(1, 2, 4, 8), num_sms=num_sms, backend_options=options)
 
 
-def _run_both(shape: BatchShape, dtype, *, num_sms=0, split_launch=False, uniform_decode=None, share=False):
+def _run_both(shape: BatchShape, dtype, *, num_sms=0, split_launch=False, uniform_decode=None, share=False,
+              fused_write=None, seed=0):
     """(triton output, triton cache, reference output, reference cache in the triton layout)."""
-    batch = make_paged_batch(shape, dtype, "cpu")
+    batch = make_paged_batch(shape, dtype, "cpu", torch.Generator().manual_seed(seed))
     common = common_metadata(batch, uniform_decode)
     options = shape.options()
     if share:
         options = dataclasses.replace(options, kv_sharing_target="layer.0")
     out = torch.full_like(batch.query, float("nan"))
-    builder = Backend.builder_cls(_context(shape, dtype, num_sms, split_launch))
+    builder = Backend.builder_cls(_context(shape, dtype, num_sms, split_launch, fused_write=fused_write))
     impl = Backend.impl_cls(options, sinks=batch.sinks, alibi_slopes=batch.alibi_slopes)
     cache = batch.kv_cache.clone()
     impl.forward(batch.query, batch.key, batch.value, cache, builder.build(common), out)
@@ -55,6 +59,14 @@ CASES = {
                                  alibi=True), dict(split_launch=True, num_sms=4)),
 }
 
+DECODE_CASES = {
+    "decode_3d": CASES["decode_3d"],
+    "decode_2d": CASES["decode_2d"],
+    "decode_options_3d": (BatchShape("options", (1, 1, 1), (50, 16, 33), sliding_window=8, soft_cap=4.0, sinks=True,
+                                     alibi=True, pad_reqs=1, pad_tokens=2), dict(num_sms=8)),
+    "decode_gqa_4": (BatchShape("gqa", (1, 1), (31, 64), num_heads=8, num_kv_heads=2, pad_reqs=2), {}),
+}
+
 
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -73,9 +85,58 @@ def test_backend_matches_torch_ref(case, dtype):
     assert err <= tolerance(dtype), f"{case}: max abs error {err:.3g}"
 
 
-def test_kv_sharing_layer_writes_nothing():
-    shape = BatchShape("shared", (1, 6), (12, 6))
-    batch, out, cache, ref_out, _ = _run_both(shape, torch.float32, share=True)
+@pytest.mark.parametrize("case", ["decode_3d", "decode_2d", "decode_options_3d", "decode_gqa_4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_uniform_decode_writes_kv_in_the_attention_launch_or_not_alike(case, dtype):
+    """`fused_decode_kv_write` on and off: both match torch_ref and leave the same cache, byte for byte."""
+    shape, kwargs = DECODE_CASES[case]
+    plan = P.plan_launch(len(shape.query_lens) + shape.pad_reqs, len(shape.query_lens) + shape.pad_reqs, True,
+                         shape.num_heads, shape.num_kv_heads, shape.head_size, kwargs.get("num_sms", 0), False)
+    assert (plan.num_segments > 1) == case.endswith("3d") and plan.rest is None   # the kernel the case names
+    _, out_on, cache_on, ref_out, ref_cache = _run_both(shape, dtype, fused_write=True, **kwargs)
+    batch, out_off, cache_off, _, _ = _run_both(shape, dtype, fused_write=False, **kwargs)
+    torch.testing.assert_close(cache_on, cache_off, atol=0, rtol=0, equal_nan=True)
+    torch.testing.assert_close(cache_on[:, 1:], ref_cache[:, 1:], atol=0, rtol=0)
+    n = batch.num_tokens
+    for out in (out_on, out_off):
+        err = (out[:n].float() - ref_out[:n].float()).abs().max().item()
+        assert err <= tolerance(dtype), f"{case}: max abs error {err:.3g}"
+
+
+@pytest.mark.parametrize("shape,uniform,fused_write,share,writes", [
+    (DECODE_CASES["decode_2d"][0], True, None, False, 0),     # on by default: the attention launch writes
+    (DECODE_CASES["decode_2d"][0], True, False, False, 1),
+    (BatchShape("mixed", (1, 5), (9, 12)), False, True, False, 1),   # a prefill in the step: the write kernel
+    (DECODE_CASES["decode_2d"][0], True, True, True, 0),      # KV sharing: nothing writes
+], ids=["decode_default", "decode_off", "mixed_on", "decode_shared"])
+def test_write_kernel_launches_only_where_the_attention_launch_does_not_write(monkeypatch, shape, uniform,
+                                                                             fused_write, share, writes):
+    calls = []
+    monkeypatch.setattr(B, "write_kv_cache", lambda *args: calls.append(args))
+    batch = make_paged_batch(shape, torch.float32, "cpu")
+    options = shape.options()
+    if share:
+        options = dataclasses.replace(options, kv_sharing_target="layer.0")
+    metadata = Backend.builder_cls(_context(shape, torch.float32, fused_write=fused_write)).build(
+        common_metadata(batch, uniform))
+    assert metadata.fused_decode_kv_write == (fused_write is not False)
+    cache = batch.kv_cache.clone()
+    Backend.impl_cls(options).forward(batch.query, batch.key, batch.value, cache, metadata,
+                                      torch.empty_like(batch.query))
+    assert len(calls) == writes
+    # the fused decode wrote the new tokens itself; the stubbed write kernel and a sharing layer wrote nothing
+    assert torch.equal(cache.nan_to_num(), batch.expected_cache.nan_to_num()) == (uniform and not share
+                                                                                  and fused_write is not False)
+
+
+@pytest.mark.parametrize("shape,fused_write", [(BatchShape("shared", (1, 6), (12, 6)), None),
+                                               (DECODE_CASES["decode_2d"][0], True),
+                                               (DECODE_CASES["decode_3d"][0], True)],
+                         ids=["mixed", "decode_2d_fused_on", "decode_3d_fused_on"])
+def test_kv_sharing_layer_writes_nothing(shape, fused_write):
+    num_sms = 8 if shape is DECODE_CASES["decode_3d"][0] else 0
+    batch, out, cache, ref_out, _ = _run_both(shape, torch.float32, share=True, fused_write=fused_write,
+                                              num_sms=num_sms)
     torch.testing.assert_close(cache, batch.kv_cache, atol=0, rtol=0, equal_nan=True)
     assert (out[:batch.num_tokens] - ref_out[:batch.num_tokens]).abs().max().item() <= tolerance(torch.float32)
 

@@ -1,5 +1,9 @@
 """The Triton unified attention backend: one kernel for mixed prefill/decode batches, a split-KV variant for small
-decode batches, CUDA-graph capturable in every mode. On a CPU it runs under TRITON_INTERPRET=1 (for tests)."""
+decode batches, CUDA-graph capturable in every mode. On a CPU it runs under TRITON_INTERPRET=1 (for tests).
+
+Backend options (`attention_backend_options`): `split_launch` (default off) gives a mixed bucket a decode launch
+and a prefill launch; `fused_decode_kv_write` (default on) lets a uniform-decode bucket's attention kernel write
+the new K/V itself instead of a separate cache-write launch."""
 
 from __future__ import annotations
 
@@ -37,6 +41,7 @@ class TritonUnifiedMetadata:
     num_tokens_padded: int
     uniform_decode: bool
     split_launch: bool
+    fused_decode_kv_write: bool     # a uniform-decode bucket's attention launch writes the new K/V
     num_sms: int
     num_decode_tokens: int          # live split of the batch (host ints; informational, never pick a kernel)
     num_prefill_tokens: int
@@ -51,6 +56,7 @@ class TritonUnifiedMetadataBuilder(MetadataBuilder):
         super().__init__(ctx)
         spec = ctx.group.spec
         self.split_launch = bool(ctx.option("split_launch", False))
+        self.fused_decode_kv_write = bool(ctx.option("fused_decode_kv_write", True))
         self.num_decodes = torch.zeros(1, dtype=torch.int32, device=ctx.device)   # [1]
         self._num_decodes_value = 0     # what num_decodes holds: a steady decode batch writes it once, not per step
         max_decodes = min(ctx.max_num_reqs, ctx.max_num_tokens)
@@ -73,20 +79,28 @@ class TritonUnifiedMetadataBuilder(MetadataBuilder):
             scratch_max=self.scratch_max, scratch_sum=self.scratch_sum, segment_counters=self.segment_counters,
             num_reqs_padded=common.num_reqs_padded,
             num_tokens_padded=common.num_tokens_padded, uniform_decode=common.uniform_decode,
-            split_launch=self.split_launch, num_sms=self.ctx.num_sms, num_decode_tokens=common.num_decode_tokens,
+            split_launch=self.split_launch, fused_decode_kv_write=self.fused_decode_kv_write,
+            num_sms=self.ctx.num_sms, num_decode_tokens=common.num_decode_tokens,
             num_prefill_tokens=common.num_prefill_tokens)
 
 
 class TritonUnifiedImpl(AttentionImpl):
-    """Writes K/V with the cache-write kernel, then runs the launches `plan_launch` picks for the bucket."""
+    """Runs the launches `plan_launch` picks for the bucket. The new K/V go into the cache first, by the cache-write
+    kernel, except in a uniform-decode bucket with `fused_decode_kv_write`: there the decode launch is the only one,
+    every token is its request's newest, and the attention kernel attends it from `key`/`value` and writes it
+    (one launch fewer per layer). A KV-sharing layer writes nothing: its target layer wrote the cache."""
 
     def forward(self, query, key, value, kv_cache, metadata: TritonUnifiedMetadata, out) -> None:
         o = self.options
         key_cache, value_cache = kv_cache[0], kv_cache[1]
-        if o.kv_sharing_target is None:
-            write_kv_cache(key, value, key_cache, value_cache, metadata.slot_mapping)
         plan = plan_launch(metadata.num_tokens_padded, metadata.num_reqs_padded, metadata.uniform_decode,
                            o.num_heads, o.num_kv_heads, o.head_size, metadata.num_sms, metadata.split_launch)
+        writes = o.kv_sharing_target is None
+        # a pure function of the bucket and the options, like the plan: a captured graph replays the same choice
+        fused = writes and metadata.fused_decode_kv_write and plan.decode is not None and plan.rest is None
+        if writes and not fused:
+            write_kv_cache(key, value, key_cache, value_cache, metadata.slot_mapping)
+        new_kv = (key, value, metadata.slot_mapping) if fused else None
         sinks = None if self.sinks is None else self.sinks.float().contiguous()
         slopes = None if self.alibi_slopes is None else self.alibi_slopes.float().contiguous()
         layout = (query, key_cache, value_cache, out, metadata.block_table, metadata.query_start_loc,
@@ -98,12 +112,13 @@ class TritonUnifiedImpl(AttentionImpl):
             unified_attention_3d(*layout, num_seqs=plan.num_decode_seqs, config=plan.decode,
                                  num_segments=plan.num_segments, scratch_out=metadata.scratch_out,
                                  scratch_max=metadata.scratch_max, scratch_sum=metadata.scratch_sum,
-                                 num_decodes=decode_count, **options,
+                                 num_decodes=decode_count, new_kv=new_kv, **options,
                                  counters=metadata.segment_counters
                                  if o.num_heads // o.num_kv_heads <= FUSED_COMBINE_MAX_GROUP else None)
         elif plan.decode is not None:
             unified_attention_2d(*layout, num_seqs=plan.num_decode_seqs, num_tokens=metadata.num_tokens_padded,
-                                 config=plan.decode, mode=MODE_DECODES, num_decodes=decode_count, **options)
+                                 config=plan.decode, mode=MODE_DECODES, num_decodes=decode_count, new_kv=new_kv,
+                                 **options)
         if plan.rest is not None:
             unified_attention_2d(*layout, num_seqs=metadata.num_reqs_padded, num_tokens=metadata.num_tokens_padded,
                                  config=plan.rest, mode=plan.rest_mode, num_decodes=metadata.num_decodes,
@@ -118,6 +133,7 @@ class TritonUnifiedBackend(AttentionBackend):
     cudagraph_support = CudaGraphSupport.ALWAYS
     builder_cls = TritonUnifiedMetadataBuilder
     impl_cls = TritonUnifiedImpl
+    option_names = ("split_launch", "fused_decode_kv_write")
 
     @staticmethod
     def kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size):
