@@ -41,10 +41,10 @@ def replay_table(runner) -> list[dict]:
 def _print_profile(profiler, n: int) -> None:
     import io
     import pstats
-    for order in ("cumulative", "tottime"):
+    for order, only in (("cumulative", ()), ("tottime", ()), ("cumulative", ("/ember/",))):
         text = io.StringIO()
-        pstats.Stats(profiler, stream=text).sort_stats(order).print_stats(n)
-        print(f"PROFILE by {order}\n" + text.getvalue(), flush=True)
+        pstats.Stats(profiler, stream=text).sort_stats(order).print_stats(*only, n)
+        print(f"PROFILE by {order} {' '.join(only)}\n" + text.getvalue(), flush=True)
 
 
 def main() -> None:
@@ -105,9 +105,11 @@ def main() -> None:
         rng, lengths = random.Random(run), random.Random(0)
         prompts = [[rng.randrange(1000, 20000) for _ in range(lengths.randint(16, 512))]
                    for _ in range(args.num_prompts)]
+        compiles = counter.total
         t2 = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
         runs.append(time.perf_counter() - t2)
+        result[f"run{run + 1}_triton_compiles"] = counter.total - compiles
         if tokens is None:
             tokens = [list(o.outputs[0].token_ids) for o in outputs]
     num_out = sum(len(t) for t in tokens)
