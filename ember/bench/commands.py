@@ -225,6 +225,8 @@ def _max_token_id(llm) -> int:
 def _header(llm, args, startup_compiles: int) -> dict:
     runner = llm.engine.runner
     return {"model": args.config or args.model or "default", "device": str(runner.device), "dtype": str(runner.dtype),
+            "attention": {"backends": sorted({b.name for b in runner.attn.backends}),
+                          "options": dict(llm.config.attention_backend_options)},
             "startup": {**startup_times(llm), "triton_compiles": startup_compiles}}
 
 
@@ -250,6 +252,10 @@ def _host_row(result: dict) -> str:
 
 def _print_report(result: dict, rows: list[tuple[str, str]]) -> None:
     head = f"{result['command']}  {result['model']}  {result['device']} {result['dtype'].replace('torch.', '')}"
+    attention = result.get("attention")
+    if attention:   # the backend, and the switches an A/B run changes
+        head += "  " + ",".join(attention["backends"])
+        head += "".join(f" {name}={value}" for name, value in sorted(attention["options"].items()))
     print(head)
     s = result["startup"]
     rows = rows + [("start-up", f"load {s['load_s']:.1f} s, compile {s['compile_s']:.1f} s, "

@@ -119,12 +119,16 @@ def test_cli_throughput_repeats_the_same_work(tiny_model, tmp_path, capsys):
     assert "run 1 / run 2" in capsys.readouterr().out
 
 
-def test_cli_latency_writes_json(tiny_model, tmp_path):
+def test_cli_latency_writes_json(tiny_model, tmp_path, capsys):
     out = tmp_path / "latency.json"
     rc = main(["bench", "latency", "--model", tiny_model, *ENGINE, "--batch-size", "2", "--input-len", "8",
-               "--output-len", "5", "--num-iters", "2", "--json", str(out), "--compare-hf", "--hf-num-iters", "1"])
+               "--output-len", "5", "--num-iters", "2", "--json", str(out), "--compare-hf", "--hf-num-iters", "1",
+               "--attention-backend-option", "fused_decode_kv_write=off"])
     assert rc == 0
     result = json.loads(out.read_text())
+    # the backend and its switches, for A/B runs
+    assert result["attention"] == {"backends": ["cpu_sdpa"], "options": {"fused_decode_kv_write": False}}
+    assert "cpu_sdpa fused_decode_kv_write=False" in capsys.readouterr().out.splitlines()[0]
     assert (result["batch_size"], result["input_len"], result["output_len"]) == (2, 8, 5)
     for key in ("ttft_ms", "tpot_ms"):
         p = result[key]
