@@ -106,7 +106,6 @@ class KVCacheManager:
         self.block_size = group.spec.block_size
         self.pool = pool
         self.req_blocks: dict[str, list[int]] = {}
-        self.req_num_published: dict[str, int] = {}   # full blocks already handed to the pool's prefix map
         self.req_num_released: dict[str, int] = {}    # leading blocks already released (sliding window)
 
     def lookup(self, hashes: Sequence[int], n: int) -> list[int | None]:
@@ -142,46 +141,32 @@ class KVCacheManager:
         held = len(self.req_blocks.get(request_id, ())) + num_cached_blocks
         return max(0, -(-num_total_tokens // self.block_size) - held)
 
-    def release_out_of_window(self, request_id: str, first_query_pos: int) -> None:
-        """Release the blocks no query at `first_query_pos` or later can see (sliding window only)."""
+    def take_out_of_window(self, request_id: str, first_query_pos: int) -> list[int]:
+        """The blocks no query at `first_query_pos` or later can see (sliding window only), taken out of the
+        request's list (their entries become null); the caller releases them to the pool."""
         blocks = self.req_blocks.get(request_id)
         if not blocks or self.spec.sliding_window is None:
-            return
+            return []
         done = self.req_num_released.get(request_id, 0)
         lo = min(self.spec.first_needed_block(first_query_pos), len(blocks))
         if lo <= done:
-            return
-        self.pool.release(blocks[done:lo])
+            return []
+        gone = blocks[done:lo]
         blocks[done:lo] = [NULL_BLOCK] * (lo - done)
         self.req_num_released[request_id] = lo
+        return gone
 
-    def allocate(self, request_id: str, num_total_tokens: int, cached_blocks: Sequence[int] = (),
-                 num_new: int | None = None) -> None:
-        """Give the request blocks for its first `num_total_tokens` tokens (the caller checked there are enough);
-        `num_new`: the new blocks that takes, if the caller counted them already (after `cached_blocks`)."""
+    def append(self, request_id: str, cached_blocks: Sequence[int], new_blocks: Sequence[int]) -> None:
+        """Extend the request's list with cached blocks (a reference is taken on each) and then with fresh blocks
+        the caller took from the pool (as many as `blocks_needed` counted)."""
         blocks = self.req_blocks.setdefault(request_id, [])
         if cached_blocks:
             self.pool.touch(cached_blocks)
             blocks.extend(cached_blocks)
-        if num_new is None:
-            num_new = self.blocks_needed(request_id, num_total_tokens)
-        if num_new:
-            blocks.extend(self.pool.allocate(num_new))
-
-    def publish(self, request_id: str, hashes: Sequence[int]) -> None:
-        """Hand the request's full blocks with these prefix hashes to the pool's prefix map (the ones still held)."""
-        done = self.req_num_published.get(request_id, 0)
-        if len(hashes) <= done:
-            return
-        blocks = self.req_blocks[request_id]
-        for i in range(done, len(hashes)):
-            if blocks[i] != NULL_BLOCK:
-                self.pool.cache(blocks[i], (self.group_index, hashes[i]))
-        self.req_num_published[request_id] = len(hashes)
+        blocks.extend(new_blocks)
 
     def free(self, request_id: str) -> None:
         self.pool.release(self.req_blocks.pop(request_id, []))
-        self.req_num_published.pop(request_id, None)
         self.req_num_released.pop(request_id, None)
 
 
@@ -256,11 +241,15 @@ class KVCacheCoordinator:
             if cached:
                 needed += sum(1 for b in cached if b != NULL_BLOCK and self.pool.ref_cnt[b] == 0)
             new_per_group.append(m.blocks_needed(rid, num_total_tokens, len(cached)))
-        needed += sum(new_per_group)
-        if needed > self.pool.num_free_blocks:
+        num_new = sum(new_per_group)
+        if needed + num_new > self.pool.num_free_blocks:
             return False
-        for m, cached, num_new in zip(self.managers, cached_blocks, new_per_group):
-            m.allocate(rid, num_total_tokens, cached, num_new)
+        # one pool call for every group's fresh blocks (groups of one spec need the same count at the same time)
+        fresh = self.pool.allocate(num_new) if num_new else []
+        start = 0
+        for m, cached, n in zip(self.managers, cached_blocks, new_per_group):
+            m.append(rid, cached, fresh[start:start + n])
+            start += n
         self.req_capacity[rid] = min(len(m.req_blocks[rid]) for m in self.managers) * self.block_size
         return True
 
@@ -276,21 +265,31 @@ class KVCacheCoordinator:
         bs = self.block_size
         moved = {w for w in self.windows
                  if max(0, first_query_pos - w + 1) // bs > max(0, prev - w + 1) // bs}
+        if not moved:
+            return
+        gone: list[int] = []
         for m in self.managers:
             if m.spec.sliding_window in moved:
-                m.release_out_of_window(request_id, first_query_pos)
+                gone += m.take_out_of_window(request_id, first_query_pos)
+        self.pool.release(gone)
 
     def cache_full_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Publish the request's blocks that are full after this step, so other requests can reuse them."""
         if not self.pool.enable_prefix_caching:
             return
+        rid = request.request_id
         num_full = num_computed_tokens // self.block_size
-        if num_full <= self.req_num_published.get(request.request_id, 0):
+        done = self.req_num_published.get(rid, 0)
+        if num_full <= done:
             return      # no block filled up since the last call (most decode steps)
-        self.req_num_published[request.request_id] = num_full
+        self.req_num_published[rid] = num_full
         hashes = self._hashes(request, num_computed_tokens)
-        for m in self.managers:
-            m.publish(request.request_id, hashes)
+        cache = self.pool.cache
+        for m in self.managers:     # every group's blocks of those prefixes, keyed by the group (held ones only)
+            blocks, group = m.req_blocks[rid], m.group_index
+            for i in range(done, num_full):
+                if blocks[i] != NULL_BLOCK:
+                    cache(blocks[i], (group, hashes[i]))
 
     def share_prefix(self, request: Request, num_tokens: int) -> list[list[int]] | None:
         """Take one more reference on the blocks holding the request's first `num_tokens` tokens (whole blocks),
