@@ -84,16 +84,22 @@ def engine_pair(tmp_path_factory):
     return hf, str(path)
 
 
+def _reference_tokens(hf, prompts: list[list[int]], n: int = 12) -> list[list[int]]:
+    """transformers' greedy continuation of each prompt, n tokens, no early stop."""
+    expected = []
+    for p in prompts:
+        out = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                          max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+        expected.append(out[0, len(p):].tolist())
+    return expected
+
+
 def test_engine_greedy_tokens_equal_the_reference_with_the_skip_on_and_off(engine_pair):
     from ember import LLM, SamplingParams
 
     hf, path = engine_pair
     prompts = PROMPTS + [list(range(60, 90))]
-    expected = []
-    for p in prompts:
-        out = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                          max_new_tokens=12, min_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
-        expected.append(out[0, len(p):].tolist())
+    expected = _reference_tokens(hf, prompts)
     # 16-token steps: the 23- and 30-token prompts arrive in chunks, beside decodes
     llm = LLM(path, device="cpu", block_size=8, max_num_batched_tokens=16)
     runner = llm.engine.runner
@@ -121,11 +127,7 @@ def test_compiled_engine_skips_the_prefill_and_reloads_it(engine_pair, tmp_path,
     monkeypatch.setenv("EMBER_CACHE", str(tmp_path))
     hf, path = engine_pair
     prompts = PROMPTS + [list(range(60, 90))]
-    expected = []
-    for p in prompts:
-        out = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                          max_new_tokens=12, min_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
-        expected.append(out[0, len(p):].tolist())
+    expected = _reference_tokens(hf, prompts)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     for build in ("traced", "loaded"):
         llm = LLM(path, device="cpu", block_size=8, max_num_batched_tokens=16, compile_mode="default")
