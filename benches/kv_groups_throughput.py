@@ -51,9 +51,8 @@ def main() -> None:
     for variant, (groups, capacity, first, second) in rows.items():
         print(f"{args.config} {variant}: {groups} KV groups, KV cache {capacity} tokens; {len(workload.prompts)} "
               f"prompts: first run {first['output_tok_s']:.0f} output tok/s ({first['num_steps']} steps, host "
-              f"{first['host_ms_per_step']:.2f} ms/step, waiting for the device {first['device_wait_ms_per_step']:.2f} "
-              f"ms/step), second "
-              f"{second['output_tok_s']:.0f}")
+              f"{first['host_ms_per_step']:.2f} ms/step, waiting for the device "
+              f"{first['device_wait_ms_per_step']:.2f} ms/step), second {second['output_tok_s']:.0f}")
     g, f = rows["groups"], rows["full"]
     print(f"capacity {g[1] / f[1]:.2f}x, throughput {g[2]['output_tok_s'] / f[2]['output_tok_s']:.2f}x (first runs), "
           f"{g[3]['output_tok_s'] / f[3]['output_tok_s']:.2f}x (second runs)")

@@ -13,6 +13,7 @@ model without the skip would). A prompt of this length runs past the graph bucke
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import tempfile
@@ -69,8 +70,8 @@ def main() -> None:
             times.setdefault(skip, []).extend(_timed_prefills(llm, prompt, args.runs))
     else:
         for skip in (True, False):
-            with mock.patch("ember.models.llama.prefill_skip_start", return_value=None) if not skip \
-                    else mock.patch.dict({}):
+            no_tail = mock.patch("ember.models.llama.prefill_skip_start", return_value=None)
+            with contextlib.nullcontext() if skip else no_tail:
                 llm = LLM(str(folder), **kwargs)
             assert llm.engine.runner.skip_prefill == skip
             times[skip] = _timed_prefills(llm, prompt, args.runs)

@@ -8,7 +8,8 @@ script then runs a greedy workload twice (first run vs second run in this proces
 of its own, of the same lengths, so the prefix cache cannot favour the second), optionally times the
 replay of every captured FULL graph (the step time per bucket, for choosing capture sizes), and prints one JSON
 line. `--profile N` runs `LLM(...)` under cProfile and prints its N costliest functions (cumulative and own
-time), and the Triton compilations of start-up per kernel. `--tokens-ref` compares the greedy tokens with those another run wrote through `--tokens-out`.
+time, then ember's own). The Triton compilations of start-up are printed per kernel, and those inside each run
+counted. `--tokens-ref` compares the greedy tokens with those another run wrote through `--tokens-out`.
 """
 
 from __future__ import annotations

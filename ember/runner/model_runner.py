@@ -111,8 +111,7 @@ class ModelRunner:
         # a full-size step against a two-block cache compiles the model and measures the activation peak
         tail_offset = len(self.builders) if self.tail_builders else 0   # where KV-sharing layers read metadata
         self.layer_states = allocate_kv_caches(self.attn, 2, self.device, tail_offset)
-        needs_warmup = self.device.type == "cuda" or self.modes.compile_mode != "none"
-        peak = self._profile_run() if needs_warmup else 0
+        peak = self._profile_run() if self.device.type == "cuda" or self.modes.compile_mode != "none" else 0
         self.num_blocks = self._num_kv_blocks(peak)
         self.max_model_len = self._resolve_max_model_len()
         self._log_capacity()
@@ -149,20 +148,21 @@ class ModelRunner:
         return forward
 
     def _run(self, batch: PreparedBatch, mode: CUDAGraphMode = CUDAGraphMode.NONE,
-             desc: BatchDescriptor | None = None, skip: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The forward: hidden [num_tokens_padded, H], or with `skip` [num_reqs_padded, H] of the logits tokens;
-        and the tokens the decode tail sampled [num_reqs_padded] (None unless a uniform-decode FULL bucket)."""
+             desc: BatchDescriptor | None = None, skip: bool | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The forward: hidden [num_tokens_padded, H], or with `skip` (None: `skip_prefill`) the logits tokens' rows
+        [num_reqs_padded, H]; and the tokens the decode tail sampled (None unless a uniform-decode FULL bucket)."""
+        skip = self.skip_prefill if skip is None else skip
         metadata = tuple(b.build(batch.common) for b in self.builders)
         if self.tail_builders:   # the KV-sharing layers' metadata: one query per request, or the whole batch
             metadata += tuple(b.build(batch.tail if skip else batch.common) for b in self.tail_builders)
         with forward_context(ForwardContext(self.layer_states, metadata, desc, mode)):
             if skip:
-                out = self.forward_fn(batch.input_ids, batch.positions, batch.logits_indices_padded)
+                rows = (batch.logits_indices_padded,)
             elif self.skip_prefill and self.modes.compile_mode != "none":   # traced with the rows: pass them all
-                rows = torch.arange(batch.input_ids.shape[0], device=self.device)
-                out = self.forward_fn(batch.input_ids, batch.positions, rows)
+                rows = (torch.arange(batch.input_ids.shape[0], device=self.device),)
             else:
-                out = self.forward_fn(batch.input_ids, batch.positions)
+                rows = ()
+            out = self.forward_fn(batch.input_ids, batch.positions, *rows)
         return out if self._forward_samples else (out, None)
 
     def _logits_hidden(self, batch: PreparedBatch, hidden: torch.Tensor) -> torch.Tensor:
@@ -184,7 +184,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         # on the CPU there is no memory to measure: a small step suffices to compile
         num_tokens = self.max_num_tokens if cuda else min(self.max_num_tokens, 64)
-        hidden = self._dummy_forward(num_tokens, self.max_num_reqs, skip=self.skip_prefill)[0]
+        hidden = self._dummy_forward(num_tokens, self.max_num_reqs)[0]
         stats = self.compile_stats
         if stats is not None:
             self.times.compile_s = stats.seconds
@@ -260,7 +260,7 @@ class ModelRunner:
     def _capture(self) -> None:
         def run_step(mode: CUDAGraphMode, desc: BatchDescriptor) -> None:
             num_reqs = desc.num_reqs if desc.uniform_decode else 1
-            self._dummy_forward(desc.num_tokens, num_reqs, mode, desc, skip=self.skip_prefill)
+            self._dummy_forward(desc.num_tokens, num_reqs, mode, desc)
 
         captures = self.dispatcher.capture_list()
         if self.graphs.lazy:
@@ -271,7 +271,7 @@ class ModelRunner:
         self.times.graph_memory_bytes = report.memory_bytes
 
     def _dummy_forward(self, num_tokens: int, num_reqs: int, mode: CUDAGraphMode = CUDAGraphMode.NONE,
-                       desc: BatchDescriptor | None = None, skip: bool = False):
+                       desc: BatchDescriptor | None = None, skip: bool | None = None):
         """Run a step of the given shape for warm-up, profiling or capture: requests of token 0 whose blocks are
         all the null block, added to the table and dropped again. Returns what `_run` does."""
         width = self.table.max_model_len
@@ -332,7 +332,7 @@ class ModelRunner:
         while this one is still in flight."""
         prepared = self.prepare_step(step)
         with section("ember.forward"):
-            hidden, tokens = self._run(prepared.batch, prepared.mode, prepared.desc, self.skip_prefill)
+            hidden, tokens = self._run(prepared.batch, prepared.mode, prepared.desc)
         return self.sample_step(prepared, hidden, tokens)
 
     def prepare_step(self, step: StepInput) -> "PreparedStep":
@@ -388,7 +388,7 @@ class ModelRunner:
             layout, seg, buf = self._stage(step, num_reqs_padded)
             batch = self.input_batch.prepare(self.table, layout, seg, buf, desc.num_tokens, num_reqs_padded,
                                              desc.uniform_decode if mode == CUDAGraphMode.FULL else None)
-            hidden = self._run(batch, mode, desc)[0]
+            hidden = self._run(batch, mode, desc, skip=False)[0]
             return self.model.compute_logits(hidden[:batch.common.num_actual_tokens])
         finally:
             for new in step.new_requests:
