@@ -15,7 +15,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 MODES = {
     "eager": dict(enforce_eager=True),
-    "eager_full_decode_graphs": dict(compile_mode="none"),     # auto graphs without compiled pieces: FULL decode only
+    # auto graphs without compiled pieces: triton_unified supports graphs ALWAYS, so every bucket is a FULL graph
+    "eager_full_graphs": dict(compile_mode="none"),
     "compiled_no_graphs": dict(cudagraph_mode="none"),
     "full_and_piecewise": dict(cudagraph_mode="full_and_piecewise"),
     "piecewise": dict(cudagraph_mode="piecewise"),
@@ -61,8 +62,9 @@ def test_greedy_tokens_equal_transformers_with_the_skip(reference, mode, tmp_pat
               gpu_memory_utilization=0.3, **MODES[mode])
     runner = llm.engine.runner
     assert runner.skip_prefill
-    if mode == "eager_full_decode_graphs":
-        assert runner.modes.cudagraph_mode.name == "FULL_DECODE_ONLY"
+    if mode == "eager_full_graphs":
+        assert runner.modes.compile_mode == "none" and runner.modes.cudagraph_mode.name == "FULL"
+        assert runner.graphs.graphs_captured[runner.modes.cudagraph_mode] > 0
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected
