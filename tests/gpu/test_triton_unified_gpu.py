@@ -126,6 +126,36 @@ def test_2d_and_3d_agree_on_the_same_decode_batch(name, dtype):
     assert (out_2d[:batch.num_tokens].float() - out_3d[:batch.num_tokens].float()).abs().max() <= tolerance(dtype)
 
 
+def test_every_segment_count_shares_one_compiled_3d_kernel_and_reduce():
+    """The segment count is the 3D grid's third axis, not a compiled constant: launches with 2, 5, 16 and 64
+    segments add one 3D attention kernel and one reduce to Triton's in-memory cache, and all match the reference."""
+    from ember.attention_backends.triton_unified.kernels import unified_attention as U
+    K, P = _kernels()
+    shape = next(s for s in SHAPES if s.name == "small_decode")
+    batch = _batch(shape, torch.bfloat16)
+    ref = reference_output(batch)
+    device = torch.cuda.current_device()
+
+    def compiled():
+        return (len(U.unified_attention_kernel.device_caches[device][0]),
+                len(U.reduce_segments_kernel.device_caches[device][0]))
+
+    before, seen = compiled(), []
+    config = P.decode_tile(shape.num_heads // shape.num_kv_heads, shape.head_size, True)
+    for segments in (2, 5, 16, P.MAX_SEGMENTS):
+        out = torch.full_like(batch.query, float("nan"))
+        n_out, n_rows = K.segment_scratch_numel(len(shape.query_lens), shape.num_heads, shape.head_size, segments)
+        scratch = [torch.full((n,), float("nan"), device="cuda") for n in (n_out, n_rows, n_rows)]
+        K.unified_attention_3d(batch.query, batch.kv_cache[0], batch.kv_cache[1], out, batch.block_table,
+                               batch.query_start_loc, batch.seq_lens, num_seqs=len(shape.query_lens),
+                               config=config, num_segments=segments, scratch_out=scratch[0],
+                               scratch_max=scratch[1], scratch_sum=scratch[2], scale=shape.head_size ** -0.5)
+        assert _err(out, ref) <= tolerance(torch.bfloat16), segments
+        seen.append(compiled())
+    added = [(a - before[0], r - before[1]) for a, r in seen]
+    assert added[-1][0] <= 1 and added[-1][1] <= 1 and len(set(seen)) == 1, (before, seen)
+
+
 def _backend_parts(shape, dtype, split_launch, max_num_reqs=64, max_num_tokens=8192, fused_write=True):
     from ember.attention_backends.base import BuilderContext
     from ember.attention_backends.registry import get_backend

@@ -117,7 +117,9 @@ def test_split_launch_decodes_then_prefills_matches_reference(shape):
 @pytest.mark.parametrize("shape,num_segments",
                          [(s, 8) for s in DECODE_SHAPES]
                          + [(s, 2) for s in SHAPES if s.name in ("small_decode", "mixed_small", "all_options")]
-                         + [(s, 4) for s in SHAPES if s.name in ("sinks", "sliding_window", "gqa_8")],
+                         + [(s, 4) for s in SHAPES if s.name in ("sinks", "sliding_window", "gqa_8")]
+                         # the count is the grid's, not a compiled constant: any 2..MAX_SEGMENTS, one kernel
+                         + [(DECODE_SHAPES[0], n) for n in (3, 5, K.MAX_SEGMENTS)],
                          ids=lambda v: v.name if isinstance(v, BatchShape) else f"seg{v}")
 @pytest.mark.parametrize("fused", [False, True], ids=["reduce_kernel", "fused_combine"])
 def test_3d_split_kv_matches_reference(shape, num_segments, fused):
@@ -163,9 +165,10 @@ def test_launchers_reject_bad_arguments():
             batch.seq_lens)
     with pytest.raises(ValueError, match="block_m 4"):
         K.unified_attention_2d(*args, num_seqs=1, num_tokens=1, scale=1.0, config=K.TileConfig(block_m=4))
-    with pytest.raises(ValueError, match="num_segments 3"):
-        K.unified_attention_3d(*args, num_seqs=1, scale=1.0, config=TILE, num_segments=3,
-                               scratch_out=out, scratch_max=out, scratch_sum=out)
+    for bad in (1, K.MAX_SEGMENTS + 1):
+        with pytest.raises(ValueError, match=f"num_segments {bad} must be in 2..{K.MAX_SEGMENTS}"):
+            K.unified_attention_3d(*args, num_seqs=1, scale=1.0, config=TILE, num_segments=bad,
+                                   scratch_out=out, scratch_max=out, scratch_sum=out)
     with pytest.raises(ValueError, match="segment scratch"):
         tiny = torch.empty(1)
         K.unified_attention_3d(*args, num_seqs=1, scale=1.0, config=TILE, num_segments=2,

@@ -22,11 +22,10 @@ from dataclasses import dataclass
 
 import triton
 
-from .kernels import MODE_ALL, MODE_PREFILLS, TileConfig
+from .kernels import MAX_SEGMENTS, MODE_ALL, MODE_PREFILLS, TileConfig
 
 SPLIT_KV_MAX_PAIRS_PER_SM = 2.0       # 3D while (decode requests x KV heads) < this x num_sms
 SPLIT_KV_TARGET_PROGRAMS_PER_SM = 4   # 3D segments: about this many programs per SM
-MAX_SEGMENTS = 64                     # cap on 3D segments (power of two; sizes the reduce's tile)
 MAX_GROUP_3D = 16                     # 3D only for up to this many query heads per KV head (bounds the scratch)
 # up to this many query heads per KV head, the last segment program of a (request, KV head) combines the segments
 # (one head after another) instead of a second launch. Off (0): on an H100 at batch 1 it removed a launch per layer

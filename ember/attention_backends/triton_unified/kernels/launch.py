@@ -125,6 +125,11 @@ def unified_attention_2d(query: torch.Tensor, key_cache: torch.Tensor, value_cac
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl_options(query.device))
 
 
+# the 3D kernel's most segments, and the tile its combine reads them in (a power of two): the count itself is the
+# launch grid's, a runtime value, so one compiled 3D kernel and one reduce serve every decode bucket
+MAX_SEGMENTS = 64
+
+
 def segment_scratch_numel(num_seqs: int, num_heads: int, head_size: int, num_segments: int) -> tuple[int, int]:
     """fp32 elements the 3D kernel needs: (partial outputs, partial max = partial sums)."""
     rows = num_seqs * num_heads * num_segments
@@ -151,8 +156,8 @@ def unified_attention_3d(query: torch.Tensor, key_cache: torch.Tensor, value_cac
     num_heads, num_kv_heads, head_size = _check(query, key_cache, out)
     group = num_heads // num_kv_heads
     config.block_q(group)
-    if num_segments < 2 or num_segments & (num_segments - 1):
-        raise ValueError(f"num_segments {num_segments} must be a power of two >= 2")
+    if not 2 <= num_segments <= MAX_SEGMENTS:
+        raise ValueError(f"num_segments {num_segments} must be in 2..{MAX_SEGMENTS}")
     need_out, need_rows = segment_scratch_numel(num_seqs, num_heads, head_size, num_segments)
     if scratch_out.numel() < need_out or scratch_max.numel() < need_rows or scratch_sum.numel() < need_rows:
         raise ValueError(f"segment scratch holds {scratch_out.numel()}/{scratch_max.numel()} elements; "
@@ -171,7 +176,7 @@ def unified_attention_3d(query: torch.Tensor, key_cache: torch.Tensor, value_cac
     kernel[(num_seqs, num_kv_heads, num_segments)](
         out, scratch_out, scratch_max, scratch_sum, counters if counters is not None else out, *args,
         NUM_QUERIES_PER_KV=group, HEAD_SIZE=head_size, HEAD_PAD=head_pad, BLOCK_M=config.block_m, BLOCK_Q=1,
-        TILE_N=config.tile_n, NUM_SEGMENTS=num_segments, MODE=MODE_DECODES, LIMIT_DECODES=limit, **flags,
+        TILE_N=config.tile_n, NUM_SEGMENTS=MAX_SEGMENTS, MODE=MODE_DECODES, LIMIT_DECODES=limit, **flags,
         UNMASKED_MIDDLE=config.unmasked_middle, FUSED_COMBINE=counters is not None,
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl_options(query.device))
     if counters is not None:
@@ -180,7 +185,7 @@ def unified_attention_3d(query: torch.Tensor, key_cache: torch.Tensor, value_cac
     reduce[(num_seqs, num_heads)](
         out, scratch_out, scratch_max, scratch_sum, query_start_loc, seq_lens,
         num_decodes if limit else query_start_loc, sinks if sinks is not None else query_start_loc,
-        num_seqs, int(sliding_window or 0), out.stride(0), out.stride(1),
-        HEAD_SIZE=head_size, HEAD_PAD=head_pad, TILE_N=config.tile_n, NUM_SEGMENTS=num_segments,
+        num_seqs, num_segments, int(sliding_window or 0), out.stride(0), out.stride(1),
+        HEAD_SIZE=head_size, HEAD_PAD=head_pad, TILE_N=config.tile_n, NUM_SEGMENTS=MAX_SEGMENTS,
         LIMIT_DECODES=limit, USE_WINDOW=sliding_window is not None, USE_SINKS=sinks is not None, num_warps=4,
         **pdl_options(query.device))

@@ -5,7 +5,8 @@ heads) a program owns a query block's whole KV range and writes the normalized o
 (the 3D split-KV kernel, a third grid axis over segments of the KV range) it writes fp32 partial
 (out, max, sum) into scratch, which the last segment program of each (request, KV head) to finish combines
 (FUSED_COMBINE, counted with an atomic per pair) or `reduce_segments` combines in a second launch; that fills the
-GPU when a decode batch is too small to.
+GPU when a decode batch is too small to. The segment count is the grid's third axis, a runtime value: NUM_SEGMENTS
+is only the combine's tile (at least the count), so every decode bucket's 3D launch shares one compiled kernel.
 
 With NEW_KV (decode launches only: one query token per request) the kernel also does the KV-cache write of the
 step's new tokens: the cache holds each request's keys up to seq_len - 1, the program whose KV range ends at the
@@ -90,7 +91,7 @@ def unified_attention_kernel(
     seg_lo = lo
     seg_hi = hi
     if NUM_SEGMENTS > 1:
-        tiles_per_segment = cdiv(hi - lo, NUM_SEGMENTS)
+        tiles_per_segment = cdiv(hi - lo, tl.num_programs(2))
         seg_lo = lo + tl.program_id(2) * tiles_per_segment
         if seg_lo >= hi:  # segment past the sequence's end
             return
@@ -158,7 +159,7 @@ def unified_attention_kernel(
                  o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     else:
         # scratch rows are (sequence, query head, segment); the 3D path runs decodes only (one token each)
-        part_row = (seq.to(tl.int64) * tl.num_programs(1) * NUM_QUERIES_PER_KV + head) * NUM_SEGMENTS \
+        part_row = (seq.to(tl.int64) * tl.num_programs(1) * NUM_QUERIES_PER_KV + head) * tl.num_programs(2) \
             + tl.program_id(2)
         tl.store(part_max_ptr + part_row, m_i, mask=row_ok)
         tl.store(part_sum_ptr + part_row, l_i, mask=row_ok)
@@ -176,20 +177,22 @@ def unified_attention_kernel(
                 tl.debug_barrier()
                 for g in tl.static_range(NUM_QUERIES_PER_KV):
                     head_g = kv_head * NUM_QUERIES_PER_KV + g
-                    row0 = (seq.to(tl.int64) * tl.num_programs(1) * NUM_QUERIES_PER_KV + head_g) * NUM_SEGMENTS
+                    row0 = (seq.to(tl.int64) * tl.num_programs(1) * NUM_QUERIES_PER_KV + head_g) \
+                        * tl.num_programs(2)
                     combine_segments(out_ptr + q_start.to(tl.int64) * stride_ot + head_g * stride_oh, part_out_ptr,
                                      part_max_ptr, part_sum_ptr, sinks_ptr, row0, head_g, num_written, HEAD_SIZE,
                                      HEAD_PAD, NUM_SEGMENTS, USE_SINKS)
 
 
-@triton.jit(do_not_specialize=["num_seqs"])
+@triton.jit(do_not_specialize=["num_seqs", "num_segments"])
 def reduce_segments_kernel(
     out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, query_start_loc_ptr, seq_lens_ptr, num_decodes_ptr,
-    sinks_ptr, num_seqs, window, stride_ot, stride_oh,
+    sinks_ptr, num_seqs, num_segments, window, stride_ot, stride_oh,
     HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, TILE_N: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
     LIMIT_DECODES: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SINKS: tl.constexpr, PDL: tl.constexpr = False,
 ):
-    """Combine the 3D kernel's per-segment partials of one (decode request, query head) into its output row."""
+    """Combine the 3D kernel's per-segment partials of one (decode request, query head) into its output row;
+    num_segments (the 3D grid's third axis) <= NUM_SEGMENTS, the combine's tile."""
     if PDL:   # launched as a programmatic dependent (ember.kernels.pdl)
         gdc_wait()
         gdc_launch_dependents()
@@ -206,8 +209,8 @@ def reduce_segments_kernel(
     q_pos = tl.load(seq_lens_ptr + seq) - 1
     # the segments the attention kernel wrote: same split as there, so stale scratch is never read
     lo, a, b, hi = kv_tile_bounds(q_pos, q_pos, window, TILE_N, USE_WINDOW)
-    tiles_per_segment = cdiv(hi - lo, NUM_SEGMENTS)
-    row0 = (seq.to(tl.int64) * tl.num_programs(1) + head) * NUM_SEGMENTS
+    tiles_per_segment = cdiv(hi - lo, num_segments)
+    row0 = (seq.to(tl.int64) * tl.num_programs(1) + head) * num_segments
     combine_segments(out_ptr + q_start.to(tl.int64) * stride_ot + head * stride_oh, part_out_ptr, part_max_ptr,
                      part_sum_ptr, sinks_ptr, row0, head, cdiv(hi - lo, tiles_per_segment), HEAD_SIZE, HEAD_PAD,
                      NUM_SEGMENTS, USE_SINKS)
