@@ -6,7 +6,7 @@ batch shape, feature flags) and, for arguments left in the key, whether an int i
 a pointer is 16-byte aligned. Per-step counts are left out of the key in the kernels themselves
 (`do_not_specialize`); what is left varies with:
 
-- the decode batch size: GEMV tiles for 1..16 rows, the attention's split-KV segment count;
+- the decode batch size: GEMV tiles for 1..16 rows, the attention's 2D or 3D (split-KV) decode kernel;
 - the query length per request: the attention's query tile (a power of two of the average query length);
 - the token count: tiles of long prefills;
 - the sampling settings: greedy, random with and without temperature, a mix of both, each on the model's logits
