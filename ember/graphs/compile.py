@@ -36,6 +36,7 @@ import contextlib
 import logging
 import os
 import time
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -312,8 +313,8 @@ class CompiledModel:
         self._arity: int | None = None          # how many inputs the first call had; every call must have as many
         self.backend = PiecewiseBackend(self.stats, graph_manager, dedupe=dedupe, inductor_options=inductor_options,
                                         store=self.store, describe_inputs=self._describe_inputs)
-        self._compiled: Callable = torch.compile(_private_forward(model), backend=self.backend, fullgraph=True,
-                                                 options={"guard_filter_fn": _keep_no_guards})
+        self._compiled: Callable = torch.compile(_private_forward(model), backend=_WeakBackend(self.backend),
+                                                 fullgraph=True, options={"guard_filter_fn": _keep_no_guards})
         self.split_module: torch.fx.GraphModule | None = None
         self._ready = False
 
@@ -393,6 +394,22 @@ class CompiledModel:
                         c["autograd_cache_miss"], s.artifacts_saved, self.cache_dir)
             logger.info("%s", self.fusion.summary(c["fxgraph_cache_hit"]))
         return out
+
+
+class _WeakBackend:
+    """The backend as torch.compile keeps it. torch._dynamo holds every backend it is handed in a process-wide
+    table for good (`eval_frame.cached_backends`), so what it holds must not keep the compiled model, and through
+    it the model's weights, alive once the engine is dropped. (dynamo also keeps the traced split module as a
+    global of this module until its transformed code is freed; the split module holds no weights.)"""
+
+    def __init__(self, backend: PiecewiseBackend):
+        self._backend = weakref.ref(backend)
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        backend = self._backend()
+        if backend is None:
+            raise RuntimeError("the compiled model this forward belonged to has been dropped")
+        return backend(gm, example_inputs)
 
 
 def _keep_no_guards(guards) -> list[bool]:
