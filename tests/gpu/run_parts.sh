@@ -2,14 +2,14 @@
 # The GPU test suite in parts that each fit one 10-minute device call, with a per-file time limit and a table last:
 #   bash tests/gpu/run_parts.sh 1      (then 2, then 3)
 # Seconds per file on an H100 (measured): graphs_engine 206, graphs_toy 22, sampling 4, gemv + fused_linear +
-# fusion_model 49, jit_warmup 85, parity 100, triton_unified > 200, kv_sharing 66.
+# fusion_model 49, jit_warmup 85, parity 100, triton_unified > 200, kv_sharing 66 (engine_release unmeasured).
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-gpu_test_out}; mkdir -p "$OUT"
 case "${1:-}" in
   1) FILES="test_graphs_engine_gpu test_graphs_gpu_toy test_sampling_gpu test_gemv_gpu test_fused_linear_gpu test_fusion_model_gpu" ;;
   2) FILES="test_triton_unified_gpu test_parity_gpu" ;;
-  3) FILES="test_jit_warmup_gpu test_flash_gpu test_flash_engine_gpu test_kv_sharing_gpu" ;;
+  3) FILES="test_jit_warmup_gpu test_flash_gpu test_flash_engine_gpu test_kv_sharing_gpu test_engine_release_gpu" ;;
   *) echo "usage: $0 1|2|3" >&2; exit 2 ;;
 esac
 LIMIT=${LIMIT:-280}

@@ -1,0 +1,34 @@
+"""A dropped engine gives its GPU memory back: after the last reference to a compiled, graph-captured `LLM` goes,
+its model and KV cache are freed and the memory torch has allocated falls back to where it was before it."""
+
+import gc
+import weakref
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+def test_dropped_engine_gives_its_gpu_memory_back(tmp_path, monkeypatch):
+    from ember import LLM, SamplingParams
+    monkeypatch.setenv("EMBER_CACHE", str(tmp_path))
+    gc.collect()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    llm = LLM("qwen3-0.6b", load_format="dummy", max_num_seqs=8, max_num_batched_tokens=512, max_model_len=512,
+              gpu_memory_utilization=0.3)
+    outs = llm.generate([[5, 6, 7, 8]] * 4, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+                        use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 8 for o in outs)
+    held = torch.cuda.memory_allocated() - base
+    runner = llm.engine.runner
+    model, kv = weakref.ref(runner.model), weakref.ref(next(iter(runner.layer_states.values())).kv_cache)
+    del runner, llm, outs
+    gc.collect()
+    torch.cuda.empty_cache()
+    left = torch.cuda.memory_allocated() - base
+    print(f"engine held {held / 2**20:.0f} MiB; {left / 2**20:.0f} MiB left after it was dropped")
+    assert model() is None, "the model outlived its engine"
+    assert kv() is None, "the KV cache outlived its engine"
+    assert left < 0.02 * held, f"{left / 2**20:.0f} of {held / 2**20:.0f} MiB still allocated"
