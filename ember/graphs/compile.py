@@ -164,6 +164,13 @@ def install_pieces(split: torch.fx.GraphModule, pieces: Sequence[str], attention
         split.__dict__[name] = getattr(split, name).forward   # skip nn.Module call overhead
 
 
+def uninstall_pieces(split: torch.fx.GraphModule) -> None:
+    """Undo `install_pieces`: drop the compiled code (and any PIECEWISE graphs) `split` calls."""
+    for node in split.graph.nodes:
+        if node.op == "call_module":
+            split.__dict__.pop(node.target, None)
+
+
 def _split_names(split: torch.fx.GraphModule) -> tuple[list[str], list[str]]:
     """Names of the split graph's pieces and attention submodules, in call order (attention holds the op)."""
     pieces, attention = [], []
@@ -378,6 +385,10 @@ class CompiledModel:
                 finally:
                     self._call_inputs = ()
                 self.split_module = self.backend.split_module
+                if self.split_module is not None:
+                    # dynamo keeps the traced split module as a global of this module for the life of the process;
+                    # what it calls (compiled pieces, their PIECEWISE graphs) goes when this compiled model does
+                    weakref.finalize(self, uninstall_pieces, self.split_module)
         self.stats.seconds = time.perf_counter() - start
         self._arity = len(inputs)
         self.stats.cache_counters = {k: counters[g][k] - before[k] for g, k in keys}
@@ -399,8 +410,8 @@ class CompiledModel:
 class _WeakBackend:
     """The backend as torch.compile keeps it. torch._dynamo holds every backend it is handed in a process-wide
     table for good (`eval_frame.cached_backends`), so what it holds must not keep the compiled model, and through
-    it the model's weights, alive once the engine is dropped. (dynamo also keeps the traced split module as a
-    global of this module until its transformed code is freed; the split module holds no weights.)"""
+    it the model's weights, alive once the engine is dropped. (dynamo also keeps the traced split module, as a
+    global of this module; CompiledModel empties it of the compiled pieces when it goes.)"""
 
     def __init__(self, backend: PiecewiseBackend):
         self._backend = weakref.ref(backend)
