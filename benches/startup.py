@@ -1,15 +1,16 @@
 """Start-up of `LLM(...)` in a fresh process, from the call to ready, split into load / compile / capture / rest.
 
     python benches/startup.py --model qwen3-0.6b --label cold [--cudagraph-capture lazy] [--replay-table]
-        [--tokens-out FILE] [--tokens-ref FILE] [--profile N]
+        [--tokens-out FILE] [--tokens-ref FILE] [--profile N | --sample N]
 
 Cold or warm is the caller's choice: point EMBER_CACHE and TRITON_CACHE_DIR at empty or at filled folders. The
 script then runs a greedy workload twice (first run vs second run in this process; each run has prompts
 of its own, of the same lengths, so the prefix cache cannot favour the second), optionally times the
 replay of every captured FULL graph (the step time per bucket, for choosing capture sizes), and prints one JSON
 line. `--profile N` runs `LLM(...)` under cProfile and prints its N costliest functions (cumulative and own
-time, then ember's own). The Triton compilations of start-up are printed per kernel, and those inside each run
-counted. `--tokens-ref` compares the greedy tokens with those another run wrote through `--tokens-out`.
+time, then ember's own); `--sample N` samples its stack instead (no slow-down) and prints the N most-seen. The
+Triton compilations of start-up are printed per kernel, and those inside each run counted.
+`--tokens-ref` compares the greedy tokens with those another run wrote through `--tokens-out`.
 """
 
 from __future__ import annotations
@@ -58,6 +59,8 @@ def main() -> None:
     parser.add_argument("--tokens-out", default=None)
     parser.add_argument("--tokens-ref", default=None)
     parser.add_argument("--profile", type=int, default=0, metavar="N")
+    parser.add_argument("--sample", type=int, default=0, metavar="N",
+                        help="sample the stack every 20 ms during LLM(...) and print the N most-seen functions")
     args = parser.parse_args()
 
     import logging
@@ -76,6 +79,10 @@ def main() -> None:
     if args.profile:
         import cProfile
         profiler = cProfile.Profile()
+    sampler = None
+    if args.sample:
+        from stack_sampler import StackSampler
+        sampler = StackSampler(0.02).__enter__()
     t1 = time.perf_counter()
     if profiler is not None:
         profiler.enable()
@@ -85,6 +92,9 @@ def main() -> None:
     if profiler is not None:
         profiler.disable()
         _print_profile(profiler, args.profile)
+    if sampler is not None:
+        sampler.__exit__(None, None, None)
+        print(sampler.report(args.sample), flush=True)
     print("TRITON_COMPILES", counter.total, json.dumps(counter.kernels.most_common()), flush=True)
     runner = llm.engine.runner
     times, stats = runner.times, getattr(runner, "compile_stats", None)

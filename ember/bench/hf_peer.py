@@ -11,8 +11,11 @@ import torch
 from ember.bench.roofline import device_sync
 from ember.bench.workloads import MAX_PROMPT_TOKEN_ID, Workload, percentiles
 
+
 def _hf_model(hf_config, dtype: torch.dtype, device: torch.device):
     from transformers import AutoModelForCausalLM
+    if hasattr(hf_config, "to_transformers"):     # ember's resolved snapshot of the config
+        hf_config = hf_config.to_transformers()
     torch.manual_seed(0)
     with torch.device(device):   # random init straight on the device: no host copy of an 8B model
         return AutoModelForCausalLM.from_config(hf_config, dtype=dtype).eval()

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ember.models.config_snapshot import snapshot_config
+
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 
@@ -13,11 +15,16 @@ def bundled_config_names() -> list[str]:
 
 
 def bundled_config(name: str, **overrides):
-    """The transformers config of a bundled model ("qwen3-0.6b", "llama-3.2-1b", "llama-3.1-8b", "gemma-3-1b"), with
-    `overrides` applied before it is built (so derived fields such as per-layer types follow them)."""
+    """The resolved config (a `ConfigSnapshot`) of a bundled model ("qwen3-0.6b", "llama-3.2-1b", "llama-3.1-8b",
+    "gemma-3-1b"), with `overrides` applied before transformers builds it (so derived fields such as per-layer
+    types follow them). `.to_transformers()` gives the transformers config."""
     path = CONFIG_DIR / f"{name.lower()}.json"
     if not path.is_file():
         raise ValueError(f"no bundled config {name!r}; bundled: {bundled_config_names()}")
-    from transformers import AutoConfig
     values = {**json.loads(path.read_text()), **overrides}
-    return AutoConfig.for_model(**values)
+
+    def build():
+        from transformers import AutoConfig
+        return AutoConfig.for_model(**values)
+
+    return snapshot_config(json.dumps(values, sort_keys=True), build)

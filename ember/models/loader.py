@@ -17,6 +17,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from ember.models.config_snapshot import snapshot_config
 from ember.models.layers.linear import check_shape, default_weight_loader
 from ember.models.registry import get_model_class
 
@@ -28,17 +29,27 @@ class CheckpointError(ValueError):
     """A model folder that cannot be loaded: no config, no weights, a missing, extra or mis-shaped tensor."""
 
 
-def load_config(path: str | Path):
-    """The transformers `PretrainedConfig` of a local model folder (via AutoConfig)."""
+def load_config(path: str | Path, cache_root: Path | str | None = None):
+    """The resolved config of a local model folder: its transformers `PretrainedConfig` (via AutoConfig) as a
+    `ConfigSnapshot`, which a later load of the same config.json reads without importing transformers."""
     path = Path(path)
-    if not (path / "config.json").is_file():
+    config_file = path / "config.json"
+    if not config_file.is_file():
         raise CheckpointError(f"model folder {str(path)!r} has no config.json; point to a folder saved with "
                               f"save_pretrained (or downloaded from the Hub)")
-    from transformers import AutoConfig
     try:
-        return AutoConfig.from_pretrained(path)
-    except (OSError, ValueError, KeyError) as e:
-        raise CheckpointError(f"{str(path / 'config.json')!r} cannot be read as a model config: {e}") from None
+        source = json.dumps(json.loads(config_file.read_text()), sort_keys=True)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{str(config_file)!r} cannot be read as a model config: {e}") from None
+
+    def build():
+        from transformers import AutoConfig
+        try:
+            return AutoConfig.from_pretrained(path)
+        except (OSError, ValueError, KeyError) as e:
+            raise CheckpointError(f"{str(config_file)!r} cannot be read as a model config: {e}") from None
+
+    return snapshot_config(source, build, cache_root)
 
 
 def checkpoint_files(path: str | Path) -> list[Path]:

@@ -24,7 +24,7 @@ def qwen3(tmp_path_factory):
     from transformers import AutoModelForCausalLM
     cfg = bundled_config("qwen3-0.6b", num_hidden_layers=4)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(cfg.to_transformers(), dtype=torch.float32)
     path = tmp_path_factory.mktemp("qwen3")
     model.save_pretrained(path)
     return str(path), model

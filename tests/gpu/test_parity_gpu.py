@@ -24,7 +24,7 @@ def _folder(tmp_path_factory, name, num_layers=4):
     from transformers import AutoModelForCausalLM
     cfg = bundled_config(name, num_hidden_layers=num_layers)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(cfg.to_transformers(), dtype=torch.float32)
     path = tmp_path_factory.mktemp(name)
     model.save_pretrained(path)
     return str(path), model
