@@ -71,6 +71,27 @@ class MetadataBuilder:
         return self.build(common)
 
 
+@dataclass(frozen=True)
+class RopeInputs:
+    """The model's rotary, and per-head q/k RMSNorm (weights, or None for rotary alone), that an attention call's
+    query and key have not had yet: `AttentionImpl.forward_rope` applies them before attending."""
+    cos: torch.Tensor                   # [T, D/2] float32, the rows of the tokens' positions
+    sin: torch.Tensor                   # [T, D/2] float32
+    q_norm: torch.Tensor | None         # [D]
+    k_norm: torch.Tensor | None         # [D]
+    eps: float
+
+    def apply(self, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(query [T, Hq, D], key [T, Hkv, D]) normed and rotated, as the model's ops would (one kernel on CUDA
+        where the key follows the query in the qkv projection's output)."""
+        from ember.kernels.qk_norm_rope import norm_rope_qk
+        return norm_rope_qk(query.flatten(1), key.flatten(1), self.q_norm, self.k_norm, self.cos, self.sin,
+                            self.eps, query.shape[-1])
+
+    def as_tuple(self) -> tuple:
+        return self.cos, self.sin, self.q_norm, self.k_norm, self.eps
+
+
 class AttentionImpl:
     """One layer's attention: write the new K/V into the paged cache, then attend."""
 
@@ -85,6 +106,13 @@ class AttentionImpl:
         """query [T, Hq, D], key/value [T, Hkv, D], out [T, Hq, D]; T may include padding tokens."""
         raise NotImplementedError
 
+    def forward_rope(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                     metadata: Any, out: torch.Tensor, rope: RopeInputs) -> None:
+        """`forward` for a query and key still to be normed and rotated (`rope`). Here they are, first, by their own
+        kernel; a backend whose `takes_rope` is set may fold that into its attention kernels instead."""
+        query, key = rope.apply(query, key)
+        self.forward(query, key, value, kv_cache, metadata, out)
+
 
 class AttentionBackend:
     """Class-level description of a backend. Subclass, set the class variables, register with `register_backend`."""
@@ -94,6 +122,8 @@ class AttentionBackend:
     builder_cls: ClassVar[type[MetadataBuilder]] = MetadataBuilder
     impl_cls: ClassVar[type[AttentionImpl]] = AttentionImpl
     option_names: ClassVar[tuple[str, ...]] = ()         # the `backend_options` its builder reads
+    # the model hands this backend's layers q and k before its rotary and q/k norm (`AttentionImpl.forward_rope`)
+    takes_rope: ClassVar[bool] = False
 
     @staticmethod
     def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:

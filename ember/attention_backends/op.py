@@ -13,7 +13,7 @@ from typing import Any, Iterator
 
 import torch
 
-from ember.attention_backends.base import AttentionImpl
+from ember.attention_backends.base import AttentionImpl, RopeInputs
 
 
 @dataclass
@@ -56,20 +56,30 @@ def get_forward_context() -> ForwardContext:
 
 
 def run_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: torch.Tensor,
-                  layer_name: str) -> None:
+                  layer_name: str, rope: RopeInputs | None = None) -> None:
     """The body of `ember::attention`: the layer's backend impl over its cache and this step's metadata. Eager CPU
     forwards call it directly; a custom op's dispatch costs more than a small decode's attention there."""
     ctx = get_forward_context()
     layer = ctx.layers[layer_name]
-    layer.impl.forward(query, key, value, layer.kv_cache, ctx.attn_metadata[layer.group_index], out)
+    metadata = ctx.attn_metadata[layer.group_index]
+    if rope is None:
+        layer.impl.forward(query, key, value, layer.kv_cache, metadata, out)
+    else:
+        layer.impl.forward_rope(query, key, value, layer.kv_cache, metadata, out, rope)
 
 
 @torch.library.custom_op("ember::attention", mutates_args=("out",))
-def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: torch.Tensor, layer_name: str) -> None:
-    """query [T, Hq, D], key/value [T, Hkv, D]; writes the attention output into out [T, Hq, D]."""
-    run_attention(query, key, value, out, layer_name)
+def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: torch.Tensor, layer_name: str,
+              cos: torch.Tensor | None = None, sin: torch.Tensor | None = None, q_norm: torch.Tensor | None = None,
+              k_norm: torch.Tensor | None = None, norm_eps: float = 0.0) -> None:
+    """query [T, Hq, D], key/value [T, Hkv, D]; writes the attention output into out [T, Hq, D]. With cos/sin
+    ([T, D/2] float32), query and key have not had the model's rotary yet, nor its per-head RMSNorm where the
+    q_norm/k_norm weights ([D]) are given: the backend applies them (`AttentionImpl.forward_rope`)."""
+    rope = None if cos is None else RopeInputs(cos, sin, q_norm, k_norm, norm_eps)
+    run_attention(query, key, value, out, layer_name, rope)
 
 
 @attention.register_fake
-def _attention_fake(query, key, value, out, layer_name) -> None:
+def _attention_fake(query, key, value, out, layer_name, cos=None, sin=None, q_norm=None, k_norm=None,
+                    norm_eps=0.0) -> None:
     return None

@@ -18,30 +18,33 @@ from ember.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_options
 
 
 @triton.jit
-def _qk_norm_rope_kernel(qk_ptr, q_weight_ptr, k_weight_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr,
-                         stride_t, stride_cos, stride_sin, eps,
-                         HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, PDL: tl.constexpr = False):
-    """Program (token, head): head h of [q heads | k heads], read at qk_ptr + t * stride_t + h * 2 * HALF.
-    PDL: launched as a programmatic dependent (`ember.kernels.pdl`)."""
+def _qk_norm_rope_kernel(q_ptr, k_ptr, q_weight_ptr, k_weight_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr,
+                         stride_q, stride_k, stride_cos, stride_sin, eps,
+                         HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, PDL: tl.constexpr = False,
+                         NORM: tl.constexpr = True):
+    """Program (token, head): head h of [q heads | k heads], read at q_ptr + t * stride_q + h * 2 * HALF (or the
+    same in k for h - HQ). NORM off: rotary only (no weights read). PDL: launched as a programmatic dependent
+    (`ember.kernels.pdl`)."""
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     d = tl.arange(0, HALF)
-    src = qk_ptr + t * stride_t + h * (2 * HALF)
+    is_q = h < HQ
+    src = tl.where(is_q, q_ptr + t * stride_q + h * (2 * HALF), k_ptr + t * stride_k + (h - HQ) * (2 * HALF))
     x1 = tl.load(src + d)
     x2 = tl.load(src + HALF + d)
-    f1 = x1.to(tl.float32)
-    f2 = x2.to(tl.float32)
-    sum_sq = tl.reduce(f1 * f1 + f2 * f2, 0, tl.standard._sum_combine)
-    rstd = tl.math.rsqrt(sum_sq / (2 * HALF) + eps)
-    is_q = h < HQ
-    w_ptr = tl.where(is_q, q_weight_ptr, k_weight_ptr)
-    w1 = tl.load(w_ptr + d).to(tl.float32)
-    w2 = tl.load(w_ptr + HALF + d).to(tl.float32)
-    n1 = (w1 * (f1 * rstd).to(x1.dtype).to(tl.float32)).to(x1.dtype).to(tl.float32)
-    n2 = (w2 * (f2 * rstd).to(x1.dtype).to(tl.float32)).to(x1.dtype).to(tl.float32)
+    n1 = x1.to(tl.float32)
+    n2 = x2.to(tl.float32)
+    if NORM:
+        sum_sq = tl.reduce(n1 * n1 + n2 * n2, 0, tl.standard._sum_combine)
+        rstd = tl.math.rsqrt(sum_sq / (2 * HALF) + eps)
+        w_ptr = tl.where(is_q, q_weight_ptr, k_weight_ptr)
+        w1 = tl.load(w_ptr + d).to(tl.float32)
+        w2 = tl.load(w_ptr + HALF + d).to(tl.float32)
+        n1 = (w1 * (n1 * rstd).to(x1.dtype).to(tl.float32)).to(x1.dtype).to(tl.float32)
+        n2 = (w2 * (n2 * rstd).to(x1.dtype).to(tl.float32)).to(x1.dtype).to(tl.float32)
     cos = tl.load(cos_ptr + t * stride_cos + d).to(x1.dtype).to(tl.float32)
     sin = tl.load(sin_ptr + t * stride_sin + d).to(x1.dtype).to(tl.float32)
     out1 = (n1 * cos).to(x1.dtype).to(tl.float32) - (n2 * sin).to(x1.dtype).to(tl.float32)
@@ -51,14 +54,16 @@ def _qk_norm_rope_kernel(qk_ptr, q_weight_ptr, k_weight_ptr, cos_ptr, sin_ptr, q
     tl.store(dst + HALF + d, out2.to(x1.dtype))
 
 
-def qk_norm_rope_reference(q, k, q_weight, k_weight, cos, sin, eps):
-    """The model's ops: q [T, Hq*D], k [T, Hkv*D] -> (q [T, Hq, D], k [T, Hkv, D]), normed and rotated."""
-    d = q_weight.shape[0]
+def qk_norm_rope_reference(q, k, q_weight, k_weight, cos, sin, eps, head_size: int | None = None):
+    """The model's ops: q [T, Hq*D], k [T, Hkv*D] -> (q [T, Hq, D], k [T, Hkv, D]), normed (unless the weights are
+    None; then `head_size` gives D) and rotated."""
+    d = q_weight.shape[0] if q_weight is not None else head_size
 
     def one(x, weight):
         x = x.unflatten(-1, (-1, d))
-        x32 = x.float()
-        x = weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+        if weight is not None:
+            x32 = x.float()
+            x = weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
         x1, x2 = x.chunk(2, dim=-1)
         c, s = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
         return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).contiguous()
@@ -66,33 +71,40 @@ def qk_norm_rope_reference(q, k, q_weight, k_weight, cos, sin, eps):
     return one(q, q_weight), one(k, k_weight)
 
 
-def _kernel_applies(q, k, q_weight, cos, sin) -> bool:
-    """k must follow q in each row of one buffer (the qkv projection's output), heads a power-of-two size."""
-    d = q_weight.shape[0]
-    return (q.stride(1) == 1 and k.stride(1) == 1 and q.stride(0) == k.stride(0) and d >= 2 and d & (d - 1) == 0
-            and cos.shape[-1] * 2 == d and cos.stride(1) == 1 and sin.stride(1) == 1 and q.shape[0] > 0
-            and k.data_ptr() == q.data_ptr() + q.shape[1] * q.element_size())
+def _kernel_applies(q, k, head_size: int, cos, sin) -> bool:
+    """Heads contiguous in each token's row of q and of k, a power-of-two size; cos/sin rows of D/2."""
+    d = head_size
+    return (q.stride(1) == 1 and k.stride(1) == 1 and d >= 2 and d & (d - 1) == 0 and q.shape[0] > 0
+            and cos.shape[-1] * 2 == d and cos.stride(1) == 1 and sin.stride(1) == 1)
+
+
+def norm_rope_qk(q, k, q_weight, k_weight, cos, sin, eps, head_size: int):
+    """q [T, Hq*D], k [T, Hkv*D] -> (q [T, Hq, D], k [T, Hkv, D]): per-head RMSNorm (weights None: none) and
+    rotary, by the kernel where it applies (CUDA), else by the reference ops."""
+    if q.device.type == "cpu" or not _kernel_applies(q, k, head_size, cos, sin):
+        return qk_norm_rope_reference(q, k, q_weight, k_weight, cos, sin, eps, head_size)
+    return qk_norm_rope_triton(q, k, q_weight, k_weight, cos, sin, eps, head_size)
 
 
 @torch.library.custom_op("ember::qk_norm_rope", mutates_args=())
 def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
                  cos: torch.Tensor, sin: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """q [T, Hq*D], k [T, Hkv*D], weights [D], cos/sin [T, D/2] float32 -> q [T, Hq, D], k [T, Hkv, D]."""
-    if q.device.type == "cpu" or not _kernel_applies(q, k, q_weight, cos, sin):
-        return qk_norm_rope_reference(q, k, q_weight, k_weight, cos, sin, eps)
-    return qk_norm_rope_triton(q, k, q_weight, k_weight, cos, sin, eps)
+    return norm_rope_qk(q, k, q_weight, k_weight, cos, sin, eps, q_weight.shape[0])
 
 
-def qk_norm_rope_triton(q, k, q_weight, k_weight, cos, sin, eps):
-    """The kernel (interpreted for CPU tensors); q and k as `_kernel_applies` requires."""
-    d = q_weight.shape[0]
+def qk_norm_rope_triton(q, k, q_weight, k_weight, cos, sin, eps, head_size: int | None = None):
+    """The kernel (interpreted for CPU tensors); q and k as `_kernel_applies` requires (each may be a slice of the
+    qkv projection's output, or a buffer of its own); weights None: no norm."""
+    d = q_weight.shape[0] if q_weight is not None else head_size
     num_tokens, hq, hkv = q.shape[0], q.shape[1] // d, k.shape[1] // d
     q_out = torch.empty(num_tokens, hq, d, dtype=q.dtype, device=q.device)     # [T, Hq, D]
     k_out = torch.empty(num_tokens, hkv, d, dtype=k.dtype, device=k.device)    # [T, Hkv, D]
+    norm = q_weight is not None
     _kernel(_qk_norm_rope_kernel, q.device)[(num_tokens, hq + hkv)](
-        q, q_weight.contiguous(), k_weight.contiguous(), cos, sin, q_out, k_out, q.stride(0), cos.stride(0),
-        sin.stride(0), float(eps), HQ=hq, HKV=hkv, HALF=d // 2, num_warps=1,
-        **pdl_options(q.device))
+        q, k, q_weight.contiguous() if norm else q, k_weight.contiguous() if norm else q, cos, sin, q_out, k_out,
+        q.stride(0), k.stride(0), cos.stride(0), sin.stride(0), float(eps), HQ=hq, HKV=hkv, HALF=d // 2, NORM=norm,
+        num_warps=1, **pdl_options(q.device))
     return q_out, k_out
 
 

@@ -104,6 +104,11 @@ class LlamaAttention(nn.Module):
         if self.kv_source is not None:
             return self._forward_shared_kv(cos, sin, hidden)
         q, k, v = self.qkv_proj.forward_split(hidden)
+        if self.attn.fuse_rope and (self.q_norm is None or self._joint_qk) and cos.shape[-1] * 2 == self.head_size:
+            # the attention backend norms and rotates q and k (in its decode kernel: no kernel of their own)
+            norm = (None, None, 0.0) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight,
+                                                                 self.q_norm.eps)
+            return self.o_proj(self.attn(q, k, v, rope=(cos, sin, *norm)))
         if self._joint_qk:
             q, k = self._norm_rotate_qk(cos, sin, q, k)
         else:

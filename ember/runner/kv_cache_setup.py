@@ -147,6 +147,8 @@ def select_backends(model: nn.Module, block_size: int, dtype: torch.dtype, devic
         logger.info("attention backend %s for %d %s layers", sel.backend.name, len(g.layer_names), g.spec.kind)
         backends.append(sel.backend)
         refused.append(sel.refused)
+        for name in g.layer_names:
+            layers[name].fuse_rope = sel.backend.takes_rope
     return AttentionSetup(layers, groups, backends, refused)
 
 

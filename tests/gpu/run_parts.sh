@@ -9,7 +9,7 @@ OUT=${OUT:-gpu_test_out}; mkdir -p "$OUT"
 case "${1:-}" in
   1) FILES="test_graphs_engine_gpu test_graphs_gpu_toy test_sampling_gpu test_gemv_gpu test_fused_linear_gpu test_fusion_model_gpu" ;;
   2) FILES="test_triton_unified_gpu test_parity_gpu" ;;
-  3) FILES="test_jit_warmup_gpu test_flash_gpu test_flash_engine_gpu test_kv_sharing_gpu test_engine_release_gpu" ;;
+  3) FILES="test_jit_warmup_gpu test_flash_gpu test_flash_engine_gpu test_kv_sharing_gpu test_engine_release_gpu test_kernels_per_layer_gpu" ;;
   *) echo "usage: $0 1|2|3" >&2; exit 2 ;;
 esac
 LIMIT=${LIMIT:-280}

@@ -151,20 +151,29 @@ def test_chunked_prefill_with_prefix_caching(tiny_llama):
     assert llm.engine.stats.num_prefix_cache_hits == 3 * 16
 
 
-@pytest.mark.parametrize("fused_write", [True, False], ids=["fused_decode_kv_write", "write_kernel"])
-def test_triton_backend_through_the_engine_matches_reference(tiny_qwen3, monkeypatch, fused_write):
+@pytest.mark.parametrize("fused_write,fused_rope", [(True, True), (True, "auto"), (False, True)],
+                         ids=["fused_kv_write_and_rope", "fused_kv_write_auto_rope", "write_kernel"])
+def test_triton_backend_through_the_engine_matches_reference(tiny_qwen3, monkeypatch, fused_write, fused_rope):
     """The whole engine through the Triton kernels (interpreted on the CPU) gives the reference backend's tokens,
     with chunked prefill and decodes mixed in one step, then decode-only steps (whose attention launch writes the
-    new K/V itself unless `fused_decode_kv_write` is off); the top-5 logprobs of every step agree too (a random tiny
-    model's greedy tokens barely depend on the context)."""
+    new K/V itself unless `fused_decode_kv_write` is off, and norms and rotates q and k where `fused_decode_rope`
+    is on and the write is fused; `auto` leaves a q/k norm, as Qwen3's, to its own kernel); the top-5 logprobs of
+    every step agree too (a random tiny model's greedy tokens barely depend on the context)."""
+    import ember.attention_backends.triton_unified.backend as tu
     monkeypatch.setenv("TRITON_INTERPRET", "1")
+    launches = []
+    for name in ("unified_attention_2d", "unified_attention_3d"):
+        def spy(*args, _launch=getattr(tu, name), **kwargs):
+            launches.append((kwargs.get("new_kv") is not None, kwargs.get("rope") is not None))
+            return _launch(*args, **kwargs)
+        monkeypatch.setattr(tu, name, spy)
     path, _ = tiny_qwen3
     prompts = [{"prompt_token_ids": p} for p in ([1, 5, 9, 33, 7], list(range(3, 40)), [200])]
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=5)
     ref = LLM(path, device="cpu", attention_backend="torch_ref", max_num_batched_tokens=16).generate(
         prompts, params, use_tqdm=False)
     llm = LLM(path, device="cpu", attention_backend="triton_unified", max_num_batched_tokens=16,
-              attention_backend_options={"fused_decode_kv_write": fused_write})
+              attention_backend_options={"fused_decode_kv_write": fused_write, "fused_decode_rope": fused_rope})
     assert llm.engine.runner.attn.backends[0].name == "triton_unified"
     got = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
@@ -172,6 +181,19 @@ def test_triton_backend_through_the_engine_matches_reference(tiny_qwen3, monkeyp
         for g_step, r_step in zip(g.outputs[0].logprobs, r.outputs[0].logprobs, strict=True):
             assert g_step.keys() == r_step.keys()
             assert max(abs(g_step[t].logprob - r_step[t].logprob) for t in r_step) <= 1e-4
+    # decode-only steps took the fused forms they were allowed, mixed steps neither
+    folded = fused_rope is True
+    assert (True, folded) in launches if fused_write else all(launch == (False, False) for launch in launches)
+    assert (True, not folded) not in launches
+    assert (False, False) in launches and (False, True) not in launches
+
+
+def test_fused_decode_rope_takes_on_off_or_auto(tiny_qwen3, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    path, _ = tiny_qwen3
+    with pytest.raises(ValueError, match="fused_decode_rope 'sometimes' is not on, off or auto"):
+        LLM(path, device="cpu", attention_backend="triton_unified",
+            attention_backend_options={"fused_decode_rope": "sometimes"})
 
 
 def test_a_misspelt_attention_backend_option_is_refused():

@@ -131,18 +131,26 @@ def test_op_shape_on_cpu_and_under_fake_tensors():
     assert fake.shape == (4, 8)
 
 
+@pytest.mark.parametrize("layout", ["qkv", "separate", "one_token"])
+@pytest.mark.parametrize("norm", [True, False], ids=["norm", "rope_only"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-def test_qk_norm_rope_kernel_matches_the_torch_ops(dtype):
-    """q and k read in place from a qkv buffer (strided rows), cos/sin as strided halves of one table."""
-    from ember.kernels.qk_norm_rope import qk_norm_rope_reference, qk_norm_rope_triton
-    num_tokens, hq, hkv, d = 3, 4, 2, 16
+def test_qk_norm_rope_kernel_matches_the_torch_ops(dtype, norm, layout):
+    """q and k read in place from a qkv buffer (strided rows), from buffers of their own, or as one token's views
+    (whose row strides torch may rewrite); cos/sin as strided halves of one table; with and without the norm."""
+    from ember.kernels.qk_norm_rope import _kernel_applies, qk_norm_rope_reference, qk_norm_rope_triton
+    num_tokens, hq, hkv, d = (1 if layout == "one_token" else 3), 4, 2, 16
     g = torch.Generator().manual_seed(7)
     qkv = (2 * torch.randn(num_tokens, (hq + 2 * hkv) * d, generator=g)).to(dtype)    # [T, (Hq + 2 Hkv) D]
     q, k, _ = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
-    q_weight, k_weight = ((1 + 0.2 * torch.randn(2, d, generator=g)).to(dtype))
+    if layout == "separate":
+        q, k = q.clone(), k.clone()
+    elif layout == "one_token":
+        q, k = q.unflatten(-1, (hq, d)).flatten(1), k.unflatten(-1, (hkv, d)).flatten(1)
+    weights = tuple((1 + 0.2 * torch.randn(2, d, generator=g)).to(dtype)) if norm else (None, None)
     angles = 6 * torch.rand(num_tokens, d // 2, generator=g)
     cos, sin = torch.cat([angles.cos(), angles.sin()], dim=-1).chunk(2, dim=-1)          # [T, D/2] each, strided
-    got = qk_norm_rope_triton(q, k, q_weight, k_weight, cos, sin, EPS)
-    for out, ref in zip(got, qk_norm_rope_reference(q, k, q_weight, k_weight, cos, sin, EPS)):
+    assert _kernel_applies(q, k, d, cos, sin)
+    got = qk_norm_rope_triton(q, k, *weights, cos, sin, EPS, d)
+    for out, ref in zip(got, qk_norm_rope_reference(q, k, *weights, cos, sin, EPS, d)):
         _check(out, ref, dtype)
         assert out.is_contiguous()

@@ -24,13 +24,14 @@ TILE = K.TileConfig(block_m=16, tile_n=16)
 SAME = {torch.float32: 1e-5, torch.float16: 4e-3}
 
 
-def _attend(batch, cache, segments, new_kv, tile=TILE):
+def _attend(batch, cache, segments, new_kv, tile=TILE, query=None, rope=None):
     """Output of one decode launch over `cache` (2D for segments == 1, else 3D split-KV)."""
     s = batch.shape
-    out = torch.full_like(batch.query, float("nan"))
-    layout = (batch.query, cache[0], cache[1], out, batch.block_table, batch.query_start_loc, batch.seq_lens)
+    query = batch.query if query is None else query
+    out = torch.full_like(query, float("nan"))
+    layout = (query, cache[0], cache[1], out, batch.block_table, batch.query_start_loc, batch.seq_lens)
     kwargs = dict(scale=s.head_size ** -0.5, sliding_window=s.sliding_window, soft_cap=s.soft_cap, sinks=batch.sinks,
-                  alibi_slopes=batch.alibi_slopes, new_kv=new_kv)
+                  alibi_slopes=batch.alibi_slopes, new_kv=new_kv, rope=rope)
     if segments == 1:
         K.unified_attention_2d(*layout, num_seqs=batch.num_reqs_padded, num_tokens=batch.num_tokens_padded,
                                config=tile, mode=K.MODE_DECODES, **kwargs)
@@ -102,6 +103,68 @@ def test_fused_write_casts_to_the_cache_dtype():
     assert (fused[:2].float() - unfused[:2].float()).abs().max().item() <= SAME[torch.float16]
 
 
+def _raw_qk(batch, norm: bool, seed: int = 0):
+    """q and the new keys as a qkv projection writes them (one [T, (Hq + 2 Hkv) * D] buffer), the cos/sin rows of
+    positions around each token's, the norm weights, and the model's normed and rotated q and k for them."""
+    from ember.kernels.qk_norm_rope import qk_norm_rope_reference
+    s, g = batch.shape, torch.Generator().manual_seed(seed)
+    t, d, dtype = batch.query.shape[0], s.head_size, batch.query.dtype
+    qkv = torch.randn(t, (s.num_heads + 2 * s.num_kv_heads) * d, generator=g).to(dtype)
+    q, k = qkv[:, :s.num_heads * d], qkv[:, s.num_heads * d:(s.num_heads + s.num_kv_heads) * d]
+    angles = torch.rand(t, d // 2, generator=g) * 6.0
+    cos_sin = torch.cat((angles.cos(), angles.sin()), dim=-1)           # [T, D], as the model's gathered rows
+    cos, sin = cos_sin.chunk(2, dim=-1)
+    weights = (torch.rand(d, generator=g).to(dtype) + 0.5, torch.rand(d, generator=g).to(dtype) + 0.5) if norm \
+        else (None, None)
+    q_ref, k_ref = qk_norm_rope_reference(q, k, *weights, cos, sin, 1e-6, d)
+    raw_q, raw_k = q.unflatten(-1, (s.num_heads, d)), k.unflatten(-1, (s.num_kv_heads, d))
+    return raw_q, raw_k, (cos, sin, *weights, 1e-6), q_ref, k_ref
+
+
+ROPE_CASES = [("edges_padded", 1, True), ("edges_padded", 4, False), ("gqa_4", 4, True), ("all_options", 1, True),
+              ("sliding_window", 8, False)]
+
+
+@pytest.mark.parametrize("name,segments,norm", ROPE_CASES,
+                         ids=[f"{n}-{'2d' if g == 1 else f'3d_seg{g}'}-{'norm' if m else 'rope'}"
+                              for n, g, m in ROPE_CASES])
+def test_fused_rope_matches_norm_rope_then_attention(name, segments, norm):
+    """q and the new keys handed over raw (views into one qkv buffer): the kernel's norm and rotary give the
+    output and the cache of the model's ops followed by the launch without rope."""
+    shape = SHAPES[name]
+    dtype = torch.float16 if list(SHAPES).index(name) % 2 else torch.float32
+    batch = make_paged_batch(shape, dtype, "cpu")
+    raw_q, raw_k, rope, q_ref, k_ref = _raw_qk(batch, norm)
+    ref_cache = batch.kv_cache.clone()
+    ref = _attend(batch, ref_cache, segments, (k_ref, batch.value, batch.slot_mapping), query=q_ref)
+    fused_cache = batch.kv_cache.clone()
+    fused = _attend(batch, fused_cache, segments, (raw_k, batch.value, batch.slot_mapping), query=raw_q, rope=rope)
+    # the rotated keys reach the cache as the model's ops make them (the same roundings, in that order; the norm's
+    # sum of squares may differ in order, by an ulp of the scale)
+    torch.testing.assert_close(fused_cache, ref_cache, atol=SAME[dtype], rtol=0, equal_nan=True)
+    assert not torch.equal(fused_cache, batch.kv_cache), "no new key was written"
+    n = batch.num_tokens
+    assert not fused[:n].isnan().any() and fused[n:].isnan().all()
+    assert (fused[:n].float() - ref[:n].float()).abs().max().item() <= 4 * SAME[dtype]
+
+
+def test_rope_arguments_are_checked():
+    batch = make_paged_batch(SHAPES["gqa_4"], torch.float32, "cpu")
+    raw_q, raw_k, (cos, sin, qw, kw, eps), _, _ = _raw_qk(batch, True)
+    new_kv = (raw_k, batch.value, batch.slot_mapping)
+    cache = batch.kv_cache.clone()
+    with pytest.raises(ValueError, match="rope needs new_kv"):
+        _attend(batch, cache, 1, None, query=raw_q, rope=(cos, sin, qw, kw, eps))
+    with pytest.raises(ValueError, match=r"cos must be \[tokens, 32\]"):
+        _attend(batch, cache, 1, new_kv, query=raw_q, rope=(cos[:, :8], sin, qw, kw, eps))
+    with pytest.raises(ValueError, match="both q and k norm weights or neither"):
+        _attend(batch, cache, 1, new_kv, query=raw_q, rope=(cos, sin, qw, None, eps))
+    with pytest.raises(ValueError, match="power-of-two head_size"):
+        odd = make_paged_batch(SHAPES["block_32_head_80"], torch.float32, "cpu")
+        q80, k80, rope80, _, _ = _raw_qk(odd, False)
+        _attend(odd, odd.kv_cache.clone(), 1, (k80, odd.value, odd.slot_mapping), query=q80, rope=rope80)
+
+
 def test_new_kv_arguments_are_checked():
     batch = make_paged_batch(BatchShape("bad", (1, 5), (4, 9)), torch.float32, "cpu")
     out = torch.empty_like(batch.query)
@@ -118,10 +181,11 @@ def test_new_kv_arguments_are_checked():
                                new_kv=(batch.key[:, :1], batch.value[:, :1], batch.slot_mapping))
 
 
-@pytest.mark.parametrize("segments", [1, 16], ids=["2d", "3d"])
-def test_fused_write_compiles_for_sm90(segments):
+@pytest.mark.parametrize("segments,rope", [(1, False), (16, False), (16, True)], ids=["2d", "3d", "3d-rope"])
+def test_fused_write_compiles_for_sm90(segments, rope):
     """Compiled for an H100 on the CPU (the GPU path the interpreter does not check): both the key and the value
-    store are in the code, guarded by the branch of the program that owns the new token."""
+    store are in the code, guarded by the branch of the program that owns the new token; with rope, the norm's
+    rsqrt is there too (for the queries and the new key)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from ember.attention_backends.triton_unified.kernels import unified_attention as U
@@ -129,13 +193,14 @@ def test_fused_write_compiles_for_sm90(segments):
     names = fn.__code__.co_varnames[:fn.__code__.co_argcount]
     dtypes = {"part_out_ptr": "*fp32", "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32", "counter_ptr": "*i32",
               "block_table_ptr": "*i32", "query_start_loc_ptr": "*i32", "seq_lens_ptr": "*i32",
-              "num_decodes_ptr": "*i32", "sinks_ptr": "*fp32", "alibi_ptr": "*fp32", "slot_mapping_ptr": "*i64"}
+              "num_decodes_ptr": "*i32", "sinks_ptr": "*fp32", "alibi_ptr": "*fp32", "slot_mapping_ptr": "*i64",
+              "cos_ptr": "*fp32", "sin_ptr": "*fp32"}
     constexprs = dict(NUM_QUERIES_PER_KV=2, HEAD_SIZE=128, HEAD_PAD=128, BLOCK_SIZE=16, BLOCK_M=16, BLOCK_Q=1,
                       TILE_N=64, NUM_SEGMENTS=segments, MODE=K.MODE_DECODES, LIMIT_DECODES=False, USE_WINDOW=False,
                       USE_SOFTCAP=False, USE_SINKS=False, USE_ALIBI=False, IEEE=False, UNMASKED_MIDDLE=False,
-                      FUSED_COMBINE=False, NEW_KV=True, PDL=False)
+                      FUSED_COMBINE=False, NEW_KV=True, PDL=False, ROPE=rope, QK_NORM=rope)
     signature = {name: "constexpr" if name in constexprs else dtypes.get(name, "*bf16") if name.endswith("_ptr")
-                 else "fp32" if name in ("qk_scale", "softcap") else "i32" for name in names}
+                 else "fp32" if name in ("qk_scale", "softcap", "norm_eps") else "i32" for name in names}
     kernel = triton.runtime.jit.JITFunction(fn)   # compiled even where TRITON_INTERPRET=1
     compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
                               target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=3))
@@ -144,3 +209,4 @@ def test_fused_write_compiles_for_sm90(segments):
     # output (2D) or the three partials (3D), plus the new key and value
     assert len(stores) == (1 if segments == 1 else 3) + 2, stores
     assert "scf.if" in ttir
+    assert ttir.count("math.rsqrt") == (2 if rope else 0), [line for line in ttir.splitlines() if "rsqrt" in line]

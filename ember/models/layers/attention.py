@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from ember.attention_backends.op import run_attention   # the import also registers torch.ops.ember.attention
-from ember.attention_backends.base import AttentionLayerOptions
+from ember.attention_backends.base import AttentionLayerOptions, RopeInputs
 
 
 class Attention(nn.Module):
@@ -22,9 +22,14 @@ class Attention(nn.Module):
         self.options = AttentionLayerOptions(
             num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size, scale=scale,
             sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, kv_sharing_target=kv_sharing_target)
+        # set by the runner before the model is traced, from the layer's backend (`AttentionBackend.takes_rope`):
+        # the model then hands q and k over before its rotary and q/k norm
+        self.fuse_rope = False
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [T, Hq*D], k/v [T, Hkv*D] -> [T, Hq*D]."""
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: tuple | None = None) -> torch.Tensor:
+        """q [T, Hq*D], k/v [T, Hkv*D] -> [T, Hq*D]. rope: (cos, sin [T, D/2], q_norm, k_norm [D] or None, eps)
+        when q and k still need the model's per-head RMSNorm and rotary (only where `fuse_rope` is set: the layer's
+        backend applies them, folded into its attention kernels where it can)."""
         o = self.options
         num_tokens = q.shape[0]
         q = q.view(num_tokens, o.num_heads, o.head_size)
@@ -32,7 +37,10 @@ class Attention(nn.Module):
         v = v.view(num_tokens, o.num_kv_heads, o.head_size)
         out = torch.empty_like(q)
         if q.device.type == "cpu" and not torch.compiler.is_compiling():
-            run_attention(q, k, v, out, self.layer_name)     # eager on the CPU: no graph needs the op boundary
-        else:
+            # eager on the CPU: no graph needs the op boundary
+            run_attention(q, k, v, out, self.layer_name, None if rope is None else RopeInputs(*rope))
+        elif rope is None:
             torch.ops.ember.attention(q, k, v, out, self.layer_name)
+        else:
+            torch.ops.ember.attention(q, k, v, out, self.layer_name, *rope)
         return out.view(num_tokens, o.num_heads * o.head_size)

@@ -44,6 +44,28 @@ def _tanh(x):
 
 
 @triton.jit
+def norm_rope(ptrs, swap_ptrs, mask, cos_ptrs, sin_ptrs, w_ptrs, w_swap_ptrs, sign, eps,
+              HEAD_SIZE: tl.constexpr, AXIS: tl.constexpr, QK_NORM: tl.constexpr):
+    """Heads as the model hands them to rotary: per-head RMSNorm times the weight (QK_NORM), then rotary in
+    rotate-half layout, with the arithmetic and roundings of the model's ops (as ember.kernels.qk_norm_rope).
+
+    ptrs: each element of the heads (head dimension along AXIS, the last); swap_ptrs: its rotate-half partner
+    (channel d + D/2 mod D); cos_ptrs / sin_ptrs: its frequency's entry (d mod D/2) of the token's row; w_ptrs /
+    w_swap_ptrs: the norm weight at d and at the partner; sign: -1 on the first half of the channels, +1 after."""
+    x = tl.load(ptrs, mask=mask, other=0.0)
+    f = x.to(tl.float32)
+    fs = tl.load(swap_ptrs, mask=mask, other=0.0).to(tl.float32)
+    if QK_NORM:
+        rstd = tl.math.rsqrt(tl.reduce(f * f, AXIS, tl.standard._sum_combine, keep_dims=True) / HEAD_SIZE + eps)
+        f = (tl.load(w_ptrs).to(tl.float32) * (f * rstd).to(x.dtype).to(tl.float32)).to(x.dtype).to(tl.float32)
+        fs = (tl.load(w_swap_ptrs).to(tl.float32) * (fs * rstd).to(x.dtype).to(tl.float32)).to(x.dtype) \
+            .to(tl.float32)
+    c = tl.load(cos_ptrs, mask=mask, other=0.0).to(x.dtype).to(tl.float32)
+    s = tl.load(sin_ptrs, mask=mask, other=0.0).to(x.dtype).to(tl.float32)
+    return ((f * c).to(x.dtype).to(tl.float32) + sign * (fs * s).to(x.dtype).to(tl.float32)).to(x.dtype)
+
+
+@triton.jit
 def locate_query_block(pid, query_start_loc_ptr, num_decodes_ptr, num_seqs,
                        BLOCK_Q: tl.constexpr, MODE: tl.constexpr, LIMIT_DECODES: tl.constexpr):
     """(sequence index, query block within it, valid) for program `pid`, without any host sync.

@@ -65,20 +65,45 @@ def _new_kv_args(new_kv, query, key_cache):
     return (key, value, slot_mapping), (key.stride(0), key.stride(1), value.stride(0), value.stride(1))
 
 
+def _rope_args(rope, query, new_kv):
+    """The kernel's (cos, sin, q norm, k norm) pointers, (eps, cos stride, sin stride) and flags for `rope`."""
+    if rope is None:
+        return (query, query, query, query), (0.0, 0, 0), dict(ROPE=False, QK_NORM=False)
+    cos, sin, q_weight, k_weight, eps = rope
+    head_size = query.shape[2]
+    if new_kv is None:
+        raise ValueError("rope needs new_kv: only a decode launch that writes the new keys can rotate them")
+    if head_size & (head_size - 1) or head_size < 16:
+        raise ValueError(f"rope needs a power-of-two head_size of at least 16, got {head_size}")
+    for name, t in (("cos", cos), ("sin", sin)):
+        if t.dim() != 2 or t.shape[1] * 2 != head_size or t.stride(1) != 1 or t.shape[0] < query.shape[0]:
+            raise ValueError(f"{name} must be [tokens, {head_size // 2}] with a contiguous last dimension, got "
+                             f"{tuple(t.shape)} strides {t.stride()}")
+    if (q_weight is None) != (k_weight is None):
+        raise ValueError("rope takes both q and k norm weights or neither")
+    if q_weight is not None and (q_weight.shape != (head_size,) or k_weight.shape != (head_size,)):
+        raise ValueError(f"norm weights must be [{head_size}], got {tuple(q_weight.shape)} and {tuple(k_weight.shape)}")
+    norm = q_weight is not None
+    weights = (q_weight.contiguous(), k_weight.contiguous()) if norm else (query, query)
+    return (cos, sin, *weights), (float(eps), cos.stride(0), sin.stride(0)), dict(ROPE=True, QK_NORM=norm)
+
+
 def _common_args(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, num_decodes, sinks,
-                 alibi_slopes, num_seqs, scale, sliding_window, soft_cap, stride_out, new_kv=None):
+                 alibi_slopes, num_seqs, scale, sliding_window, soft_cap, stride_out, new_kv=None, rope=None):
     # Unused optional pointers get a harmless stand-in: the kernel never dereferences them (constexpr flags).
     dummy = query_start_loc
     new_ptrs, new_strides = _new_kv_args(new_kv, query, key_cache)
+    rope_ptrs, (eps, stride_cos, stride_sin), rope_flags = _rope_args(rope, query, new_kv)
     return ((query, key_cache, value_cache, block_table, query_start_loc, seq_lens,
              num_decodes if num_decodes is not None else dummy,
              sinks if sinks is not None else dummy, alibi_slopes if alibi_slopes is not None else dummy, *new_ptrs,
-             num_seqs, float(scale), float(soft_cap or 0.0), int(sliding_window or 0),
+             *rope_ptrs, num_seqs, float(scale), float(soft_cap or 0.0), int(sliding_window or 0), eps,
              query.stride(0), query.stride(1), *stride_out,
-             key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_table.stride(0), *new_strides),
+             key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_table.stride(0), *new_strides,
+             stride_cos, stride_sin),
             dict(USE_WINDOW=sliding_window is not None, USE_SOFTCAP=bool(soft_cap), USE_SINKS=sinks is not None,
                  USE_ALIBI=alibi_slopes is not None, IEEE=query.dtype == torch.float32,
-                 BLOCK_SIZE=key_cache.shape[2], NEW_KV=new_kv is not None))
+                 BLOCK_SIZE=key_cache.shape[2], NEW_KV=new_kv is not None, **rope_flags))
 
 
 def unified_attention_2d(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, out: torch.Tensor,
@@ -87,7 +112,8 @@ def unified_attention_2d(query: torch.Tensor, key_cache: torch.Tensor, value_cac
                          num_decodes: torch.Tensor | None = None, sliding_window: int | None = None,
                          soft_cap: float | None = None, sinks: torch.Tensor | None = None,
                          alibi_slopes: torch.Tensor | None = None,
-                         new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
+                         new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                         rope: tuple | None = None) -> None:
     """Causal paged attention into out [T, Hq, D] for query [T, Hq, D] over caches [blocks, Hkv, block_size, D].
 
     num_seqs: rows of seq_lens (query_start_loc has num_seqs + 1); num_tokens: the padded token count the grid
@@ -96,7 +122,11 @@ def unified_attention_2d(query: torch.Tensor, key_cache: torch.Tensor, value_cac
 
     new_kv: (key, value [T, Hkv, D], slot_mapping [T] int64), MODE_DECODES only: the cache does not hold the
     decodes' new tokens yet; the kernel attends them from key/value and writes them at their slots, the work of
-    `write_kv_cache` for these tokens (slot -1: nothing written, the cache's entry is attended)."""
+    `write_kv_cache` for these tokens (slot -1: nothing written, the cache's entry is attended).
+
+    rope: (cos, sin [T, D/2] float32, q_weight, k_weight [D] or both None, eps), with new_kv only: query and the new
+    keys are as the qkv projection wrote them, and the kernel applies the model's per-head RMSNorm (when weights
+    are given) and rotary to them, the work of `ember.kernels.qk_norm_rope.norm_rope_qk`."""
     if new_kv is not None and mode != MODE_DECODES:
         raise ValueError(f"new_kv needs mode MODE_DECODES ({MODE_DECODES}), got mode {mode}")
     num_heads, num_kv_heads, head_size = _check(query, key_cache, out)
@@ -114,7 +144,7 @@ def unified_attention_2d(query: torch.Tensor, key_cache: torch.Tensor, value_cac
         return
     args, flags = _common_args(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, num_decodes,
                                sinks, alibi_slopes, num_seqs, scale, sliding_window, soft_cap,
-                               (out.stride(0), out.stride(1)), new_kv)
+                               (out.stride(0), out.stride(1)), new_kv, rope)
     kernel = kernel_for(query.device, "unified_attention", "unified_attention_kernel", unified_attention_kernel)
     kernel[(programs, num_kv_heads)](
         out, out, out, out, out, *args,
@@ -143,13 +173,14 @@ def unified_attention_3d(query: torch.Tensor, key_cache: torch.Tensor, value_cac
                          num_decodes: torch.Tensor | None = None, sliding_window: int | None = None,
                          soft_cap: float | None = None, sinks: torch.Tensor | None = None,
                          alibi_slopes: torch.Tensor | None = None, counters: torch.Tensor | None = None,
-                         new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
+                         new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                         rope: tuple | None = None) -> None:
     """Split-KV decode attention over the first num_seqs requests (or the first num_decodes[0], if given), each with
     one query token: num_segments programs per (request, KV head), then a reduce. Scratch: flat fp32 tensors of at
     least segment_scratch_numel(...) elements.
 
-    new_kv: as in `unified_attention_2d`; the last segment program of each (request, KV head) attends and writes
-    the new token.
+    new_kv, rope: as in `unified_attention_2d`; the last segment program of each (request, KV head) attends and
+    writes the new token (normed and rotated first with rope), and every program norms and rotates its queries.
 
     counters: int32, at least num_seqs x KV heads elements, all 0: the last segment program of each (request, KV
     head) combines the segments itself and resets its counter, and no reduce kernel is launched."""
@@ -169,7 +200,7 @@ def unified_attention_3d(query: torch.Tensor, key_cache: torch.Tensor, value_cac
         return
     args, flags = _common_args(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, num_decodes,
                                sinks, alibi_slopes, num_seqs, scale, sliding_window, soft_cap,
-                               (out.stride(0), out.stride(1)), new_kv)
+                               (out.stride(0), out.stride(1)), new_kv, rope)
     head_pad = max(16, triton.next_power_of_2(head_size))
     limit = num_decodes is not None
     kernel = kernel_for(query.device, "unified_attention", "unified_attention_kernel", unified_attention_kernel)

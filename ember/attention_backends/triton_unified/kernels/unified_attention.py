@@ -12,6 +12,9 @@ With NEW_KV (decode launches only: one query token per request) the kernel also 
 step's new tokens: the cache holds each request's keys up to seq_len - 1, the program whose KV range ends at the
 new token attends that key from the key/value inputs (registers, never the cache) and stores it at the token's slot,
 so no program reads a cache entry another program of the launch writes and no separate write kernel is launched.
+With ROPE as well, q and the new keys arrive as the qkv projection wrote them: each program norms (QK_NORM) and
+rotates its query rows after loading them, and the program that writes a new key norms and rotates it first, so
+no separate QK-norm+RoPE kernel is launched either.
 
 A query tile packs the query heads sharing one KV head (GQA): row m is query token m // G of the block and
 query head kv_head * G + m % G, so every K/V tile is loaded once for the whole group.
@@ -25,7 +28,7 @@ import triton.language as tl
 from ember.kernels.pdl import gdc_launch_dependents, gdc_wait
 
 from .attention_core import (LOG2E, attend_new_key, attend_tiles, cdiv, combine_segments, kv_tile_bounds,
-                             locate_query_block)
+                             locate_query_block, norm_rope)
 
 
 # num_seqs, the step's (padded) request count, varies per step: out of the specialization key (Triton would compile
@@ -34,16 +37,17 @@ from .attention_core import (LOG2E, attend_new_key, attend_tiles, cdiv, combine_
 def unified_attention_kernel(
     out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, counter_ptr,
     q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, query_start_loc_ptr, seq_lens_ptr, num_decodes_ptr,
-    sinks_ptr, alibi_ptr, key_ptr, value_ptr, slot_mapping_ptr,
-    num_seqs, qk_scale, softcap, window,
+    sinks_ptr, alibi_ptr, key_ptr, value_ptr, slot_mapping_ptr, cos_ptr, sin_ptr, q_norm_ptr, k_norm_ptr,
+    num_seqs, qk_scale, softcap, window, norm_eps,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ch, stride_ct, stride_bt,
-    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_kt, stride_kh, stride_vt, stride_vh, stride_cos, stride_sin,
     NUM_QUERIES_PER_KV: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
     NUM_SEGMENTS: tl.constexpr, MODE: tl.constexpr, LIMIT_DECODES: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_SINKS: tl.constexpr, USE_ALIBI: tl.constexpr,
     IEEE: tl.constexpr, UNMASKED_MIDDLE: tl.constexpr, FUSED_COMBINE: tl.constexpr = False,
-    NEW_KV: tl.constexpr = False, PDL: tl.constexpr = False,
+    NEW_KV: tl.constexpr = False, PDL: tl.constexpr = False, ROPE: tl.constexpr = False,
+    QK_NORM: tl.constexpr = False,
 ):
     if PDL:   # launched as a programmatic dependent (ember.kernels.pdl)
         gdc_wait()
@@ -67,12 +71,6 @@ def unified_attention_kernel(
     q_pos = context_len + token_in_seq
     min_q_pos = context_len + q_block * BLOCK_Q
     max_q_pos = context_len + tl.minimum(q_block * BLOCK_Q + BLOCK_Q, q_len) - 1
-
-    offs_d = tl.arange(0, HEAD_PAD)
-    d_ok = offs_d < HEAD_SIZE
-    token = (q_start + token_in_seq).to(tl.int64)
-    q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)                # [BLOCK_M, HEAD_PAD]
 
     if USE_ALIBI:
         slopes = tl.load(alibi_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * LOG2E
@@ -111,6 +109,25 @@ def unified_attention_kernel(
     else:
         hi_loop = hi
 
+    offs_d = tl.arange(0, HEAD_PAD)
+    d_ok = offs_d < HEAD_SIZE
+    # the queries, loaded once this program is known to have keys to attend (a 3D launch's programs past the
+    # sequence's end have left)
+    token = (q_start + token_in_seq).to(tl.int64)
+    # ROPE (HEAD_PAD == HEAD_SIZE): each channel's rotate-half partner, frequency, and the sign of its partner's term
+    swap = (offs_d + HEAD_SIZE // 2) % HEAD_SIZE
+    freq = offs_d % (HEAD_SIZE // 2)
+    sign = tl.where(offs_d < HEAD_SIZE // 2, -1.0, 1.0)
+    if ROPE:
+        q_rows = q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh
+        q = norm_rope(q_rows + offs_d[None, :], q_rows + swap[None, :], row_ok[:, None],
+                      cos_ptr + token[:, None] * stride_cos + freq[None, :],
+                      sin_ptr + token[:, None] * stride_sin + freq[None, :], q_norm_ptr + offs_d[None, :],
+                      q_norm_ptr + swap[None, :], sign[None, :], norm_eps, HEAD_SIZE, 1, QK_NORM)
+    else:
+        q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)            # [BLOCK_M, HEAD_PAD]
+
     block_table_row = block_table_ptr + seq.to(tl.int64) * stride_bt
     k_base = k_cache_ptr + kv_head.to(tl.int64) * stride_ch
     v_base = v_cache_ptr + kv_head.to(tl.int64) * stride_ch
@@ -121,7 +138,13 @@ def unified_attention_kernel(
         owner = has_new & (seg_hi == hi)
         new_ok = tl.where(owner, d_ok, False)   # not d_ok & owner: the interpreter makes that int32, not a mask
         src = q_start.to(tl.int64)
-        k_new = tl.load(key_ptr + src * stride_kt + kv_head * stride_kh + offs_d, mask=new_ok, other=0.0)
+        k_src = key_ptr + src * stride_kt + kv_head * stride_kh
+        if ROPE:
+            k_new = norm_rope(k_src + offs_d, k_src + swap, new_ok, cos_ptr + src * stride_cos + freq,
+                              sin_ptr + src * stride_sin + freq, k_norm_ptr + offs_d, k_norm_ptr + swap, sign,
+                              norm_eps, HEAD_SIZE, 0, QK_NORM)
+        else:
+            k_new = tl.load(k_src + offs_d, mask=new_ok, other=0.0)
         v_new = tl.load(value_ptr + src * stride_vt + kv_head * stride_vh + offs_d, mask=new_ok, other=0.0)
         k_new = k_new.to(k_cache_ptr.dtype.element_ty)
         v_new = v_new.to(v_cache_ptr.dtype.element_ty)
