@@ -1,11 +1,10 @@
 """A model's transformers config, resolved once and then kept as plain values.
 
 Building a transformers config imports its family's configuration module, and through transformers' docstring
-machinery much of transformers' modeling and generation code with it (3.6 s of a 8.5 s warm `LLM(...)` on an H100
-host, scikit-learn included where it is installed). ember only reads the config's attributes. So the first build of
-a config resolves it through AutoConfig and stores its `to_dict()` as JSON under ember's cache directory. A later
-build of the same values (same config.json, same overrides, same transformers version) reads that JSON and imports
-nothing of transformers.
+machinery much of transformers' modeling and generation code with it (scikit-learn too, where it is installed).
+ember only reads the config's attributes. So the first build of a config resolves it through AutoConfig and stores
+its `to_dict()` as JSON under ember's cache directory. A later build of the same values (same config.json, same
+overrides, same transformers version) reads that JSON and imports nothing of transformers.
 
 Every build, the first included, returns the same kind of object, a `ConfigSnapshot`, so a warm start sees exactly
 what a cold one saw (the compile cache key is taken from it too). A snapshot file that cannot be read is reported
