@@ -188,6 +188,36 @@ def test_triton_backend_through_the_engine_matches_reference(tiny_qwen3, monkeyp
     assert (False, False) in launches and (False, True) not in launches
 
 
+@pytest.mark.parametrize("family", ["tiny_qwen3", "tiny_llama"])
+def test_a_backend_that_takes_rope_gets_raw_q_and_k_and_the_default_applies_them(family, request, monkeypatch):
+    """The plug-in contract: a backend with `takes_rope` and no `forward_rope` of its own is handed q and k before
+    the model's q/k norm (Qwen3) and rotary, and the default `forward_rope` applies them before `forward`: the same
+    logprobs as the model's own ops, eager and compiled."""
+    from ember.attention_backends.base import AttentionImpl
+    from ember.attention_backends.torch_ref import TorchRefBackend, TorchRefImpl
+    path, _ = request.getfixturevalue(family)
+    prompts = [{"prompt_token_ids": p} for p in ([1, 5, 9, 33, 7], list(range(3, 40)))]
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=3)
+    ref = LLM(path, device="cpu", attention_backend="torch_ref").generate(prompts, params, use_tqdm=False)
+    seen = []
+
+    def forward_rope(self, query, key, value, kv_cache, metadata, out, rope):
+        seen.append(rope.q_norm is not None)
+        return AttentionImpl.forward_rope(self, query, key, value, kv_cache, metadata, out, rope)
+
+    monkeypatch.setattr(TorchRefBackend, "takes_rope", True)
+    monkeypatch.setattr(TorchRefImpl, "forward_rope", forward_rope)
+    for compile_mode in ("none", "default"):
+        seen.clear()
+        got = LLM(path, device="cpu", attention_backend="torch_ref", compile_mode=compile_mode).generate(
+            prompts, params, use_tqdm=False)
+        assert seen and set(seen) == {family == "tiny_qwen3"}
+        for g, r in zip(got, ref):
+            assert g.outputs[0].token_ids == r.outputs[0].token_ids
+            for g_step, r_step in zip(g.outputs[0].logprobs, r.outputs[0].logprobs, strict=True):
+                assert max(abs(g_step[t].logprob - r_step[t].logprob) for t in r_step) <= 1e-4
+
+
 def test_fused_decode_rope_takes_on_off_or_auto(tiny_qwen3, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     path, _ = tiny_qwen3
