@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU test suite in parts that each fit one 10-minute device call, with a per-file time limit and a table last:
 #   bash tests/gpu/run_parts.sh 1      (then 2, then 3)
-# Seconds per file on an H100 (measured): graphs_engine 206, graphs_toy 22, sampling 4, gemv + fused_linear +
-# fusion_model 49, jit_warmup 85, parity 100, triton_unified > 200, kv_sharing 66 (engine_release unmeasured).
+# Seconds per file on an H100 (measured, with Python start-up): graphs_engine 168, graphs_toy 30, sampling 12,
+# gemv 22, fused_linear 23, fusion_model 59 (part 1: 314); triton_unified 229, parity 143 (part 2: 372);
+# jit_warmup 85, flash 116, flash_engine 53, kv_sharing 90, engine_release 53, kernels_per_layer 101 (part 3: 498).
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-gpu_test_out}; mkdir -p "$OUT"
