@@ -224,6 +224,9 @@ def test_fused_decode_rope_takes_on_off_or_auto(tiny_qwen3, monkeypatch):
     with pytest.raises(ValueError, match="fused_decode_rope 'sometimes' is not on, off or auto"):
         LLM(path, device="cpu", attention_backend="triton_unified",
             attention_backend_options={"fused_decode_rope": "sometimes"})
+    llm = LLM(path, device="cpu", attention_backend="triton_unified",
+              attention_backend_options={"fused_decode_rope": "On"})
+    assert {b.fused_decode_rope for b in llm.engine.runner.builders} == {True}
 
 
 def test_a_misspelt_attention_backend_option_is_refused():

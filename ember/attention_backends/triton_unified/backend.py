@@ -63,9 +63,11 @@ class TritonUnifiedMetadataBuilder(MetadataBuilder):
         spec = ctx.group.spec
         self.split_launch = bool(ctx.option("split_launch", False))
         self.fused_decode_kv_write = bool(ctx.option("fused_decode_kv_write", True))
-        self.fused_decode_rope = ctx.option("fused_decode_rope", "auto")
+        rope = ctx.option("fused_decode_rope", "auto")
+        words = {"on": True, "true": True, "off": False, "false": False, "auto": "auto"}
+        self.fused_decode_rope = words.get(rope.lower(), rope) if isinstance(rope, str) else rope
         if self.fused_decode_rope not in (True, False, "auto"):
-            raise ValueError(f"fused_decode_rope {self.fused_decode_rope!r} is not on, off or auto")
+            raise ValueError(f"fused_decode_rope {rope!r} is not on, off or auto")
         self.num_decodes = torch.zeros(1, dtype=torch.int32, device=ctx.device)   # [1]
         self._num_decodes_value = 0     # what num_decodes holds: a steady decode batch writes it once, not per step
         max_decodes = min(ctx.max_num_reqs, ctx.max_num_tokens)
