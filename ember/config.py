@@ -21,6 +21,15 @@ def cache_dir() -> Path:
     return Path(os.environ.get("EMBER_CACHE", Path.home() / ".cache" / "ember"))
 
 
+def package_version(name: str) -> str:
+    """The installed version of distribution `name`, or "absent"."""
+    from importlib import metadata
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return "absent"
+
+
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     """Map a dtype name ("bfloat16", "fp16", ...) or a torch.dtype to a torch.dtype."""
     if isinstance(dtype, torch.dtype):

@@ -82,8 +82,7 @@ class RopeInputs:
     eps: float
 
     def apply(self, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(query [T, Hq, D], key [T, Hkv, D]) normed and rotated, as the model's ops would (one kernel on CUDA
-        where the key follows the query in the qkv projection's output)."""
+        """(query [T, Hq, D], key [T, Hkv, D]) normed and rotated, as the model's ops would (one kernel on CUDA)."""
         from ember.kernels.qk_norm_rope import norm_rope_qk
         return norm_rope_qk(query.flatten(1), key.flatten(1), self.q_norm, self.k_norm, self.cos, self.sin,
                             self.eps, query.shape[-1])

@@ -37,6 +37,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ember.config import package_version
+
 logger = logging.getLogger("ember")
 
 MANIFEST = "manifest.json"
@@ -63,14 +65,6 @@ def _tree_hash(base: Path) -> str:
     return digest.hexdigest()
 
 
-def _package_version(name: str) -> str:
-    from importlib import metadata
-    try:
-        return metadata.version(name)
-    except metadata.PackageNotFoundError:
-        return "absent"
-
-
 def _device_kind(device: torch.device | str | None) -> str:
     if device is None:
         return "unspecified"
@@ -90,7 +84,7 @@ def compile_cache_key(model_config: Mapping[str, Any] | str | Any, dtype: torch.
         model_config = model_config.to_dict()
     text = model_config if isinstance(model_config, str) else json.dumps(model_config, sort_keys=True, default=str)
     blob = json.dumps([text, str(dtype), _device_kind(device), source_hash or ember_source_hash(),
-                       torch.__version__, _package_version("triton"),
+                       torch.__version__, package_version("triton"),
                        json.dumps(dict(settings or {}), sort_keys=True, default=str), FORMAT_VERSION])
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 

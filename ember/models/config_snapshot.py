@@ -24,6 +24,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from ember.config import cache_dir, package_version
+
 logger = logging.getLogger("ember")
 
 FORMAT_VERSION = 1
@@ -46,20 +48,11 @@ class ConfigSnapshot(SimpleNamespace):
         return AutoConfig.for_model(**self.to_dict())
 
 
-def _transformers_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-    try:
-        return version("transformers")
-    except PackageNotFoundError:
-        return "none"
-
-
 def snapshot_path(source: str, cache_root: Path | str | None) -> Path:
     """Where the snapshot of a config built from `source` (canonical JSON of its values) is stored."""
     if cache_root is None:
-        from ember.config import cache_dir
         cache_root = cache_dir()
-    blob = json.dumps([source, _transformers_version(), FORMAT_VERSION])
+    blob = json.dumps([source, package_version("transformers"), FORMAT_VERSION])
     return Path(cache_root) / "configs" / f"{hashlib.sha256(blob.encode()).hexdigest()[:24]}.json"
 
 
