@@ -55,6 +55,8 @@ def main() -> None:
     parser.add_argument("--label", default="run")
     parser.add_argument("--cudagraph-capture", default=None, choices=["eager", "lazy"])
     parser.add_argument("--replay-table", action="store_true")
+    parser.add_argument("--triton-compile-workers", type=int, default=None, metavar="N",
+                        help="processes compiling the start-up's Triton kernels (0: each at its first launch)")
     parser.add_argument("--num-prompts", type=int, default=128)
     parser.add_argument("--tokens-out", default=None)
     parser.add_argument("--tokens-ref", default=None)
@@ -73,6 +75,8 @@ def main() -> None:
     kwargs = {"load_format": "dummy"}
     if args.cudagraph_capture is not None:
         kwargs["cudagraph_capture"] = args.cudagraph_capture
+    if args.triton_compile_workers is not None:
+        kwargs["triton_compile_workers"] = args.triton_compile_workers
     from ember.kernels.jit_counter import TritonCompileCounter
     counter = TritonCompileCounter().install()
     profiler = None
@@ -100,7 +104,8 @@ def main() -> None:
     times, stats = runner.times, getattr(runner, "compile_stats", None)
     result = {"label": args.label, "import_s": round(import_s, 2), "total_s": round(total_s, 2),
               "load_s": round(times.load_s, 2), "compile_s": round(times.compile_s, 2),
-              "capture_s": round(times.capture_s, 2),
+              "capture_s": round(times.capture_s, 2), "warmup_s": round(times.warmup_s, 2),
+              "precompile_s": round(times.precompile_s, 2),
               "rest_s": round(total_s - times.load_s - times.compile_s - times.capture_s, 2),
               "graph_mib": round(times.graph_memory_bytes / 2**20, 1),
               "descriptors": len(runner.dispatcher.capture_list())}

@@ -53,6 +53,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-jit-warmup", dest="jit_warmup", action="store_false", default=None,
                    help="skip the start-up steps that compile every Triton kernel specialization (default: run them "
                         "on CUDA)")
+    p.add_argument("--triton-compile-workers", type=int, default=None, metavar="N",
+                   help="processes that compile the start-up's Triton kernels before they run (default: one a CPU "
+                        "core, at most 16; 0: each compiles at its first launch)")
     p.add_argument("--disable-fusion", action="append", default=[], metavar="NAME",
                    help="leave a fusion pass out of the compile (repeatable; 'all' for every pass)")
     p.add_argument("--seed", type=int, default=0)
@@ -68,4 +71,5 @@ def engine_kwargs(args) -> dict:
                 compile_mode=args.compile_mode, cudagraph_mode=args.cudagraph_mode,
                 enforce_eager=args.enforce_eager, seed=args.seed, async_scheduling=args.async_scheduling,
                 disabled_fusions=tuple(args.disable_fusion), cudagraph_capture=args.cudagraph_capture,
-                jit_warmup=args.jit_warmup, attention_backend_options=dict(args.attention_backend_options) or None)
+                jit_warmup=args.jit_warmup, triton_compile_workers=args.triton_compile_workers,
+                attention_backend_options=dict(args.attention_backend_options) or None)

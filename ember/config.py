@@ -94,6 +94,10 @@ class CompileConfig:
     # run the batch shapes and sampling settings that pick Triton kernel specializations once at start-up, so none
     # compiles inside a request (ember.runner.warmup). None: on with CUDA; off on the CPU, where kernels interpret
     jit_warmup: bool | None = None
+    # worker processes that compile ember's Triton kernels for the start-up's steps before those run (ember.runner.
+    # warmup.precompile), on CUDA, where an earlier start of the same build has not. None: one a CPU core (at most
+    # 16); 0: each kernel compiles at its first launch
+    triton_compile_workers: int | None = None
 
 
 @dataclass(frozen=True)
@@ -134,6 +138,10 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens {s.max_num_batched_tokens} must be at least 1")
         if self.compile.cudagraph_capture not in ("eager", "lazy"):
             raise ValueError(f"cudagraph_capture {self.compile.cudagraph_capture!r} is not known; use 'eager' or 'lazy'")
+        workers = self.compile.triton_compile_workers
+        if workers is not None and (not isinstance(workers, int) or isinstance(workers, bool) or workers < 0):
+            raise ValueError(f"triton_compile_workers {workers!r} must be an integer of at least 0 (0: compile each "
+                             f"kernel at its first launch), or None for one worker a CPU core")
         if self.model.max_model_len is not None and self.model.max_model_len < 1:
             raise ValueError(f"max_model_len {self.model.max_model_len} must be at least 1")
         if s.async_scheduling is None:

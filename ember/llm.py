@@ -41,7 +41,8 @@ class LLM:
                  cudagraph_capture_sizes: Sequence[int] | None = None, enforce_eager: bool = False,
                  attention_backend_options: dict | None = None, load_format: str = "auto", tokenizer=None,
                  async_scheduling: bool | None = None, disabled_fusions: Sequence[str] = (),
-                 cudagraph_capture: str = "eager", jit_warmup: bool | None = None, tensor_parallel_size: int = 1,
+                 cudagraph_capture: str = "eager", jit_warmup: bool | None = None,
+                 triton_compile_workers: int | None = None, tensor_parallel_size: int = 1,
                  trust_remote_code: bool = False, revision: str | None = None, download_dir: str | None = None,
                  **kwargs):
         check_llm_arguments(kwargs, _LLM_PARAMETERS, tensor_parallel_size)
@@ -68,7 +69,8 @@ class LLM:
             scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, async_scheduling),
             compile=CompileConfig(compile_mode, cudagraph_mode,
                                   tuple(cudagraph_capture_sizes) if cudagraph_capture_sizes else None,
-                                  enforce_eager, tuple(disabled_fusions), cudagraph_capture, jit_warmup),
+                                  enforce_eager, tuple(disabled_fusions), cudagraph_capture, jit_warmup,
+                                  triton_compile_workers),
             device=device, attention_backend=attention_backend,
             attention_backend_options=tuple(sorted(dict(attention_backend_options or {}).items())),
         ).resolve()

@@ -3,6 +3,8 @@
 import triton
 import triton.language as tl
 
+from ember.kernels.precompile import launch_always
+
 
 # tl.reduce with a combine function of this module, not tl.sum: the library's @triton.jit functions cannot be called
 # from the interpreted copy the CPU tests run
@@ -13,6 +15,7 @@ def _add(a, b):
 
 # batch sizes and the upload's segment offsets change every step: keep them out of the specialization key, so one
 # compiled kernel serves every step
+@launch_always   # its outputs are indices: it runs in compile-only start-up steps too
 @triton.jit(do_not_specialize=["idx_mapping", "starts", "query_lens", "num_rows", "num_tokens_padded"])
 def prepare_inputs_kernel(idx_mapping, starts, query_lens, token_ids, token_stride, block_tables, bt_group_stride,
                           bt_row_stride, query_start_loc, seq_lens, logits_indices, input_ids, positions,

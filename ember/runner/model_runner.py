@@ -36,7 +36,7 @@ from ember.runner.sampler import Sampler, SamplerOutput, SamplingMetadata
 from ember.runner.sampling_inputs import SamplingPlan, fits_graph_tail, plan_sampling, sampling_metadata
 from ember.runner.step_input import StepInput, null_block_step
 from ember.runner.upload import PackedUpload
-from ember.runner.warmup import run_warmup
+from ember.runner.warmup import precompile, run_warmup
 from ember.sampling_params import SamplingParams
 from ember.profiling import section
 
@@ -111,6 +111,7 @@ class ModelRunner:
         # a full-size step against a two-block cache compiles the model and measures the activation peak
         tail_offset = len(self.builders) if self.tail_builders else 0   # where KV-sharing layers read metadata
         self.layer_states = allocate_kv_caches(self.attn, 2, self.device, tail_offset)
+        self.times.precompile_s = precompile(self)     # CUDA: the start-up's Triton kernels, in worker processes
         peak = self._profile_run() if self.device.type == "cuda" or self.modes.compile_mode != "none" else 0
         self.num_blocks = self._num_kv_blocks(peak)
         self.max_model_len = self._resolve_max_model_len()
@@ -122,11 +123,7 @@ class ModelRunner:
             # under lazy capture the warm-up's steps run without graphs: they must not count as a bucket's uses
             with self.graphs.pause() if self.graphs is not None and self.graphs.lazy else contextlib.nullcontext():
                 self.times.warmup_s = run_warmup(self)
-        t, total = self.times, time.perf_counter() - t0
-        logger.info("start-up %.1f s: load %.1f s, compile %.1f s%s, capture %.1f s (%.0f MiB), warm-up %.1f s, "
-                    "other %.1f s", total, t.load_s, t.compile_s, " (cached)" if t.compile_cache_hit else "",
-                    t.capture_s, t.graph_memory_bytes / 2**20, t.warmup_s,
-                    total - t.load_s - t.compile_s - t.capture_s - t.warmup_s)
+        logger.info("start-up %s", self.times.summary(time.perf_counter() - t0))
 
     # ---- start-up -------------------------------------------------------------------------------------------
     def model_max_len(self) -> int:
@@ -271,13 +268,13 @@ class ModelRunner:
         self.times.graph_memory_bytes = report.memory_bytes
 
     def _dummy_forward(self, num_tokens: int, num_reqs: int, mode: CUDAGraphMode = CUDAGraphMode.NONE,
-                       desc: BatchDescriptor | None = None, skip: bool | None = None):
-        """Run a step of the given shape for warm-up, profiling or capture: requests of token 0 whose blocks are
-        all the null block, added to the table and dropped again. Returns what `_run` does."""
-        width = self.table.max_model_len
-        num_reqs = max(1, min(num_reqs, num_tokens), -(-num_tokens // width))
-        per_req, extra = divmod(num_tokens, num_reqs)
-        lens = [per_req + (r < extra) for r in range(num_reqs)]
+                       desc: BatchDescriptor | None = None, skip: bool | None = None, lens=None):
+        """Run a step of the given shape (or query `lens`) for warm-up, profiling or capture: requests of token 0
+        whose blocks are all the null block, added to the table and dropped again. Returns what `_run` does."""
+        if lens is None:
+            num_reqs = max(1, min(num_reqs, num_tokens), -(-num_tokens // self.table.max_model_len))
+            lens = [num_tokens // num_reqs + (r < num_tokens % num_reqs) for r in range(num_reqs)]
+        num_reqs = len(lens)
         step = null_block_step("__dummy", lens, [_DUMMY_PARAMS] * num_reqs, self.config.cache.block_size,
                                len(self.attn.groups))
         padded = num_reqs if desc is None else max(desc.padded_num_reqs(num_reqs), num_reqs)

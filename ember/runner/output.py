@@ -25,8 +25,18 @@ class StartupTimes:
     compile_s: float = 0.0
     capture_s: float = 0.0
     warmup_s: float = 0.0              # the Triton warm-up (ember.runner.warmup)
+    precompile_s: float = 0.0          # the dry steps and worker compiles before them (ember.runner.warmup.precompile)
     compile_cache_hit: bool = False
     graph_memory_bytes: int = 0
+
+    def summary(self, total: float) -> str:
+        """One line: the total and each phase; the worker compiles count in the warm-up."""
+        warmup = self.warmup_s + self.precompile_s
+        other = total - self.load_s - self.compile_s - self.capture_s - warmup
+        return (f"{total:.1f} s: load {self.load_s:.1f} s, compile {self.compile_s:.1f} s"
+                f"{' (cached)' if self.compile_cache_hit else ''}, capture {self.capture_s:.1f} s "
+                f"({self.graph_memory_bytes / 2**20:.0f} MiB), warm-up {warmup:.1f} s (of which Triton compiles "
+                f"in worker processes {self.precompile_s:.1f} s), other {other:.1f} s")
 
 
 class HostRing:

@@ -21,10 +21,16 @@ dummy steps are: no real KV block is written and the table is left as it was fou
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
+import torch
+
+from ember.graphs.modes import CUDAGraphMode
 from ember.kernels.gemv import GEMV_MAX_M
 from ember.runner.step_input import null_block_step
 from ember.sampling_params import SamplingParams
@@ -122,4 +128,90 @@ def run_warmup(runner) -> float:
     seconds = time.perf_counter() - t0
     logger.info("warm-up %.1f s: %d steps over the batch shapes and sampling settings that pick Triton kernels",
                 seconds, len(plan))
+    return seconds
+
+
+def _marker(runner) -> Path:
+    """The file that says an earlier start of this build (model, dtype, device, ember's source, versions, limits,
+    settings) had its Triton kernels compiled into this Triton cache."""
+    from triton import knobs
+    from ember.config import cache_dir
+    from ember.graphs.artifacts import compile_cache_key
+    c = runner.config
+    settings = {"capture_sizes": list(runner.capture_sizes), "max_num_tokens": runner.max_num_tokens,
+                "max_num_reqs": runner.max_num_reqs, "max_model_len": runner.table.max_model_len,
+                "cudagraph_mode": runner.modes.cudagraph_mode.name, "compile_mode": runner.modes.compile_mode,
+                "capture": c.compile.cudagraph_capture, "jit_warmup": c.compile.jit_warmup,
+                "disabled_fusions": list(c.compile.disabled_fusions), "backend": c.attention_backend,
+                "backend_options": list(c.attention_backend_options), "block_size": c.cache.block_size,
+                "triton_cache": str(knobs.cache.dir)}
+    key = compile_cache_key(runner.hf_config.to_dict(), runner.dtype, device=runner.device, settings=settings)
+    return cache_dir() / "triton-precompiled" / key
+
+
+def _dry_steps(runner) -> list[tuple]:
+    """(num_tokens, num_reqs, mode, descriptor, query lens or None) of the profile run, the capture (as
+    ModelRunner._capture runs them) and the warm-up's forwards that do not replay a captured graph."""
+    steps = [(runner.max_num_tokens, runner.max_num_reqs, CUDAGraphMode.NONE, None, None)]
+    graphs = runner.graphs
+    captured = set()
+    if graphs is not None and not graphs.lazy:
+        captured = set(runner.dispatcher.capture_list())
+        steps += [(d.num_tokens, d.num_reqs if d.uniform_decode else 1, m, d, None) for m, d in captured]
+    if runner.config.compile.jit_warmup:
+        for step in warmup_plan(runner.max_num_tokens, runner.max_num_reqs, runner.table.max_model_len,
+                                runner.capture_sizes):
+            lens = list(step.query_lens)
+            mode, desc = runner.dispatcher.dispatch(sum(lens), len(lens), all(n == 1 for n in lens))
+            if (mode, desc) not in captured:
+                steps.append((sum(lens), len(lens), mode, desc, lens))
+    return steps
+
+
+def precompile(runner) -> float:
+    """Compile the Triton kernels of the start-up's steps in worker processes (`ember.kernels.precompile`): run
+    each step's forward once with ember's kernels handing their specializations to the workers instead of
+    launching, plus the LM head where the step's sampler would take logits, then wait for the workers. The real
+    steps afterwards load every kernel from Triton's cache. Returns the seconds it took beyond the model's
+    compile (which the first dry step triggers). Nothing runs (0.0) off CUDA, with 0 workers, or when an earlier
+    start of the same build left its marker; kernels the dry steps miss (the step sampler's) compile where they
+    first launch, as without workers."""
+    from ember.kernels import precompile as P
+    workers = runner.config.compile.triton_compile_workers
+    if runner.device.type != "cuda" or workers == 0 or runner.modes.compile_mode == "none":
+        return 0.0
+    marker = _marker(runner)
+    if marker.exists():
+        logger.info("Triton kernels compiled by an earlier start of this build: no worker compiles (%s)", marker)
+        return 0.0
+    t0 = time.perf_counter()
+    stats = runner.compile_stats
+    compile_before = stats.seconds if stats is not None else 0.0
+
+    def elapsed() -> float:   # since t0, less the model's compile inside the first dry step
+        return time.perf_counter() - t0 - ((stats.seconds if stats is not None else 0.0) - compile_before)
+
+    steps = _dry_steps(runner)
+    pool = P.CompilePool(workers or P.default_workers(), P.current_target())
+    try:
+        graphs = runner.graphs
+        with P.compile_only(pool) as handed, torch.inference_mode(), \
+                graphs.pause() if graphs is not None else contextlib.nullcontext():
+            for num_tokens, num_reqs, mode, desc, lens in steps:
+                hidden, sampled = runner._dummy_forward(num_tokens, num_reqs, mode, desc, lens=lens)
+                if sampled is None:    # the step's sampler takes the logits of one row a request
+                    runner.model.compute_logits(hidden[:min(num_reqs, hidden.shape[0])].contiguous())
+        dry_s = elapsed()
+        compiled, failed = pool.wait()
+    finally:
+        pool.close()
+    for error in pool.errors:
+        logger.warning("a Triton compile worker failed; the kernel compiles at its launch instead: %s", error)
+    if not failed:
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.write_text(json.dumps({"specializations": len(handed)}))
+    seconds = elapsed()
+    logger.info("Triton: %d specializations from %d dry steps compiled in %d worker processes in %.1f s (dry steps "
+                "%.1f s; the model's compile not counted), %d failed", compiled, len(steps), pool.workers, seconds,
+                dry_s, failed)
     return seconds

@@ -1,6 +1,6 @@
-"""The start-up Triton warm-up on the GPU: after it, a throughput run in a fresh process compiles no Triton kernel;
-without it, the same run compiles some (so the count can fail). Each case runs `ember bench throughput` in its own
-process, because compiled kernels are cached per process."""
+"""The start-up Triton warm-up, and the worker compiles before it, on the GPU. After the warm-up a throughput run in
+a fresh process compiles no Triton kernel; without it, the same run compiles some (so the count can fail). Each
+case runs in its own process, because compiled kernels are cached per process."""
 
 import json
 import os
@@ -35,3 +35,60 @@ def test_no_triton_compile_inside_the_run_after_warmup(tmp_path):
     print("warm-up off:", cold["startup"], cold["triton_compiles"], cold["triton_compiled_kernels"])
     assert cold["startup"]["warmup_s"] == 0
     assert cold["triton_compiles"] > 0
+
+
+_CAPTURE_ENTRIES = """
+import json, os, sys
+from pathlib import Path
+from ember import LLM, SamplingParams
+from ember.runner import model_runner
+
+cache = Path(os.environ["TRITON_CACHE_DIR"])
+result = {}
+capture = model_runner.ModelRunner._capture
+
+
+def counted(self):
+    before = set(cache.iterdir()) if cache.exists() else set()
+    capture(self)
+    result["capture_new_entries"] = len(set(cache.iterdir()) - before)
+
+
+model_runner.ModelRunner._capture = counted
+llm = LLM("qwen3-0.6b", load_format="dummy", max_num_seqs=16, max_num_batched_tokens=1024, max_model_len=1024,
+          gpu_memory_utilization=0.4, triton_compile_workers=int(sys.argv[1]))
+result["precompile_s"] = llm.engine.runner.times.precompile_s
+outputs = llm.generate([[5, 6, 7, 8 + i] for i in range(6)], SamplingParams(temperature=0.0, max_tokens=24,
+                       ignore_eos=True), use_tqdm=False)
+result["tokens"] = [list(o.outputs[0].token_ids) for o in outputs]
+print("RESULT " + json.dumps(result))
+"""
+
+
+def _capture_entries(tmp_path: Path, workers: int, cache_name: str) -> dict:
+    """A fresh process with empty ember and Triton caches (or the ones named `cache_name` filled before)."""
+    cache = tmp_path / cache_name
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "EMBER_CACHE": str(cache / "ember"),
+           "TRITON_CACHE_DIR": str(cache / "triton")}
+    done = subprocess.run([sys.executable, "-c", _CAPTURE_ENTRIES, str(workers)], cwd=ROOT, env=env, timeout=900,
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-4000:]
+    line = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")][-1]
+    return json.loads(line[len("RESULT "):])
+
+
+def test_worker_compiles_leave_no_compile_to_the_capture(tmp_path):
+    """From empty caches, the worker processes compile every kernel the CUDA-graph capture launches: the capture
+    writes no new entry to Triton's cache (a compile writes one; a load does not). Without workers the capture
+    compiles, so the count can fail. A second start of the same build skips the dry steps (its marker). The
+    greedy tokens are the same in all three."""
+    on = _capture_entries(tmp_path, 8, "on")
+    off = _capture_entries(tmp_path, 0, "off")
+    again = _capture_entries(tmp_path, 8, "on")
+    print("workers:", {k: v for k, v in on.items() if k != "tokens"}, "none:",
+          {k: v for k, v in off.items() if k != "tokens"}, "again:", {k: v for k, v in again.items() if k != "tokens"})
+    assert on["precompile_s"] > 0 and off["precompile_s"] == 0 and again["precompile_s"] == 0
+    assert on["capture_new_entries"] == 0
+    assert off["capture_new_entries"] > 0
+    assert again["capture_new_entries"] == 0
+    assert on["tokens"] == off["tokens"] == again["tokens"]

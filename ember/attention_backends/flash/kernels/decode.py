@@ -18,6 +18,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ember.kernels.precompile import launch_always
+
 from .tiles import LOG2E, cdiv, load_kv_tile, reduce_max, reduce_sum, softmax_step
 
 
@@ -37,6 +39,7 @@ def _decode_tiles(seq_lens, window, TILE_N: tl.constexpr, USE_WINDOW: tl.constex
 
 
 # the live decode count and the bucket's rows vary per step: out of the specialization key
+@launch_always   # its outputs are indices: it runs in compile-only start-up steps too
 @triton.jit(do_not_specialize=["num_decodes", "num_rows"])
 def decode_plan_kernel(
     seq_lens_ptr, work_start_ptr, split_start_ptr, item_seq_ptr, item_chunk_ptr, item_part_ptr, params_ptr,

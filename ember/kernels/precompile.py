@@ -1,0 +1,255 @@
+"""Compile ember's Triton kernels in worker processes at start-up.
+
+A cold start compiles about thirty specializations of ember's @triton.jit kernels (GEMV tiles per row count,
+attention tiles per bucket, ...), each at its first launch, one after another in the launching thread: a Triton
+frontend pass, MLIR passes and a ptxas run, about 0.4 s each on an H100 host. Threads do not help (Triton's
+frontend holds the GIL: 16 threads compiled about 1.4x as fast as one); processes do.
+
+`compile_only(pool)` turns launches of ember's kernels into specializations handed to a `CompilePool`: Triton's
+`jit_cache_hook` sees every launch that would compile, with the specialization serialized as JSON, and answering
+True makes the launch return without compiling or launching anything. A start-up runs its step shapes once that way
+(`ember.runner.warmup.precompile`), the pool's worker processes compile the specializations into Triton's on-disk
+cache, and the real steps then load each kernel from that cache instead of compiling it.
+
+What such a dry step computes is garbage: ember's kernels write nothing, so what reads their outputs reads
+uninitialised memory. The dry steps must therefore be steps whose host code never reads a device value and whose
+device code never indexes with one an ember kernel produced (the runner's forward, its FULL-graph decode tail and
+the LM head qualify; the step's sampler does not). Kernels that produce indices or step metadata (the
+prepare-inputs kernel, decode plans) are marked `launch_always`: they compile at once and launch as usual in a dry
+step too. Kernels that are not ember's (Inductor's, a plug-in's) launch as usual.
+
+A worker is `python -m ember.kernels.precompile`: it reads one JSON request a line on stdin (kernel module and name,
+the specialization, the target) and answers one JSON line on stdout (the compiled kernel's hash, or the error).
+It never touches the GPU. A specialization it cannot compile is reported and left to compile, and to fail loudly,
+at its real launch."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Iterator
+
+logger = logging.getLogger("ember")
+
+MAX_WORKERS = 16
+
+
+def default_workers() -> int:
+    """Worker processes when none are asked for: one per CPU core the process may use, at most MAX_WORKERS."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:   # not on Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(MAX_WORKERS, cores))
+
+
+def launch_always(kernel):
+    """Mark a @triton.jit kernel (a decorator above `triton.jit`) to compile and launch inside `compile_only` too:
+    its outputs are indices or metadata that later kernels index with."""
+    kernel.ember_launch_always = True
+    return kernel
+
+
+def _dry(jit_function) -> bool:
+    module = getattr(jit_function, "module", None) or getattr(getattr(jit_function, "fn", None), "__module__", "")
+    return str(module).startswith("ember.") and not getattr(jit_function, "ember_launch_always", False)
+
+
+# ---- the worker side ------------------------------------------------------------------------------------------
+
+def _tuples(value):
+    """JSON turned the specialization's tuples into lists: turn them back, nested ones too."""
+    return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
+
+
+def _constant(value):
+    import triton.language as tl
+    if isinstance(value, str) and tl.dtype.is_dtype(value):
+        return tl.dtype(value)
+    if isinstance(value, dict) and "constexpr" in value:
+        return tl.constexpr(_tuples(value["constexpr"]))
+    if isinstance(value, dict) and "jit_function" in value:
+        module, _, name = value["jit_function"].partition(":")
+        return _resolve(module, name)
+    return _tuples(value)
+
+
+def _resolve(module: str, name: str):
+    """The JITFunction `name` of `module` (compiled even where TRITON_INTERPRET made it an interpreted one)."""
+    from triton.runtime.jit import JITFunction
+    obj = importlib.import_module(module)
+    for part in name.split("."):
+        obj = getattr(obj, part)
+    return obj if isinstance(obj, JITFunction) else JITFunction(obj.fn)
+
+
+def compile_specialization(module: str, name: str, spec: str, target) -> str:
+    """Compile kernel `name` of `module` for one specialization (the JSON Triton's jit_cache_hook hands out) and
+    `target` (backend, arch, warp size) into Triton's cache; returns the compiled kernel's hash."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    data = json.loads(spec)
+    fn = _resolve(module, name)
+    constexprs = {tuple(k): _constant(v) for k, v in zip(data["constant_keys"], data["constant_vals"])}
+    attrs = {tuple(k): v for k, v in zip(data["attrs_keys"], data["attrs_vals"])}
+    signature = {k: _tuples(v) for k, v in data["signature"].items()}
+    options = {k: _tuples(v) for k, v in data["options"].items()}
+    compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget(*target), options=options)
+    return compiled.hash
+
+
+def _serve() -> None:
+    """A worker's loop: one JSON request a line in, one JSON answer a line out, until stdin closes."""
+    answers = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)                       # whatever else prints goes to stderr, never into the answers
+    importlib.import_module("triton.compiler")     # loaded before the first request
+    for line in sys.stdin:
+        job = json.loads(line)
+        t0 = time.perf_counter()
+        try:
+            answer = {"hash": compile_specialization(job["module"], job["name"], job["spec"], job["target"])}
+        except Exception as e:   # reported to the parent, which leaves the kernel to its real launch
+            answer = {"error": f"{type(e).__name__}: {e}"}
+        answer["seconds"] = time.perf_counter() - t0
+        answers.write(json.dumps(answer) + "\n")
+
+
+# ---- the parent side ------------------------------------------------------------------------------------------
+
+class CompilePool:
+    """`workers` worker processes, each driven by a thread of its own; `submit` queues a specialization, `wait`
+    returns (compiled, failed) once all are done, `close` ends the workers. The processes start at once, so their
+    imports overlap whatever the parent does next."""
+
+    def __init__(self, workers: int, target):
+        if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
+            raise ValueError(f"a compile pool needs at least one worker, got {workers!r}")
+        self.workers = workers
+        self.target = list(target)
+        self.futures: list[Future] = []
+        self.errors: list[str] = []
+        self._local = threading.local()
+        self._procs: list[subprocess.Popen] = []
+        self._lock = threading.Lock()
+        self._closed = False
+        self._threads = ThreadPoolExecutor(workers, thread_name_prefix="ember-triton-compile")
+        for _ in range(workers):
+            self._threads.submit(self._process)
+
+    def _process(self) -> subprocess.Popen:
+        proc = getattr(self._local, "proc", None)
+        if proc is None or proc.poll() is not None:
+            root = str(Path(__file__).resolve().parents[2])    # ember importable in the worker, as it is here
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+            proc = subprocess.Popen([sys.executable, "-m", "ember.kernels.precompile"], stdin=subprocess.PIPE,
+                                    stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+            self._local.proc = proc
+            with self._lock:
+                self._procs.append(proc)
+        return proc
+
+    def _request(self, job: dict) -> dict:
+        proc = self._process()
+        proc.stdin.write(json.dumps(job) + "\n")
+        proc.stdin.flush()
+        line = proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"Triton compile worker {proc.pid} exited with code {proc.wait()}")
+        answer = json.loads(line)
+        if "error" in answer:
+            raise RuntimeError(f"{job['module']}.{job['name']}: {answer['error']}")
+        return answer
+
+    def submit(self, module: str, name: str, spec: str) -> Future:
+        if self._closed:
+            raise RuntimeError("the compile pool is closed")
+        future = self._threads.submit(self._request, {"module": module, "name": name, "spec": spec,
+                                                      "target": self.target})
+        self.futures.append(future)
+        return future
+
+    def wait(self) -> tuple[int, int]:
+        """Wait for every submitted compile: (compiled, failed); the failures' messages are in `errors`."""
+        compiled = failed = 0
+        for future in self.futures:
+            try:
+                future.result()
+                compiled += 1
+            except Exception as e:
+                failed += 1
+                self.errors.append(str(e))
+        self.futures = []
+        return compiled, failed
+
+    def close(self) -> None:
+        """End the workers (they exit when their stdin closes; one that does not is killed)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._threads.shutdown(wait=True, cancel_futures=True)
+        for proc in self._procs:
+            with contextlib.suppress(OSError):
+                proc.stdin.close()
+        for proc in self._procs:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            with contextlib.suppress(OSError):
+                proc.stdout.close()
+
+    def __enter__(self) -> "CompilePool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def current_target() -> tuple:
+    """(backend, arch, warp size) of the active Triton driver's device."""
+    from triton.runtime import driver
+    t = driver.active.get_current_target()
+    return t.backend, t.arch, t.warp_size
+
+
+@contextlib.contextmanager
+def compile_only(pool: CompilePool) -> Iterator[set[tuple[str, str, str]]]:
+    """For the duration, a launch of one of ember's Triton kernels (but `launch_always` ones) that would compile
+    hands its specialization to `pool` and launches nothing; yields the set of (module, name, specialization) handed
+    over. Other kernels launch as usual. Triton's previous jit_cache_hook is restored on exit and still sees every
+    launch that is not ember's."""
+    from triton import knobs
+    previous = knobs.runtime.jit_cache_hook
+    handed: set[tuple[str, str, str]] = set()
+
+    def hook(*args, **kwargs):
+        info, compile_args = kwargs.get("fn"), kwargs.get("compile") or {}
+        spec = compile_args.get("specialization_data")
+        if info is None or spec is None or not _dry(info.jit_function):
+            return previous(*args, **kwargs) if previous is not None else None
+        entry = (str(info.module), str(info.name), spec)
+        if entry not in handed:
+            handed.add(entry)
+            pool.submit(*entry)
+        return True
+
+    knobs.runtime.jit_cache_hook = hook
+    try:
+        yield handed
+    finally:
+        knobs.runtime.jit_cache_hook = previous
+
+
+if __name__ == "__main__":
+    _serve()

@@ -1,0 +1,151 @@
+"""Triton compiles in worker processes (ember.kernels.precompile): a specialization as Triton's jit_cache_hook
+serializes it compiles in a worker to the same kernel (same hash, same cache entry) that the launching process
+would compile; the hook hands ember's launches to the pool and lets others through; a bad request is reported,
+not raised. Triton compiles for sm_90 on the CPU, so the workers really compile here; the dry start-up pass itself
+runs on the GPU (tests/gpu/test_jit_warmup_gpu.py)."""
+
+import inspect
+import json
+import types
+
+import pytest
+import triton
+
+from ember.kernels import precompile as P
+from ember.kernels import rms_norm as R
+
+SM90 = ("cuda", 90, 32)
+
+
+def _specialization(block: int = 1024, num_warps: int = 4):
+    """The rms-norm kernel's specialization for bf16 rows of `block` elements, as a launch would make it: (the
+    JITFunction, ASTSource arguments, parsed options, and the JSON Triton's hook hands out)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.jit import JITFunction, serialize_specialization_data
+    fn = JITFunction(R._rms_norm_kernel.fn)          # compiled even where TRITON_INTERPRET=1
+    signature = {"x_ptr": "*bf16", "weight_ptr": "*bf16", "out_ptr": "*bf16", "K": "i32", "stride_xm": "i32",
+                 "stride_om": "i32", "eps": "fp32", "BLOCK": "constexpr"}
+    constexprs = {(7,): block}
+    attrs = {(i,): [["tt.divisibility", 16]] for i in range(6)}
+    target = GPUTarget(*SM90)
+    options = make_backend(target).parse_options({"num_warps": num_warps})
+    args = [R._rms_norm_kernel.fn.__qualname__, signature, constexprs, attrs, options, "key"]
+    if "target" in inspect.signature(serialize_specialization_data).parameters:
+        args.append(target)
+    return fn, (signature, constexprs, attrs), options, serialize_specialization_data(*args)
+
+
+def _files(root):
+    """(path, inode, mtime) of every file under `root`: Triton's cache writes a file by replacing it."""
+    return sorted((str(p.relative_to(root)), p.stat().st_ino, p.stat().st_mtime_ns) for p in root.rglob("*")
+                  if p.is_file())
+
+
+def test_a_worker_compiles_the_kernel_the_launch_would(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    fn, (signature, constexprs, attrs), options, spec = _specialization()
+    with P.CompilePool(2, SM90) as pool:
+        future = pool.submit("ember.kernels.rms_norm", "_rms_norm_kernel", spec)
+        assert pool.wait() == (1, 0), pool.errors
+        worker_hash = future.result()["hash"]
+    entries = _files(tmp_path / "triton")
+    assert any(name.endswith(".cubin") for name, _, _ in entries), entries
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    here = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget(*SM90),
+                          options=options.__dict__)
+    assert here.hash == worker_hash
+    # the launching process loaded the worker's binary: a compile would have written its files anew
+    assert _files(tmp_path / "triton") == entries
+
+
+def test_specializations_that_differ_compile_to_different_kernels(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    with P.CompilePool(2, SM90) as pool:
+        a = pool.submit("ember.kernels.rms_norm", "_rms_norm_kernel", _specialization(1024)[3])
+        b = pool.submit("ember.kernels.rms_norm", "_rms_norm_kernel", _specialization(2048, num_warps=8)[3])
+        assert pool.wait() == (2, 0), pool.errors
+    assert a.result()["hash"] != b.result()["hash"]
+
+
+def test_a_request_that_cannot_compile_is_reported_and_the_worker_goes_on(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    spec = _specialization()[3]
+    with P.CompilePool(1, SM90) as pool:
+        pool.submit("ember.kernels.rms_norm", "no_such_kernel", spec)
+        pool.submit("ember.kernels.rms_norm", "_rms_norm_kernel", spec)
+        assert pool.wait() == (1, 1)
+    assert "no_such_kernel" in pool.errors[0]
+
+
+@pytest.mark.parametrize("workers", [0, -1, True, 2.0])
+def test_a_pool_needs_a_worker(workers):
+    with pytest.raises(ValueError, match="worker"):
+        P.CompilePool(workers, SM90)
+
+
+class _Pool:
+    def __init__(self):
+        self.submitted = []
+
+    def submit(self, *entry):
+        self.submitted.append(entry)
+
+
+def _hook_call(module: str, launch_always: bool = False, spec: str = "{}"):
+    jit = types.SimpleNamespace(module=module)
+    if launch_always:
+        P.launch_always(jit)
+    return dict(key="k", repr="r", fn=types.SimpleNamespace(module=module, name="kernel", jit_function=jit),
+                compile={"specialization_data": spec}, is_manual_warmup=False, already_compiled=False)
+
+
+def test_compile_only_hands_over_embers_launches_once_and_restores_the_hook():
+    from triton import knobs
+    seen = []
+
+    def previous(**kwargs):
+        seen.append(kwargs["fn"].module)
+        return None
+
+    knobs.runtime.jit_cache_hook = previous
+    pool = _Pool()
+    try:
+        with P.compile_only(pool) as handed:
+            hook = knobs.runtime.jit_cache_hook
+            assert hook(**_hook_call("ember.kernels.gemv", spec='{"a": 1}')) is True
+            assert hook(**_hook_call("ember.kernels.gemv", spec='{"a": 1}')) is True      # handed over once
+            assert hook(**_hook_call("ember.kernels.gemv", spec='{"a": 2}')) is True
+            assert hook(**_hook_call("ember.kernels.prepare_triton", launch_always=True)) is None
+            assert hook(**_hook_call("torch._inductor.generated")) is None
+        assert knobs.runtime.jit_cache_hook is previous
+    finally:
+        knobs.runtime.jit_cache_hook = None
+    assert pool.submitted == [("ember.kernels.gemv", "kernel", '{"a": 1}'), ("ember.kernels.gemv", "kernel", '{"a": 2}')]
+    assert len(handed) == 2
+    assert seen == ["ember.kernels.prepare_triton", "torch._inductor.generated"]
+
+
+def test_kernels_whose_outputs_are_indices_launch_in_dry_steps():
+    from ember.attention_backends.flash.kernels.decode import decode_plan_kernel
+    from ember.kernels.prepare_triton import prepare_inputs_kernel
+    assert not P._dry(prepare_inputs_kernel) and not P._dry(decode_plan_kernel)
+    assert P._dry(R._rms_norm_kernel)
+
+
+def test_default_workers_is_bounded():
+    assert 1 <= P.default_workers() <= P.MAX_WORKERS
+
+
+def test_a_worker_answers_on_stdout_only_with_answers(tmp_path):
+    """The protocol line stays clean even when compiling prints."""
+    import subprocess
+    import sys
+    spec = _specialization()[3]
+    job = {"module": "ember.kernels.rms_norm", "name": "_rms_norm_kernel", "spec": spec, "target": list(SM90)}
+    done = subprocess.run([sys.executable, "-m", "ember.kernels.precompile"], input=json.dumps(job) + "\n",
+                          capture_output=True, text=True, timeout=300,
+                          env={**__import__("os").environ, "TRITON_CACHE_DIR": str(tmp_path)})
+    lines = done.stdout.splitlines()
+    assert len(lines) == 1 and "hash" in json.loads(lines[0]), done.stdout + done.stderr
