@@ -178,7 +178,7 @@ def precompile(runner) -> float:
     first launch, as without workers."""
     from ember.kernels import precompile as P
     workers = runner.config.compile.triton_compile_workers
-    if runner.device.type != "cuda" or workers == 0 or runner.modes.compile_mode == "none":
+    if runner.device.type != "cuda" or not workers or runner.modes.compile_mode == "none":
         return 0.0
     marker = _marker(runner)
     if marker.exists():
@@ -192,7 +192,7 @@ def precompile(runner) -> float:
         return time.perf_counter() - t0 - ((stats.seconds if stats is not None else 0.0) - compile_before)
 
     steps = _dry_steps(runner)
-    pool = P.CompilePool(workers or P.default_workers(), P.current_target())
+    pool = P.CompilePool(workers, P.current_target())
     try:
         graphs = runner.graphs
         with P.compile_only(pool) as handed, torch.inference_mode(), \

@@ -134,10 +134,6 @@ def test_kernels_whose_outputs_are_indices_launch_in_dry_steps():
     assert P._dry(R._rms_norm_kernel)
 
 
-def test_default_workers_is_bounded():
-    assert 1 <= P.default_workers() <= P.MAX_WORKERS
-
-
 def test_a_worker_answers_on_stdout_only_with_answers(tmp_path):
     """The protocol line stays clean even when compiling prints."""
     import subprocess
@@ -149,3 +145,22 @@ def test_a_worker_answers_on_stdout_only_with_answers(tmp_path):
                           env={**__import__("os").environ, "TRITON_CACHE_DIR": str(tmp_path)})
     lines = done.stdout.splitlines()
     assert len(lines) == 1 and "hash" in json.loads(lines[0]), done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("workers", [-1, True, 2.0, "4", None])
+def test_config_refuses_a_bad_worker_count(workers):
+    from ember.config import CompileConfig, EngineConfig, ModelConfig
+    config = EngineConfig(model=ModelConfig("m"), compile=CompileConfig(triton_compile_workers=workers), device="cpu")
+    with pytest.raises(ValueError, match="triton_compile_workers"):
+        config.resolve()
+
+
+def test_the_runner_pass_does_nothing_off_cuda_or_without_workers():
+    from ember.runner.warmup import precompile
+
+    def runner(device, workers):
+        config = types.SimpleNamespace(compile=types.SimpleNamespace(triton_compile_workers=workers))
+        return types.SimpleNamespace(device=types.SimpleNamespace(type=device), config=config,
+                                     modes=types.SimpleNamespace(compile_mode="default"))
+    assert precompile(runner("cpu", 4)) == 0.0
+    assert precompile(runner("cuda", 0)) == 0.0
