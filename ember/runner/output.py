@@ -35,8 +35,9 @@ class StartupTimes:
         other = total - self.load_s - self.compile_s - self.capture_s - warmup
         return (f"{total:.1f} s: load {self.load_s:.1f} s, compile {self.compile_s:.1f} s"
                 f"{' (cached)' if self.compile_cache_hit else ''}, capture {self.capture_s:.1f} s "
-                f"({self.graph_memory_bytes / 2**20:.0f} MiB), warm-up {warmup:.1f} s (of which Triton compiles "
-                f"in worker processes {self.precompile_s:.1f} s), other {other:.1f} s")
+                f"({self.graph_memory_bytes / 2**20:.0f} MiB), warm-up {warmup:.1f} s"
+                + (f" (of which Triton compiles in worker processes {self.precompile_s:.1f} s)" if self.precompile_s
+                   else "") + f", other {other:.1f} s")
 
 
 class HostRing:

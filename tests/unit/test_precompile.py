@@ -164,3 +164,11 @@ def test_the_runner_pass_does_nothing_off_cuda_or_without_workers():
                                      modes=types.SimpleNamespace(compile_mode="default"))
     assert precompile(runner("cpu", 4)) == 0.0
     assert precompile(runner("cuda", 0)) == 0.0
+
+
+def test_the_start_up_line_counts_worker_compiles_in_the_warm_up():
+    from ember.runner.output import StartupTimes
+    plain = StartupTimes(load_s=1, compile_s=2, capture_s=3, warmup_s=4).summary(12)
+    assert plain.endswith("warm-up 4.0 s, other 2.0 s") and "worker" not in plain
+    workers = StartupTimes(load_s=1, compile_s=2, capture_s=3, warmup_s=4, precompile_s=1.5).summary(12)
+    assert "warm-up 5.5 s (of which Triton compiles in worker processes 1.5 s), other 0.5 s" in workers
