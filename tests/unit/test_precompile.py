@@ -160,8 +160,7 @@ def test_the_runner_pass_does_nothing_off_cuda_or_without_workers():
 
     def runner(device, workers):
         config = types.SimpleNamespace(compile=types.SimpleNamespace(triton_compile_workers=workers))
-        return types.SimpleNamespace(device=types.SimpleNamespace(type=device), config=config,
-                                     modes=types.SimpleNamespace(compile_mode="default"))
+        return types.SimpleNamespace(device=types.SimpleNamespace(type=device), config=config)
     assert precompile(runner("cpu", 4)) == 0.0
     assert precompile(runner("cuda", 0)) == 0.0
 
