@@ -181,3 +181,14 @@ def test_profile_steps_needs_queued_requests(tiny_model):
         profile_steps(llm.engine, 3)
     with pytest.raises(ValueError, match="num_steps 0"):
         profile_steps(llm.engine, 0)
+
+
+def test_critical_path_charges_overlap_once_and_gaps_to_idle():
+    from ember.bench.profiler import critical_path
+    # b starts inside a (a programmatic dependent) and ends 3 later; c starts after a gap of 2; d sits inside c
+    charged, idle = critical_path([("c", 12.0, 15.0), ("a", 0.0, 5.0), ("b", 1.0, 8.0), ("d", 13.0, 14.0),
+                                   ("a", 15.0, 16.0)])
+    assert charged == {"a": 6.0, "b": 3.0, "c": 3.0, "d": 0.0}
+    assert idle == 4.0
+    assert sum(charged.values()) + idle == 16.0      # the span from the first start to the last end
+    assert critical_path([]) == ({}, 0.0)
