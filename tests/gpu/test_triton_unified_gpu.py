@@ -62,7 +62,7 @@ def _batch(shape, dtype):
     return batch
 
 
-def _run_plan(batch, split_launch: bool, num_sms: int):
+def _run_plan(batch, split_launch: bool, num_sms: int, single_segment_tiles: int = 0):
     """Run the launches the plan picks for this batch (as the impl would), into a NaN-poisoned output."""
     K, P = _kernels()
     s = batch.shape
@@ -81,7 +81,8 @@ def _run_plan(batch, split_launch: bool, num_sms: int):
         scratch = [torch.full((n,), float("nan"), device="cuda") for n in (n_out, n_rows, n_rows)]
         K.unified_attention_3d(*layout, num_seqs=plan.num_decode_seqs, config=plan.decode,
                                num_segments=plan.num_segments, scratch_out=scratch[0], scratch_max=scratch[1],
-                               scratch_sum=scratch[2], num_decodes=count, **opts)
+                               scratch_sum=scratch[2], num_decodes=count, single_segment_tiles=single_segment_tiles,
+                               **opts)
     elif plan.decode is not None:
         K.unified_attention_2d(*layout, num_seqs=plan.num_decode_seqs, num_tokens=batch.num_tokens_padded,
                                config=plan.decode, mode=K.MODE_DECODES, num_decodes=count, **opts)
@@ -124,6 +125,24 @@ def test_2d_and_3d_agree_on_the_same_decode_batch(name, dtype):
     assert plan_2d.num_segments == 1 and plan_3d.num_segments == P.MAX_SEGMENTS
     assert _err(out_2d, ref) <= tolerance(dtype) and _err(out_3d, ref) <= tolerance(dtype)
     assert (out_2d[:batch.num_tokens].float() - out_3d[:batch.num_tokens].float()).abs().max() <= tolerance(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("name", ["small_decode", "sinks", "all_options", "head_size_64"])
+def test_single_segment_requests_match_reference(name, dtype):
+    """A 3D launch with `single_segment_tiles`: requests of up to 4 KV tiles (256 keys) in one program, the rest
+    split; both within tolerance of the reference and of the plain 3D launch."""
+    _, P = _kernels()
+    shape = next(s for s in SHAPES if s.name == name)
+    shape = dataclasses.replace(shape, query_lens=(1,) * len(shape.query_lens))
+    assert min(shape.seq_lens) <= 256 < max(shape.seq_lens)
+    batch = _batch(shape, dtype)
+    ref = reference_output(batch)
+    split, plan = _run_plan(batch, split_launch=False, num_sms=100_000)
+    single, _ = _run_plan(batch, split_launch=False, num_sms=100_000, single_segment_tiles=4)
+    assert plan.num_segments > 1 and plan.decode.tile_n == 64
+    assert _err(single, ref) <= tolerance(dtype)
+    assert (single[:batch.num_tokens].float() - split[:batch.num_tokens].float()).abs().max() <= tolerance(dtype)
 
 
 def test_every_segment_count_shares_one_compiled_3d_kernel_and_reduce():

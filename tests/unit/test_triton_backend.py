@@ -17,18 +17,19 @@ Backend = B.TritonUnifiedBackend
 
 
 def _context(shape: BatchShape, dtype, num_sms=0, split_launch=False, max_num_reqs=16, max_num_tokens=256,
-             fused_write=None):
+             fused_write=None, extra_options=()):
     spec = KVCacheSpec(shape.block_size, shape.num_kv_heads, shape.head_size, dtype, shape.sliding_window)
     group = KVCacheGroup(("layer.0",), spec)
     options = (("split_launch", split_launch),)
     if fused_write is not None:   # None: the builder's default
         options += (("fused_decode_kv_write", fused_write),)
+    options += tuple(extra_options)
     return BuilderContext(group, 0, dtype, torch.device("cpu"), max_num_reqs, max_num_tokens, 1024,
                           capture_sizes=(1, 2, 4, 8), num_sms=num_sms, backend_options=options)
 
 
 def _run_both(shape: BatchShape, dtype, *, num_sms=0, split_launch=False, uniform_decode=None, share=False,
-              fused_write=None, seed=0):
+              fused_write=None, seed=0, extra_options=()):
     """(triton output, triton cache, reference output, reference cache in the triton layout)."""
     batch = make_paged_batch(shape, dtype, "cpu", torch.Generator().manual_seed(seed))
     common = common_metadata(batch, uniform_decode)
@@ -36,7 +37,8 @@ def _run_both(shape: BatchShape, dtype, *, num_sms=0, split_launch=False, unifor
     if share:
         options = dataclasses.replace(options, kv_sharing_target="layer.0")
     out = torch.full_like(batch.query, float("nan"))
-    builder = Backend.builder_cls(_context(shape, dtype, num_sms, split_launch, fused_write=fused_write))
+    builder = Backend.builder_cls(_context(shape, dtype, num_sms, split_launch, fused_write=fused_write,
+                                           extra_options=extra_options))
     impl = Backend.impl_cls(options, sinks=batch.sinks, alibi_slopes=batch.alibi_slopes)
     cache = batch.kv_cache.clone()
     impl.forward(batch.query, batch.key, batch.value, cache, builder.build(common), out)
@@ -127,6 +129,43 @@ def test_write_kernel_launches_only_where_the_attention_launch_does_not_write(mo
     # the fused decode wrote the new tokens itself; the stubbed write kernel and a sharing layer wrote nothing
     assert torch.equal(cache.nan_to_num(), batch.expected_cache.nan_to_num()) == (uniform and not share
                                                                                   and fused_write is not False)
+
+
+SINGLE_SEGMENT_CASES = {
+    "plain": BatchShape("decode", (1, 1, 1), (40, 9, 70), pad_reqs=1),
+    "sinks_softcap_alibi": BatchShape("options", (1, 1, 1), (150, 16, 33), soft_cap=4.0, sinks=True, alibi=True,
+                                      pad_reqs=1, pad_tokens=2),
+    "window": BatchShape("window", (1, 1, 1), (150, 16, 100), sliding_window=70, num_heads=8, num_kv_heads=2),
+}
+
+
+@pytest.mark.parametrize("case", list(SINGLE_SEGMENT_CASES))
+@pytest.mark.parametrize("fused_write", [True, False])
+def test_single_segment_decodes_match_torch_ref(case, fused_write):
+    """`single_segment_tiles`: the short requests of a split-KV decode launch run in one program each, the long ones
+    still split (each case holds both), alike with the KV write in the launch or before it."""
+    shape = SINGLE_SEGMENT_CASES[case]
+    tile_n = P.decode_tile(shape.num_heads // shape.num_kv_heads, shape.head_size).tile_n
+    window = shape.sliding_window or 1 << 30
+    tiles = [-(-n // tile_n) - max(n - window, 0) // tile_n for n in shape.seq_lens]
+    single = 1
+    assert min(tiles) <= single < max(tiles)
+    reqs = len(shape.query_lens) + shape.pad_reqs
+    assert P.plan_launch(reqs, reqs, True, shape.num_heads, shape.num_kv_heads, shape.head_size, 8,
+                         False).num_segments > 1
+    batch, out, cache, ref_out, ref_cache = _run_both(shape, torch.float32, fused_write=fused_write, num_sms=8,
+                                                      extra_options=(("single_segment_tiles", single),))
+    torch.testing.assert_close(cache[:, 1:], ref_cache[:, 1:], atol=0, rtol=0)
+    n = batch.num_tokens
+    err = (out[:n] - ref_out[:n]).abs().max().item()
+    assert err <= tolerance(torch.float32), f"{case}: max abs error {err:.3g}"
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "4"])
+def test_single_segment_tiles_rejects_bad_values(bad):
+    shape = DECODE_CASES["decode_3d"][0]
+    with pytest.raises(ValueError, match=f"single_segment_tiles {bad!r} is not a non-negative number"):
+        Backend.builder_cls(_context(shape, torch.float32, 8, extra_options=(("single_segment_tiles", bad),)))
 
 
 @pytest.mark.parametrize("shape,fused_write", [(BatchShape("shared", (1, 6), (12, 6)), None),

@@ -146,6 +146,49 @@ def test_3d_split_kv_matches_reference(shape, num_segments, fused):
     _assert_matches(out, batch, dtype)
 
 
+@pytest.mark.parametrize("shape", [s for s in SHAPES if s.name in ("large_decode", "sinks", "sliding_window",
+                                                                   "all_options", "padding_rows")],
+                         ids=lambda s: s.name)
+@pytest.mark.parametrize("fused", [False, True], ids=["reduce_kernel", "fused_combine"])
+def test_3d_single_segment_requests_match_reference(shape, fused):
+    """Requests of at most `single_segment_tiles` KV tiles are finished by their first segment program (their
+    scratch rows stay untouched); the longer ones still split, and all match the reference."""
+    dtype = _dtype_for(shape)
+    batch = _batch(shape, dtype)
+    out = torch.full_like(batch.query, float("nan"))
+    num_segments, single = 4, 3
+    n_out, n_rows = K.segment_scratch_numel(batch.num_reqs_padded, shape.num_heads, shape.head_size, num_segments)
+    scratch = [torch.full((n,), float("nan")) for n in (n_out, n_rows, n_rows)]
+    num_decodes = torch.tensor([shape.num_decodes], dtype=torch.int32)
+    counters = torch.zeros(batch.num_reqs_padded * shape.num_kv_heads, dtype=torch.int32) if fused else None
+    K.unified_attention_3d(batch.query, batch.kv_cache[0], batch.kv_cache[1], out, batch.block_table,
+                           batch.query_start_loc, batch.seq_lens, num_seqs=batch.num_reqs_padded, config=TILE,
+                           num_segments=num_segments, scratch_out=scratch[0], scratch_max=scratch[1],
+                           scratch_sum=scratch[2], num_decodes=num_decodes, counters=counters,
+                           single_segment_tiles=single, **_kwargs(batch))
+    if fused:
+        assert not counters.any(), "a pair's counter was not reset"
+    if shape.num_decodes < len(shape.query_lens):
+        K.unified_attention_2d(batch.query, batch.kv_cache[0], batch.kv_cache[1], out, batch.block_table,
+                               batch.query_start_loc, batch.seq_lens, num_seqs=batch.num_reqs_padded,
+                               num_tokens=batch.num_tokens_padded, config=PREFILL_TILE, mode=K.MODE_PREFILLS,
+                               num_decodes=num_decodes, **_kwargs(batch))
+    _assert_matches(out, batch, dtype)
+    # the visible KV tiles of each decode (its window, if any), as the kernel counts them
+    written = scratch[1].view(batch.num_reqs_padded, shape.num_heads, num_segments)[:, :, 0].isfinite()
+    short_seen = long_seen = False
+    for i, seq_len in enumerate(shape.seq_lens[:shape.num_decodes]):
+        first = max(seq_len - shape.sliding_window, 0) // TILE.tile_n if shape.sliding_window else 0
+        tiles = -(-seq_len // TILE.tile_n) - first
+        if tiles <= single:
+            short_seen = True
+            assert not written[i].any(), f"request {i} ({tiles} tiles) wrote partials"
+        else:
+            long_seen = True
+            assert written[i].all(), f"request {i} ({tiles} tiles) wrote no partials"
+    assert short_seen and (long_seen or shape.name != "large_decode")
+
+
 def test_head_size_256_and_block_q_packing():
     shape = BatchShape("head_size_256", (1, 5), (20, 5), num_heads=6, num_kv_heads=2, head_size=256)
     batch = _batch(shape, torch.float32)
@@ -178,6 +221,10 @@ def test_launchers_reject_bad_arguments():
         K.unified_attention_3d(*args, num_seqs=1, scale=1.0, config=TILE, num_segments=2,
                                scratch_out=torch.empty(n_out), scratch_max=torch.empty(n_rows),
                                scratch_sum=torch.empty(n_rows), counters=torch.zeros(1, dtype=torch.int64))
+    with pytest.raises(ValueError, match="single_segment_tiles must be a non-negative int, got -1"):
+        K.unified_attention_3d(*args, num_seqs=1, scale=1.0, config=TILE, num_segments=2,
+                               scratch_out=torch.empty(n_out), scratch_max=torch.empty(n_rows),
+                               scratch_sum=torch.empty(n_rows), single_segment_tiles=-1)
 
 
 @pytest.mark.parametrize("shape", [s for s in SHAPES if s.name in ("long_prefill", "chunked_prefill_with_context",

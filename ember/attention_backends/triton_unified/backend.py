@@ -8,7 +8,11 @@ rotary and q/k norm; `fused_decode_rope` says where a uniform-decode bucket appl
 (on), in a kernel of their own (off), or `auto` (default): in the attention kernel for rotary alone, in their own
 kernel where there is a q/k norm. On an H100 at batch 1 (one lease, decode tok/s, off vs on): Qwen3-0.6B (q/k norm)
 1,044 / 1,079 vs 929 / 940; Llama-3.2-1B (rotary alone) 829 vs 866: the norm's reduction lengthens the short
-split-KV programs more than a launch under programmatic dependent launch costs."""
+split-KV programs more than a launch under programmatic dependent launch costs. `single_segment_tiles` (default 0:
+off) has a split-KV decode launch attend a request of at most that many KV tiles in one program, which writes the
+output itself (the reduce leaves it alone): on an H100 at batch 1 and contexts of 32-288 tokens the 2D kernel's
+launch cost 5.6-5.7 us of the critical path against 8.3-8.6 us for split-KV attention plus its reduce; whether
+the reduce launch left with nothing to do keeps most of that gain has not been measured, so it is off."""
 
 from __future__ import annotations
 
@@ -48,6 +52,7 @@ class TritonUnifiedMetadata:
     split_launch: bool
     fused_decode_kv_write: bool     # a uniform-decode bucket's attention launch writes the new K/V
     fused_decode_rope: bool | str   # ... and norms and rotates q and the new keys: True, False or "auto"
+    single_segment_tiles: int       # split-KV decodes of at most this many KV tiles run in one program (0: none)
     num_sms: int
     num_decode_tokens: int          # live split of the batch (host ints; informational, never pick a kernel)
     num_prefill_tokens: int
@@ -68,6 +73,10 @@ class TritonUnifiedMetadataBuilder(MetadataBuilder):
         self.fused_decode_rope = words.get(rope.lower(), rope) if isinstance(rope, str) else rope
         if self.fused_decode_rope not in (True, False, "auto"):
             raise ValueError(f"fused_decode_rope {rope!r} is not on, off or auto")
+        single = ctx.option("single_segment_tiles", 0)
+        if isinstance(single, bool) or not isinstance(single, int) or single < 0:
+            raise ValueError(f"single_segment_tiles {single!r} is not a non-negative number of KV tiles")
+        self.single_segment_tiles = single
         self.num_decodes = torch.zeros(1, dtype=torch.int32, device=ctx.device)   # [1]
         self._num_decodes_value = 0     # what num_decodes holds: a steady decode batch writes it once, not per step
         max_decodes = min(ctx.max_num_reqs, ctx.max_num_tokens)
@@ -91,7 +100,7 @@ class TritonUnifiedMetadataBuilder(MetadataBuilder):
             num_reqs_padded=common.num_reqs_padded,
             num_tokens_padded=common.num_tokens_padded, uniform_decode=common.uniform_decode,
             split_launch=self.split_launch, fused_decode_kv_write=self.fused_decode_kv_write,
-            fused_decode_rope=self.fused_decode_rope,
+            fused_decode_rope=self.fused_decode_rope, single_segment_tiles=self.single_segment_tiles,
             num_sms=self.ctx.num_sms, num_decode_tokens=common.num_decode_tokens,
             num_prefill_tokens=common.num_prefill_tokens)
 
@@ -150,7 +159,7 @@ class TritonUnifiedImpl(AttentionImpl):
                                  num_segments=plan.num_segments, scratch_out=metadata.scratch_out,
                                  scratch_max=metadata.scratch_max, scratch_sum=metadata.scratch_sum,
                                  num_decodes=decode_count, new_kv=new_kv, rope=decode_rope, **options,
-                                 counters=metadata.segment_counters
+                                 single_segment_tiles=metadata.single_segment_tiles, counters=metadata.segment_counters
                                  if o.num_heads // o.num_kv_heads <= FUSED_COMBINE_MAX_GROUP else None)
         elif plan.decode is not None:
             unified_attention_2d(*layout, num_seqs=plan.num_decode_seqs, num_tokens=metadata.num_tokens_padded,
@@ -170,7 +179,7 @@ class TritonUnifiedBackend(AttentionBackend):
     cudagraph_support = CudaGraphSupport.ALWAYS
     builder_cls = TritonUnifiedMetadataBuilder
     impl_cls = TritonUnifiedImpl
-    option_names = ("split_launch", "fused_decode_kv_write", "fused_decode_rope")
+    option_names = ("split_launch", "fused_decode_kv_write", "fused_decode_rope", "single_segment_tiles")
     takes_rope = True
 
     @staticmethod

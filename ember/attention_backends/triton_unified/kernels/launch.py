@@ -89,7 +89,8 @@ def _rope_args(rope, query, new_kv):
 
 
 def _common_args(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, num_decodes, sinks,
-                 alibi_slopes, num_seqs, scale, sliding_window, soft_cap, stride_out, new_kv=None, rope=None):
+                 alibi_slopes, num_seqs, scale, sliding_window, soft_cap, stride_out, new_kv=None, rope=None,
+                 single_tiles: int = 0):
     # Unused optional pointers get a harmless stand-in: the kernel never dereferences them (constexpr flags).
     dummy = query_start_loc
     new_ptrs, new_strides = _new_kv_args(new_kv, query, key_cache)
@@ -98,7 +99,7 @@ def _common_args(query, key_cache, value_cache, block_table, query_start_loc, se
              num_decodes if num_decodes is not None else dummy,
              sinks if sinks is not None else dummy, alibi_slopes if alibi_slopes is not None else dummy, *new_ptrs,
              *rope_ptrs, num_seqs, float(scale), float(soft_cap or 0.0), int(sliding_window or 0), eps,
-             query.stride(0), query.stride(1), *stride_out,
+             int(single_tiles), query.stride(0), query.stride(1), *stride_out,
              key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_table.stride(0), *new_strides,
              stride_cos, stride_sin),
             dict(USE_WINDOW=sliding_window is not None, USE_SOFTCAP=bool(soft_cap), USE_SINKS=sinks is not None,
@@ -174,7 +175,7 @@ def unified_attention_3d(query: torch.Tensor, key_cache: torch.Tensor, value_cac
                          soft_cap: float | None = None, sinks: torch.Tensor | None = None,
                          alibi_slopes: torch.Tensor | None = None, counters: torch.Tensor | None = None,
                          new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                         rope: tuple | None = None) -> None:
+                         rope: tuple | None = None, single_segment_tiles: int = 0) -> None:
     """Split-KV decode attention over the first num_seqs requests (or the first num_decodes[0], if given), each with
     one query token: num_segments programs per (request, KV head), then a reduce. Scratch: flat fp32 tensors of at
     least segment_scratch_numel(...) elements.
@@ -183,7 +184,10 @@ def unified_attention_3d(query: torch.Tensor, key_cache: torch.Tensor, value_cac
     writes the new token (normed and rotated first with rope), and every program norms and rotates its queries.
 
     counters: int32, at least num_seqs x KV heads elements, all 0: the last segment program of each (request, KV
-    head) combines the segments itself and resets its counter, and no reduce kernel is launched."""
+    head) combines the segments itself and resets its counter, and no reduce kernel is launched.
+
+    single_segment_tiles: a request whose visible KV range is at most this many tiles of config.tile_n keys is
+    attended by its first segment program alone, which writes its output (no partials, nothing to combine)."""
     num_heads, num_kv_heads, head_size = _check(query, key_cache, out)
     group = num_heads // num_kv_heads
     config.block_q(group)
@@ -193,6 +197,8 @@ def unified_attention_3d(query: torch.Tensor, key_cache: torch.Tensor, value_cac
     if scratch_out.numel() < need_out or scratch_max.numel() < need_rows or scratch_sum.numel() < need_rows:
         raise ValueError(f"segment scratch holds {scratch_out.numel()}/{scratch_max.numel()} elements; "
                          f"{need_out}/{need_rows} needed for {num_seqs} requests x {num_segments} segments")
+    if not isinstance(single_segment_tiles, int) or single_segment_tiles < 0:
+        raise ValueError(f"single_segment_tiles must be a non-negative int, got {single_segment_tiles!r}")
     if counters is not None and (counters.dtype != torch.int32 or counters.numel() < num_seqs * num_kv_heads):
         raise ValueError(f"counters must be int32 with at least {num_seqs * num_kv_heads} elements, got "
                          f"{counters.dtype} [{counters.numel()}]")
@@ -200,7 +206,7 @@ def unified_attention_3d(query: torch.Tensor, key_cache: torch.Tensor, value_cac
         return
     args, flags = _common_args(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, num_decodes,
                                sinks, alibi_slopes, num_seqs, scale, sliding_window, soft_cap,
-                               (out.stride(0), out.stride(1)), new_kv, rope)
+                               (out.stride(0), out.stride(1)), new_kv, rope, single_segment_tiles)
     head_pad = max(16, triton.next_power_of_2(head_size))
     limit = num_decodes is not None
     kernel = kernel_for(query.device, "unified_attention", "unified_attention_kernel", unified_attention_kernel)
@@ -216,7 +222,7 @@ def unified_attention_3d(query: torch.Tensor, key_cache: torch.Tensor, value_cac
     reduce[(num_seqs, num_heads)](
         out, scratch_out, scratch_max, scratch_sum, query_start_loc, seq_lens,
         num_decodes if limit else query_start_loc, sinks if sinks is not None else query_start_loc,
-        num_seqs, num_segments, int(sliding_window or 0), out.stride(0), out.stride(1),
+        num_seqs, num_segments, int(sliding_window or 0), single_segment_tiles, out.stride(0), out.stride(1),
         HEAD_SIZE=head_size, HEAD_PAD=head_pad, TILE_N=config.tile_n, NUM_SEGMENTS=MAX_SEGMENTS,
         LIMIT_DECODES=limit, USE_WINDOW=sliding_window is not None, USE_SINKS=sinks is not None, num_warps=4,
         **pdl_options(query.device))

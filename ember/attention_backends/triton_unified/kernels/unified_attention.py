@@ -7,6 +7,9 @@ heads) a program owns a query block's whole KV range and writes the normalized o
 (FUSED_COMBINE, counted with an atomic per pair) or `reduce_segments` combines in a second launch; that fills the
 GPU when a decode batch is too small to. The segment count is the grid's third axis, a runtime value: NUM_SEGMENTS
 is only the combine's tile (at least the count), so every decode bucket's 3D launch shares one compiled kernel.
+A 3D launch attends a request whose visible KV range is at most `single_tiles` tiles (a runtime value, 0: none) in
+its first segment program alone, which writes the normalized output as the 2D kernel does; the other segment
+programs and the reduce leave that request at once.
 
 With NEW_KV (decode launches only: one query token per request) the kernel also does the KV-cache write of the
 step's new tokens: the cache holds each request's keys up to seq_len - 1, the program whose KV range ends at the
@@ -32,13 +35,14 @@ from .attention_core import (LOG2E, attend_new_key, attend_tiles, cdiv, combine_
 
 
 # num_seqs, the step's (padded) request count, varies per step: out of the specialization key (Triton would compile
-# 1 and multiples of 16 apart); strides, window and scales are fixed per layer and cache
-@triton.jit(do_not_specialize=["num_seqs"])
+# 1 and multiples of 16 apart), as does single_tiles (a setting: 0 and 1 would compile apart); strides, window and
+# scales are fixed per layer and cache
+@triton.jit(do_not_specialize=["num_seqs", "single_tiles"])
 def unified_attention_kernel(
     out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, counter_ptr,
     q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, query_start_loc_ptr, seq_lens_ptr, num_decodes_ptr,
     sinks_ptr, alibi_ptr, key_ptr, value_ptr, slot_mapping_ptr, cos_ptr, sin_ptr, q_norm_ptr, k_norm_ptr,
-    num_seqs, qk_scale, softcap, window, norm_eps,
+    num_seqs, qk_scale, softcap, window, norm_eps, single_tiles,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ch, stride_ct, stride_bt,
     stride_kt, stride_kh, stride_vt, stride_vh, stride_cos, stride_sin,
     NUM_QUERIES_PER_KV: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
@@ -88,8 +92,13 @@ def unified_attention_kernel(
     lo, a, b, hi = kv_tile_bounds(min_q_pos, max_q_pos, window, TILE_N, USE_WINDOW)
     seg_lo = lo
     seg_hi = hi
+    # the program writes the normalized output: always in 2D; in 3D for a request short enough for one segment
+    final = True
     if NUM_SEGMENTS > 1:
+        final = hi - lo <= single_tiles
         tiles_per_segment = cdiv(hi - lo, tl.num_programs(2))
+        if final:
+            tiles_per_segment = hi - lo
         seg_lo = lo + tl.program_id(2) * tiles_per_segment
         if seg_lo >= hi:  # segment past the sequence's end
             return
@@ -175,7 +184,14 @@ def unified_attention_kernel(
         if owner:
             acc, m_i, l_i = attend_new_key(acc, m_i, l_i, q, k_new, v_new, qk_scale, softcap, USE_SOFTCAP)
 
-    if NUM_SEGMENTS == 1:
+    if final:
+        if USE_SINKS and NUM_SEGMENTS > 1:
+            # the 2D path started from the sink's logit; a 3D program adds it now, as the reduce would
+            sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * LOG2E
+            m_all = tl.maximum(m_i, sink)
+            alpha = tl.exp2(m_i - m_all)
+            acc = acc * alpha[:, None]
+            l_i = l_i * alpha + tl.exp2(sink - m_all)
         l_i = tl.where(l_i == 0.0, 1.0, l_i)
         o = acc / l_i[:, None]
         tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
@@ -207,15 +223,16 @@ def unified_attention_kernel(
                                      HEAD_PAD, NUM_SEGMENTS, USE_SINKS)
 
 
-@triton.jit(do_not_specialize=["num_seqs", "num_segments"])
+@triton.jit(do_not_specialize=["num_seqs", "num_segments", "single_tiles"])
 def reduce_segments_kernel(
     out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, query_start_loc_ptr, seq_lens_ptr, num_decodes_ptr,
-    sinks_ptr, num_seqs, num_segments, window, stride_ot, stride_oh,
+    sinks_ptr, num_seqs, num_segments, window, single_tiles, stride_ot, stride_oh,
     HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, TILE_N: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
     LIMIT_DECODES: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SINKS: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Combine the 3D kernel's per-segment partials of one (decode request, query head) into its output row;
-    num_segments (the 3D grid's third axis) <= NUM_SEGMENTS, the combine's tile."""
+    num_segments (the 3D grid's third axis) <= NUM_SEGMENTS, the combine's tile. A request of at most
+    `single_tiles` KV tiles was finished by the attention kernel."""
     if PDL:   # launched as a programmatic dependent (ember.kernels.pdl)
         gdc_wait()
         gdc_launch_dependents()
@@ -232,6 +249,8 @@ def reduce_segments_kernel(
     q_pos = tl.load(seq_lens_ptr + seq) - 1
     # the segments the attention kernel wrote: same split as there, so stale scratch is never read
     lo, a, b, hi = kv_tile_bounds(q_pos, q_pos, window, TILE_N, USE_WINDOW)
+    if hi - lo <= single_tiles:
+        return
     tiles_per_segment = cdiv(hi - lo, num_segments)
     row0 = (seq.to(tl.int64) * tl.num_programs(1) + head) * num_segments
     combine_segments(out_ptr + q_start.to(tl.int64) * stride_ot + head * stride_oh, part_out_ptr, part_max_ptr,
