@@ -28,6 +28,10 @@ A third input, `logits_indices`, is traced with a dynamic size of its own (the r
 tail, which changes inside the forward); that trace gives each input size its own symbol even where two are equal
 at the first call (no duck sizing), since a guard that ties them would be dropped with the others.
 With a `graph_manager` (ember.graphs.cuda_graph), each compiled piece is wrapped for PIECEWISE CUDA graphs.
+
+A model whose `stamp_layers_path()` names its decoder layer list is traced cut to its first TRACED_LAYERS layers,
+and the backend stamps the whole graph out of that trace (ember.graphs.layer_stamp), a fraction of the trace time;
+where the stamping cannot vouch for the result, or with EMBER_STAMP_LAYERS=0, the whole model is traced.
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ from torch import nn
 import ember.attention_backends.op  # noqa: F401  (registers torch.ops.ember.attention)
 from ember.graphs.artifacts import ArtifactStore, InputSpec, LoadedForward, describe_graph_inputs
 from ember.graphs.artifacts import compile_cache_key  # noqa: F401  (part of this module's API)
+from ember.graphs.layer_stamp import TRACED_LAYERS, WithLayerInputs, stamp_layers, uniform_layers
 from ember.graphs.piece_dedupe import piece_signature
 
 logger = logging.getLogger("ember")
@@ -143,6 +148,7 @@ class CompileStats:
     backend_seconds: float = 0.0         # the Inductor part of a cold start
     artifacts_loaded: int = 0            # distinct pieces a warm start loaded instead of tracing
     artifacts_saved: int = 0             # distinct pieces a cold start saved
+    traced_layers: int = 0               # decoder layers dynamo traced when the others were stamped (0: all traced)
     cache_counters: dict[str, int] = field(default_factory=dict)   # fxgraph / autograd cache hits and misses
     cache_dir: str = ""
 
@@ -182,9 +188,22 @@ def _split_names(split: torch.fx.GraphModule) -> tuple[list[str], list[str]]:
     return pieces, attention
 
 
+@dataclass
+class StampPlan:
+    """The model is traced cut to its first TRACED_LAYERS layers; the backend stamps the graph of all of them."""
+    layers_path: str                     # the layer list's path in the model, e.g. "model.layers"
+    num_layers: int
+    tensors: dict[str, torch.Tensor]     # the full model's parameters and buffers by name
+
+
+class StampFailed(Exception):
+    """The cut model's graph could not be stamped out; the caller traces the whole model."""
+
+
 class PiecewiseBackend:
     """A torch.compile backend: split at attention, compile each distinct piece with Inductor for the dynamic token
-    count, and save the result to `store` when given."""
+    count, and save the result to `store` when given. With a `stamp` plan, the graph it is handed is the cut
+    model's, and it compiles the full model's graph stamped from it (ember.graphs.layer_stamp)."""
 
     def __init__(self, stats: CompileStats, graph_manager: Any = None, *, dedupe: bool = True,
                  inductor_options: Mapping[str, Any] | None = None, store: ArtifactStore | None = None,
@@ -196,10 +215,15 @@ class PiecewiseBackend:
         self.store = store
         self.describe_inputs = describe_inputs
         self.split_module: torch.fx.GraphModule | None = None   # the last split, kept for inspection
+        self.stamp: StampPlan | None = None
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
         from torch._guards import detect_fake_mode
         start = time.perf_counter()
+        specs = None
+        num_cut_inputs = len(example_inputs)
+        if self.stamp is not None:
+            gm, example_inputs, specs = self._stamped(gm, example_inputs)
         split, pieces, attention = split_at_attention(gm)
         fake_mode = detect_fake_mode(example_inputs)
         # dynamo hands real tensors for parameters; the fake mode's memo maps them (and the marked-dynamic inputs)
@@ -209,7 +233,7 @@ class PiecewiseBackend:
         compiled = compiler.compile(fake_mode, fake_args)
         seconds = time.perf_counter() - start
         if self.store is not None:
-            self._save(gm, split, pieces, compiler, example_inputs)
+            self._save(gm, split, pieces, compiler, example_inputs, specs)
         install_pieces(split, pieces, attention, compiled, self.graph_manager)
         self.stats.num_graphs += 1
         self.stats.num_pieces += len(pieces)
@@ -218,10 +242,27 @@ class PiecewiseBackend:
         self.stats.backend_seconds += seconds
         self.split_module = split
         logger.info("%d pieces, %d distinct, compiled in %.1f s", len(pieces), len(compiler.artifacts), seconds)
+        if specs is not None:   # dynamo calls this with the cut model's inputs; the further layers' go last
+            return WithLayerInputs(split, example_inputs[num_cut_inputs:])
         return split
 
-    def _save(self, gm, split, pieces, compiler: "_PieceCompiler", example_inputs: list) -> None:
-        why = self.describe_inputs(gm, example_inputs) if self.describe_inputs is not None else "no input map"
+    def _stamped(self, gm: torch.fx.GraphModule, example_inputs: list) -> tuple:
+        """The full model's graph, inputs and input specs from the cut model's graph; StampFailed if it cannot be
+        built."""
+        plan = self.stamp
+        specs = self.describe_inputs(gm, example_inputs) if self.describe_inputs is not None else "no input map"
+        if not isinstance(specs, list):
+            raise StampFailed(specs)
+        stamped = stamp_layers(gm, specs, plan.layers_path, plan.num_layers)
+        if isinstance(stamped, str):
+            raise StampFailed(stamped)
+        full, full_specs = stamped
+        extra = [plan.tensors[spec[1]] for spec in full_specs[len(specs):]]
+        return full, list(example_inputs) + extra, full_specs
+
+    def _save(self, gm, split, pieces, compiler: "_PieceCompiler", example_inputs: list, specs=None) -> None:
+        why = specs if specs is not None else \
+            self.describe_inputs(gm, example_inputs) if self.describe_inputs is not None else "no input map"
         if isinstance(why, list) and not all(_is_saveable(a) for a in compiler.artifacts):
             why = "Inductor produced no saveable artifact for some piece"
         if not isinstance(why, list):
@@ -320,8 +361,8 @@ class CompiledModel:
         self._arity: int | None = None          # how many inputs the first call had; every call must have as many
         self.backend = PiecewiseBackend(self.stats, graph_manager, dedupe=dedupe, inductor_options=inductor_options,
                                         store=self.store, describe_inputs=self._describe_inputs)
-        self._compiled: Callable = torch.compile(_private_forward(model), backend=_WeakBackend(self.backend),
-                                                 fullgraph=True, options={"guard_filter_fn": _keep_no_guards})
+        self.stamp_layers = os.environ.get("EMBER_STAMP_LAYERS", "1") != "0"
+        self._compiled: Callable = self._new_frame()
         self.split_module: torch.fx.GraphModule | None = None
         self._ready = False
 
@@ -334,6 +375,55 @@ class CompiledModel:
                                  f"{len(inputs)}; logits_indices must be given on every call or on none")
             return self._compiled(*inputs)
         return self._first_call(inputs)
+
+    def _new_frame(self) -> Callable:
+        return torch.compile(_private_forward(self.model), backend=_WeakBackend(self.backend), fullgraph=True,
+                             options={"guard_filter_fn": _keep_no_guards})
+
+    def _stamp_plan(self) -> StampPlan | None:
+        """How to trace only the first layers (ember.graphs.layer_stamp), where the model says its layers run the same
+        code (`stamp_layers_path()`) and their modules agree; None to trace the whole model."""
+        path_of = getattr(self.model, "stamp_layers_path", None)
+        path = path_of() if self.stamp_layers and callable(path_of) else None
+        if not path:
+            return None
+        layers = self.model.get_submodule(path)
+        if not isinstance(layers, nn.ModuleList) or len(layers) <= TRACED_LAYERS:
+            return None
+        why = uniform_layers(layers, path)
+        if why is not None:
+            logger.info("tracing all %d layers: %s", len(layers), why)
+            return None
+        tensors = dict(self.model.named_parameters(remove_duplicate=False))
+        tensors.update(self.model.named_buffers(remove_duplicate=False))
+        return StampPlan(path, len(layers), tensors)
+
+    def _trace(self, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """The first call through dynamo: of the model cut to its first TRACED_LAYERS layers, the backend stamping
+        out the others, where `_stamp_plan` allows; else (or if stamping fails) of the whole model."""
+        plan = self._stamp_plan()
+        if plan is None:
+            return self._compiled(*inputs)
+        parent_path, _, attr = plan.layers_path.rpartition(".")
+        parent = self.model.get_submodule(parent_path)
+        layers = getattr(parent, attr)
+        self.backend.stamp = plan
+        setattr(parent, attr, nn.ModuleList(list(layers)[:TRACED_LAYERS]))
+        try:
+            out = self._compiled(*inputs)
+            self.stats.traced_layers = TRACED_LAYERS
+            return out
+        except Exception as exc:
+            reason = _stamp_failure(exc)
+            if reason is None:
+                raise
+            logger.info("tracing all %d layers: the traced ones could not be stamped out (%s)", plan.num_layers,
+                        reason)
+        finally:
+            setattr(parent, attr, layers)
+            self.backend.stamp = None
+        self._compiled = self._new_frame()   # the failed frame belongs to the cut model
+        return self._compiled(*inputs)
 
     def _describe_inputs(self, gm: torch.fx.GraphModule, example_inputs: list) -> list[InputSpec] | str:
         return describe_graph_inputs(self.model, self._call_inputs, gm, example_inputs)
@@ -381,7 +471,7 @@ class CompiledModel:
                 try:
                     # the tail's row count must keep a symbol of its own even where it equals the token count
                     with shapes_config.patch(use_duck_shape=len(inputs) == 2):
-                        out = self._compiled(*inputs)
+                        out = self._trace(inputs)
                 finally:
                     self._call_inputs = ()
                 self.split_module = self.backend.split_module
@@ -403,6 +493,9 @@ class CompiledModel:
                         "%d artifacts saved to %s", s.num_pieces, s.num_distinct, s.num_attention_splits, s.seconds,
                         s.backend_seconds, c["fxgraph_cache_hit"], c["fxgraph_cache_miss"], c["autograd_cache_hit"],
                         c["autograd_cache_miss"], s.artifacts_saved, self.cache_dir)
+            if s.traced_layers:
+                logger.info("dynamo traced the first %d decoder layers; the others were stamped from them",
+                            s.traced_layers)
             logger.info("%s", self.fusion.summary(c["fxgraph_cache_hit"]))
         return out
 
@@ -421,6 +514,17 @@ class _WeakBackend:
         if backend is None:
             raise RuntimeError("the compiled model this forward belonged to has been dropped")
         return backend(gm, example_inputs)
+
+
+def _stamp_failure(exc: BaseException) -> str | None:
+    """The reason of a StampFailed in `exc`'s chain (dynamo wraps what its backend raises), else None."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, StampFailed):
+            return str(exc)
+        seen.add(id(exc))
+        exc = getattr(exc, "inner_exception", None) or exc.__cause__ or exc.__context__
+    return None
 
 
 def _keep_no_guards(guards) -> list[bool]:

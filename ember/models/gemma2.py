@@ -98,6 +98,11 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
                             query_pre_attn_scalar=getattr(config, "query_pre_attn_scalar", None),
                             attn_logit_softcap=getattr(config, "attn_logit_softcapping", None))
 
+    def stamp_layers_path(self) -> None:
+        """Traced whole: a layer's rotary table depends on its type (Gemma 3's local and global layers), which the
+        model picks outside the layer, so one layer's graph does not stand for another's."""
+        return None
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> soft-capped logits [N, vocab] float32."""
         return soft_cap(self.lm_head(hidden), getattr(self.config, "final_logit_softcapping", None))

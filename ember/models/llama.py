@@ -231,6 +231,12 @@ class LlamaForCausalLM(nn.Module):
         tied = self.model.embed_tokens if getattr(config, "tie_word_embeddings", False) else None
         self.lm_head = LMHead(config.vocab_size, config.hidden_size, tied_to=tied)
 
+    def stamp_layers_path(self) -> str | None:
+        """The decoder layers run the same code whatever their index, so the compile may trace the first few and
+        stamp out the rest (ember.graphs.layer_stamp): their list's path. None with a prefill-skipping tail, whose
+        first layer runs on fewer tokens."""
+        return "model.layers" if self.model.skip_start is None else None
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 logits_indices: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids [T] int64, positions [T] int64 -> hidden [T, hidden] (a flat batch, no batch dim); given
