@@ -227,8 +227,10 @@ class PiecewiseBackend:
         split, pieces, attention = split_at_attention(gm)
         fake_mode = detect_fake_mode(example_inputs)
         # dynamo hands real tensors for parameters; the fake mode's memo maps them (and the marked-dynamic inputs)
-        # to the fakes it traced with, so the pieces see the same symbolic token count
-        fake_args = [fake_mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in example_inputs]
+        # to the fakes it traced with, so the pieces see the same symbolic token count. The stamped layers'
+        # parameters, which dynamo never saw, get static shapes like the traced ones (not symbols of their own)
+        fake_args = [fake_mode.from_tensor(a, static_shapes=i >= num_cut_inputs) if isinstance(a, torch.Tensor)
+                     else a for i, a in enumerate(example_inputs)]
         compiler = _PieceCompiler(split, pieces, self.dedupe, self.inductor_options)
         compiled = compiler.compile(fake_mode, fake_args)
         seconds = time.perf_counter() - start
@@ -285,7 +287,9 @@ def _is_saveable(artifact: Any) -> bool:
 
 class _PieceCompiler(torch.fx.Interpreter):
     """Runs the split module on fake inputs so each piece is compiled with its own (symbolic) example inputs;
-    a piece whose signature was already compiled reuses that code."""
+    a piece whose signature was already compiled reuses that code, and its fake run too: the same graph on inputs of
+    the same metadata gives outputs of the same metadata, which is all the fake run is for (a deep model's middle
+    pieces are most of its nodes, at about a millisecond a node)."""
 
     def __init__(self, split: torch.fx.GraphModule, pieces: Sequence[str], dedupe: bool,
                  inductor_options: Mapping[str, Any]):
@@ -298,6 +302,7 @@ class _PieceCompiler(torch.fx.Interpreter):
         self.artifacts: list[Any] = []            # group index -> compiled code
         self.single_output: list[bool] = []       # group index -> the piece returns one value, not a tuple
         self._by_signature: dict[str, int] = {}
+        self._outputs: list[Any] = []             # group index -> the fake outputs of its first piece
 
     def compile(self, fake_mode, fake_args: list) -> dict[str, Callable]:
         with fake_mode:
@@ -305,18 +310,20 @@ class _PieceCompiler(torch.fx.Interpreter):
         return self.compiled
 
     def call_module(self, target, args, kwargs):
-        out = super().call_module(target, args, kwargs)
-        if target in self.pieces:
-            piece = self.fetch_attr(target)
-            signature = piece_signature(piece, args) if self.dedupe else target
-            group = self._by_signature.get(signature)
-            if group is None:
-                group = self._by_signature[signature] = len(self.artifacts)
-                self.artifacts.append(_compile_piece(piece, list(args), self.inductor_options))
-                self.single_output.append(isinstance(piece.graph.output_node().args[0], torch.fx.Node))
-            self.groups[target] = group
-            self.compiled[target] = self.artifacts[group]
-        return out
+        if target not in self.pieces:
+            return super().call_module(target, args, kwargs)
+        piece = self.fetch_attr(target)
+        signature = piece_signature(piece, args) if self.dedupe else target
+        group = self._by_signature.get(signature)
+        if group is None:
+            out = super().call_module(target, args, kwargs)
+            group = self._by_signature[signature] = len(self.artifacts)
+            self.artifacts.append(_compile_piece(piece, list(args), self.inductor_options))
+            self.single_output.append(isinstance(piece.graph.output_node().args[0], torch.fx.Node))
+            self._outputs.append(out)
+        self.groups[target] = group
+        self.compiled[target] = self.artifacts[group]
+        return self._outputs[group]
 
 
 def _compile_piece(piece: torch.fx.GraphModule, args: list, inductor_options: Mapping[str, Any]) -> Callable:

@@ -211,3 +211,27 @@ def test_llama_family_engine_stamps_the_whole_trace(eager_pieces, monkeypatch, t
             assert stamped.keys() == whole.keys()
             for token in stamped:
                 assert stamped[token].logprob == pytest.approx(whole[token].logprob, abs=1e-5)
+
+
+def test_the_fake_run_runs_each_distinct_piece_once(eager_pieces, monkeypatch, tmp_path):
+    """The backend's fake run (for each piece's example inputs) runs one piece per group of equal pieces; the
+    others take that piece's outputs, and the compiled model still equals eager."""
+    runs = []
+    original = torch.fx.Interpreter.call_module
+
+    def call_module(self, target, args, kwargs):
+        if isinstance(self, C._PieceCompiler):
+            runs.append(target)
+        return original(self, target, args, kwargs)
+    monkeypatch.setattr(torch.fx.Interpreter, "call_module", call_module)
+    model = make_model()
+    fn = CompiledModel(model, cache_key="fake-run", cache_root=tmp_path, use_artifacts=False)
+    got, want = run(fn, model, 16, seed=4)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    split = fn.split_module
+    targets = [n.target for n in split.graph.nodes if n.op == "call_module"]
+    attention = [t for t in targets if any(C.is_attention_node(n) for n in split._modules[t].graph.nodes)]
+    pieces = [t for t in targets if t not in attention]
+    assert len(pieces) == NUM_LAYERS + 1 and len(attention) == NUM_LAYERS and fn.stats.num_distinct == 3
+    assert [t for t in runs if t in attention] == attention          # every attention call runs (fake)
+    assert len([t for t in runs if t in pieces]) == 3                 # one piece of each group
