@@ -5,6 +5,8 @@
 # PYC=1 lets Python cache bytecode (under a prefix of its own) as an installed Python does; an image that sets
 # PYTHONDONTWRITEBYTECODE compiles every imported module in every process (5-6 s of a Qwen3-0.6B start on an H100
 # host). With it, a second warm start ("warm2") runs on the bytecode the first one wrote.
+# STAMP_AB=1 adds, per model, a cold start that traces every decoder layer (EMBER_STAMP_LAYERS=0) on fresh caches,
+# beside the default cold start that traces three and stamps the rest (JSON "traced_layers").
 # Prints benches/startup.py's JSON line per start and the runner's start-up split; logs under $OUT.
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -25,4 +27,12 @@ for model in $MODELS; do
     grep -h "start-up\|captured\|STARTUP" "$OUT/startup_${model}_$label.log" | cut -c1-600
   done
   rm -rf "$cache"
+  if [ "${STAMP_AB:-0}" = 1 ]; then
+    cache=$(mktemp -d)
+    echo "== $model cold_whole_trace"
+    EMBER_CACHE=$cache/ember TRITON_CACHE_DIR=$cache/triton EMBER_STAMP_LAYERS=0 timeout 280 python3 benches/startup.py \
+      --model "$model" --label cold_whole_trace > "$OUT/startup_${model}_cold_whole_trace.log" 2>&1
+    grep -h "start-up\|captured\|STARTUP" "$OUT/startup_${model}_cold_whole_trace.log" | cut -c1-600
+    rm -rf "$cache"
+  fi
 done

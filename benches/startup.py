@@ -111,7 +111,8 @@ def main() -> None:
               "descriptors": len(runner.dispatcher.capture_list())}
     if stats is not None:
         result.update({k: getattr(stats, k) for k in ("num_pieces", "num_distinct", "artifacts_loaded",
-                                                      "artifacts_saved", "backend_seconds") if hasattr(stats, k)})
+                                                      "artifacts_saved", "backend_seconds", "traced_layers")
+                       if hasattr(stats, k)})
         result["cache_counters"] = stats.cache_counters
 
     params = SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)
