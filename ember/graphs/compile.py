@@ -52,7 +52,8 @@ from torch import nn
 import ember.attention_backends.op  # noqa: F401  (registers torch.ops.ember.attention)
 from ember.graphs.artifacts import ArtifactStore, InputSpec, LoadedForward, describe_graph_inputs
 from ember.graphs.artifacts import compile_cache_key  # noqa: F401  (part of this module's API)
-from ember.graphs.layer_stamp import TRACED_LAYERS, WithLayerInputs, stamp_layers, uniform_layers
+from ember.graphs.layer_stamp import (TRACED_LAYERS, StampPlan, WithLayerInputs, cut_layers, stamp_failure,
+                                      stamp_plan, stamped_graph)
 from ember.graphs.piece_dedupe import piece_signature
 
 logger = logging.getLogger("ember")
@@ -188,18 +189,6 @@ def _split_names(split: torch.fx.GraphModule) -> tuple[list[str], list[str]]:
     return pieces, attention
 
 
-@dataclass
-class StampPlan:
-    """The model is traced cut to its first TRACED_LAYERS layers; the backend stamps the graph of all of them."""
-    layers_path: str                     # the layer list's path in the model, e.g. "model.layers"
-    num_layers: int
-    tensors: dict[str, torch.Tensor]     # the full model's parameters and buffers by name
-
-
-class StampFailed(Exception):
-    """The cut model's graph could not be stamped out; the caller traces the whole model."""
-
-
 class PiecewiseBackend:
     """A torch.compile backend: split at attention, compile each distinct piece with Inductor for the dynamic token
     count, and save the result to `store` when given. With a `stamp` plan, the graph it is handed is the cut
@@ -223,7 +212,7 @@ class PiecewiseBackend:
         specs = None
         num_cut_inputs = len(example_inputs)
         if self.stamp is not None:
-            gm, example_inputs, specs = self._stamped(gm, example_inputs)
+            gm, example_inputs, specs = stamped_graph(self.stamp, gm, example_inputs, self.describe_inputs)
         split, pieces, attention = split_at_attention(gm)
         fake_mode = detect_fake_mode(example_inputs)
         # dynamo hands real tensors for parameters; the fake mode's memo maps them (and the marked-dynamic inputs)
@@ -247,20 +236,6 @@ class PiecewiseBackend:
         if specs is not None:   # dynamo calls this with the cut model's inputs; the further layers' go last
             return WithLayerInputs(split, example_inputs[num_cut_inputs:])
         return split
-
-    def _stamped(self, gm: torch.fx.GraphModule, example_inputs: list) -> tuple:
-        """The full model's graph, inputs and input specs from the cut model's graph; StampFailed if it cannot be
-        built."""
-        plan = self.stamp
-        specs = self.describe_inputs(gm, example_inputs) if self.describe_inputs is not None else "no input map"
-        if not isinstance(specs, list):
-            raise StampFailed(specs)
-        stamped = stamp_layers(gm, specs, plan.layers_path, plan.num_layers)
-        if isinstance(stamped, str):
-            raise StampFailed(stamped)
-        full, full_specs = stamped
-        extra = [plan.tensors[spec[1]] for spec in full_specs[len(specs):]]
-        return full, list(example_inputs) + extra, full_specs
 
     def _save(self, gm, split, pieces, compiler: "_PieceCompiler", example_inputs: list, specs=None) -> None:
         why = specs if specs is not None else \
@@ -387,47 +362,26 @@ class CompiledModel:
         return torch.compile(_private_forward(self.model), backend=_WeakBackend(self.backend), fullgraph=True,
                              options={"guard_filter_fn": _keep_no_guards})
 
-    def _stamp_plan(self) -> StampPlan | None:
-        """How to trace only the first layers (ember.graphs.layer_stamp), where the model says its layers run the same
-        code (`stamp_layers_path()`) and their modules agree; None to trace the whole model."""
-        path_of = getattr(self.model, "stamp_layers_path", None)
-        path = path_of() if self.stamp_layers and callable(path_of) else None
-        if not path:
-            return None
-        layers = self.model.get_submodule(path)
-        if not isinstance(layers, nn.ModuleList) or len(layers) <= TRACED_LAYERS:
-            return None
-        why = uniform_layers(layers, path)
-        if why is not None:
-            logger.info("tracing all %d layers: %s", len(layers), why)
-            return None
-        tensors = dict(self.model.named_parameters(remove_duplicate=False))
-        tensors.update(self.model.named_buffers(remove_duplicate=False))
-        return StampPlan(path, len(layers), tensors)
-
     def _trace(self, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """The first call through dynamo: of the model cut to its first TRACED_LAYERS layers, the backend stamping
-        out the others, where `_stamp_plan` allows; else (or if stamping fails) of the whole model."""
-        plan = self._stamp_plan()
+        out the others (ember.graphs.layer_stamp), where the model allows; else (or if stamping fails) of the whole
+        model."""
+        plan = stamp_plan(self.model) if self.stamp_layers else None
         if plan is None:
             return self._compiled(*inputs)
-        parent_path, _, attr = plan.layers_path.rpartition(".")
-        parent = self.model.get_submodule(parent_path)
-        layers = getattr(parent, attr)
         self.backend.stamp = plan
-        setattr(parent, attr, nn.ModuleList(list(layers)[:TRACED_LAYERS]))
         try:
-            out = self._compiled(*inputs)
+            with cut_layers(self.model, plan):
+                out = self._compiled(*inputs)
             self.stats.traced_layers = TRACED_LAYERS
             return out
         except Exception as exc:
-            reason = _stamp_failure(exc)
+            reason = stamp_failure(exc)
             if reason is None:
                 raise
             logger.info("tracing all %d layers: the traced ones could not be stamped out (%s)", plan.num_layers,
                         reason)
         finally:
-            setattr(parent, attr, layers)
             self.backend.stamp = None
         self._compiled = self._new_frame()   # the failed frame belongs to the cut model
         return self._compiled(*inputs)
@@ -521,17 +475,6 @@ class _WeakBackend:
         if backend is None:
             raise RuntimeError("the compiled model this forward belonged to has been dropped")
         return backend(gm, example_inputs)
-
-
-def _stamp_failure(exc: BaseException) -> str | None:
-    """The reason of a StampFailed in `exc`'s chain (dynamo wraps what its backend raises), else None."""
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        if isinstance(exc, StampFailed):
-            return str(exc)
-        seen.add(id(exc))
-        exc = getattr(exc, "inner_exception", None) or exc.__cause__ or exc.__context__
-    return None
 
 
 def _keep_no_guards(guards) -> list[bool]:

@@ -19,12 +19,18 @@ no layer but the last. Anything else returns the reason, and the caller traces t
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import re
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.fx.node import map_aggregate
+
+logger = logging.getLogger("ember")
 
 TRACED_LAYERS = 3        # first layer (may differ), the layer before the template, the template
 
@@ -230,7 +236,6 @@ class WithLayerInputs:
     are held weakly, as dynamo keeps this callable for the life of the process."""
 
     def __init__(self, fn, tensors: Sequence[torch.Tensor]):
-        import weakref
         self.fn = fn
         self.refs = [weakref.ref(t) for t in tensors]
 
@@ -239,3 +244,73 @@ class WithLayerInputs:
         if any(t is None for t in extra):
             raise RuntimeError("the model this compiled forward belonged to has been dropped")
         return self.fn(*args, *extra)
+
+
+@dataclass
+class StampPlan:
+    """The model is traced cut to its first TRACED_LAYERS layers; the backend stamps the graph of all of them."""
+    layers_path: str                     # the layer list's path in the model, e.g. "model.layers"
+    num_layers: int
+    tensors: dict[str, torch.Tensor]     # the full model's parameters and buffers by name
+
+
+class StampFailed(Exception):
+    """The cut model's graph could not be stamped out; the caller traces the whole model."""
+
+
+def stamp_plan(model: torch.nn.Module) -> StampPlan | None:
+    """How to trace only the first layers, where the model says its layers run the same code
+    (`stamp_layers_path()`) and their modules agree; None to trace the whole model."""
+    path_of = getattr(model, "stamp_layers_path", None)
+    path = path_of() if callable(path_of) else None
+    if not path:
+        return None
+    layers = model.get_submodule(path)
+    if not isinstance(layers, torch.nn.ModuleList) or len(layers) <= TRACED_LAYERS:
+        return None
+    why = uniform_layers(layers, path)
+    if why is not None:
+        logger.info("tracing all %d layers: %s", len(layers), why)
+        return None
+    tensors = dict(model.named_parameters(remove_duplicate=False))
+    tensors.update(model.named_buffers(remove_duplicate=False))
+    return StampPlan(path, len(layers), tensors)
+
+
+@contextlib.contextmanager
+def cut_layers(model: torch.nn.Module, plan: StampPlan) -> Iterator[None]:
+    """`model` with only its first TRACED_LAYERS layers (the same modules) inside the block."""
+    parent_path, _, attr = plan.layers_path.rpartition(".")
+    parent = model.get_submodule(parent_path)
+    layers = getattr(parent, attr)
+    setattr(parent, attr, torch.nn.ModuleList(list(layers)[:TRACED_LAYERS]))
+    try:
+        yield
+    finally:
+        setattr(parent, attr, layers)
+
+
+def stamped_graph(plan: StampPlan, gm: torch.fx.GraphModule, example_inputs: list,
+                  describe_inputs: Callable[[torch.fx.GraphModule, list], list | str] | None) -> tuple:
+    """The whole model's graph, example inputs (the cut graph's, then the further layers' tensors) and input specs
+    from dynamo's graph of the cut model; StampFailed with the reason where it cannot be built."""
+    specs = describe_inputs(gm, example_inputs) if describe_inputs is not None else "no input map"
+    if not isinstance(specs, list):
+        raise StampFailed(specs)
+    stamped = stamp_layers(gm, specs, plan.layers_path, plan.num_layers)
+    if isinstance(stamped, str):
+        raise StampFailed(stamped)
+    full, full_specs = stamped
+    extra = [plan.tensors[spec[1]] for spec in full_specs[len(specs):]]
+    return full, list(example_inputs) + extra, full_specs
+
+
+def stamp_failure(exc: BaseException) -> str | None:
+    """The reason of a StampFailed in `exc`'s chain (dynamo wraps what its backend raises), else None."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, StampFailed):
+            return str(exc)
+        seen.add(id(exc))
+        exc = getattr(exc, "inner_exception", None) or exc.__cause__ or exc.__context__
+    return None

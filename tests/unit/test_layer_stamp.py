@@ -10,6 +10,7 @@ from torch._dynamo.utils import counters
 
 from ember.attention_backends.op import forward_context
 from ember.graphs import compile as C
+from ember.graphs import layer_stamp
 from ember.graphs.artifacts import describe_graph_inputs
 from ember.graphs.compile import CompiledModel, compile_cache_key
 from ember.graphs.layer_stamp import TRACED_LAYERS, layer_fingerprint, stamp_layers, uniform_layers
@@ -153,7 +154,7 @@ def test_fallbacks_trace_the_whole_model(eager_pieces, monkeypatch, tmp_path, ca
     if case == "layers_differ":
         model.layers[5].attn.scale_hint = 2.0
     elif case == "stamp_fails":
-        monkeypatch.setattr(C, "stamp_layers", lambda *args: "forced for the test")
+        monkeypatch.setattr(layer_stamp, "stamp_layers", lambda *args: "forced for the test")
     elif case == "switched_off":
         monkeypatch.setenv("EMBER_STAMP_LAYERS", "0")
     else:
