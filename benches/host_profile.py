@@ -15,7 +15,7 @@ from ember import LLM, SamplingParams
 from ember.bench.roofline import device_sync
 
 
-def profile_batch(llm, batch_size: int, steps: int, top: int, temperature: float) -> None:
+def profile_batch(llm, batch_size: int, steps: int, top: int, temperature: float, sorts=("tottime",)) -> None:
     engine = llm.engine
     params = SamplingParams(temperature=temperature, ignore_eos=True, max_tokens=steps + 64)
     ids = [engine.add_request([(i * 131 + j) % 10_000 + 1 for j in range(64)], params) for i in range(batch_size)]
@@ -36,7 +36,8 @@ def profile_batch(llm, batch_size: int, steps: int, top: int, temperature: float
         wait = (engine.stats.device_wait_s - wait0) / steps
         print(f"== batch {batch_size}: {wall * 1e3:.3f} ms/step wall under cProfile, host {host * 1e3:.3f} ms busy, "
               f"{wait * 1e3:.3f} ms waiting")
-        pstats.Stats(profiler).sort_stats("tottime").print_stats(top)
+        for key in sorts:
+            pstats.Stats(profiler).sort_stats(key).print_stats(top)
     finally:
         for rid in ids:
             engine.abort(rid)
@@ -50,10 +51,11 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--top", type=int, default=30)
     p.add_argument("--temperature", type=float, default=0.6)
+    p.add_argument("--sort", nargs="+", default=["tottime"], help="pstats keys, one table each (e.g. tottime cumtime)")
     args = p.parse_args()
     llm = LLM(args.config, load_format="dummy", max_num_seqs=max(args.batch_sizes))
     for batch_size in args.batch_sizes:
-        profile_batch(llm, batch_size, args.steps, args.top, args.temperature)
+        profile_batch(llm, batch_size, args.steps, args.top, args.temperature, args.sort)
 
 
 if __name__ == "__main__":

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import argparse
 
-_TRUE, _FALSE = ("1", "true", "on", "yes"), ("0", "false", "off", "no")
+_TRUE, _FALSE = ("true", "on", "yes"), ("false", "off", "no")
 
 
 def backend_option(text: str) -> tuple[str, object]:
-    """`NAME=VALUE` of --attention-backend-option as (name, value): true/false/on/off/yes/no/1/0 become booleans,
-    other numbers ints or floats, anything else stays a string."""
+    """`NAME=VALUE` of --attention-backend-option as (name, value): true/false/on/off/yes/no become booleans,
+    numbers ints or floats (so `tiles=0` is the number 0; a flag reads 0/1 as off/on), anything else stays a string."""
     name, sep, raw = text.partition("=")
     name, raw = name.strip(), raw.strip()
     if not sep or not name.isidentifier() or not raw:

@@ -49,6 +49,26 @@ class BatchLayout:
         return int(self.query_lens.sum())
 
 
+@dataclass(frozen=True)
+class _Views:
+    """Views into `InputBatch`'s buffers for one (padded rows, padded tokens, live rows) shape."""
+    info: torch.Tensor
+    idx: torch.Tensor
+    starts: torch.Tensor
+    qlens: torch.Tensor
+    sample_index: torch.Tensor
+    idx_live: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    logits_indices: torch.Tensor
+    logits_indices_padded: torch.Tensor
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mappings: torch.Tensor
+    block_tables: tuple
+    slot_mapping_rows: tuple
+
+
 class InputBatch:
     """Input ids, positions, slot mappings, query_start_loc, seq_lens, logits indices and batch-ordered block
     tables, rewritten in place each step."""
@@ -71,6 +91,7 @@ class InputBatch:
         self.tail_query_start_loc = (torch.arange(max_num_reqs + 1, dtype=torch.int32, device=device)
                                      if tail_metadata else None)                                  # [R + 1]
         self.tail_slot_mappings = torch.full((num_groups, max_num_reqs), -1, dtype=torch.int64, device=device)
+        self._view_cache: dict[tuple[int, int, int], _Views] = {}
 
     def stage(self, layout: BatchLayout, num_reqs_padded: int, upload: PackedUpload, spare_index: int,
               sample_index: np.ndarray | None = None) -> tuple:
@@ -93,37 +114,54 @@ class InputBatch:
         if num_tokens_padded > self.max_num_tokens:
             raise ValueError(f"batch of {num_tokens_padded} tokens exceeds the buffers ({self.max_num_tokens})")
         R, T = num_reqs_padded, num_tokens_padded
-        info = self.row_info[:, :R]
-        info.copy_(PackedUpload.segment(buf, seg).view(4, R))
-        idx, starts, qlens = info[0], info[1], info[2]
-        prepare_inputs(idx, starts, qlens, table.token_ids, table.block_tables, table.block_size, num_tokens,
-                       self.query_start_loc[:R + 1], self.seq_lens[:R], self.logits_indices[:R],
-                       self.input_ids[:T], self.positions[:T], self.slot_mappings[:, :T],
-                       max_num_rows=self.max_num_reqs)
+        v = self._views(R, T, num_reqs, table.num_groups)
+        v.info.copy_(PackedUpload.segment(buf, seg).view(4, R))
+        prepare_inputs(v.idx, v.starts, v.qlens, table.token_ids, table.block_tables, table.block_size, num_tokens,
+                       v.query_start_loc, v.seq_lens, v.logits_indices_padded, v.input_ids, v.positions,
+                       v.slot_mappings, max_num_rows=self.max_num_reqs)
         if table.num_groups == 1:
-            torch.index_select(table.block_tables[0], 0, idx, out=self.block_tables[0, :R])
+            torch.index_select(table.block_tables[0], 0, v.idx, out=v.block_tables[0])
         else:   # every group's rows in one gather and one copy, however many groups
-            self.block_tables[:, :R].copy_(torch.index_select(table.block_tables, 1, idx))
+            self.block_tables[:, :R].copy_(torch.index_select(table.block_tables, 1, v.idx))
         # host copies of query_start_loc and seq_lens for backends that plan on the host (and the reference)
         ends = layout.starts + layout.query_lens
-        qsl_cpu = torch.zeros(R + 1, dtype=torch.int32)
-        qsl_np = qsl_cpu.numpy()
-        qsl_np[1:num_reqs + 1] = np.cumsum(layout.query_lens)
+        qsl_np = np.empty(R + 1, dtype=np.int32)
+        qsl_np[0] = 0
+        np.cumsum(layout.query_lens, out=qsl_np[1:num_reqs + 1])
         qsl_np[num_reqs + 1:] = num_tokens
-        seq_lens_cpu = torch.zeros(R, dtype=torch.int32)
-        seq_lens_cpu.numpy()[:num_reqs] = ends
+        seq_lens_np = np.zeros(R, dtype=np.int32)
+        seq_lens_np[:num_reqs] = ends
         common = CommonAttentionMetadata(
-            query_start_loc=self.query_start_loc[:R + 1], seq_lens=self.seq_lens[:R],
-            query_start_loc_cpu=qsl_cpu, seq_lens_cpu=seq_lens_cpu,
-            block_tables=tuple(self.block_tables[g, :R] for g in range(table.num_groups)),
-            slot_mappings=tuple(self.slot_mappings[g, :T] for g in range(table.num_groups)),
+            query_start_loc=v.query_start_loc, seq_lens=v.seq_lens,
+            query_start_loc_cpu=torch.from_numpy(qsl_np), seq_lens_cpu=torch.from_numpy(seq_lens_np),
+            block_tables=v.block_tables, slot_mappings=v.slot_mapping_rows,
             num_reqs=num_reqs, num_actual_tokens=num_tokens, num_reqs_padded=R, num_tokens_padded=T,
             max_query_len=int(layout.query_lens.max()) if num_reqs else 0,
             max_seq_len=int(ends.max()) if num_reqs else 0, num_decodes=layout.num_decodes,
             uniform_decode=(layout.num_decodes == num_reqs) if uniform_decode is None else uniform_decode)
         tail = self._tail(common) if self.tail_query_start_loc is not None else None
-        return PreparedBatch(self.input_ids[:T], self.positions[:T], self.logits_indices[:num_reqs],
-                             idx[:num_reqs], common, info[3], self.logits_indices[:R], tail)
+        return PreparedBatch(v.input_ids, v.positions, v.logits_indices, v.idx_live, common, v.sample_index,
+                             v.logits_indices_padded, tail)
+
+    def _views(self, R: int, T: int, num_reqs: int, num_groups: int) -> "_Views":
+        """The step's views into the buffers: a handful of shapes repeat (graph buckets), and slicing a tensor
+        costs microseconds of host time, so they are made once per shape."""
+        key = (R, T, num_reqs)
+        views = self._view_cache.get(key)
+        if views is None:
+            if len(self._view_cache) >= 4096:    # unbucketed shapes (eager steps) would otherwise grow it forever
+                self._view_cache.clear()
+            info = self.row_info[:, :R]
+            slots = self.slot_mappings[:, :T]
+            views = _Views(info=info, idx=info[0], starts=info[1], qlens=info[2], sample_index=info[3],
+                           idx_live=info[0, :num_reqs], query_start_loc=self.query_start_loc[:R + 1],
+                           seq_lens=self.seq_lens[:R], logits_indices=self.logits_indices[:num_reqs],
+                           logits_indices_padded=self.logits_indices[:R], input_ids=self.input_ids[:T],
+                           positions=self.positions[:T], slot_mappings=slots,
+                           block_tables=tuple(self.block_tables[g, :R] for g in range(num_groups)),
+                           slot_mapping_rows=tuple(slots[g] for g in range(num_groups)))
+            self._view_cache[key] = views
+        return views
 
     def _tail(self, common: CommonAttentionMetadata) -> CommonAttentionMetadata:
         """`common` with one query per request, its last token (padding requests keep zero-length queries)."""

@@ -51,6 +51,7 @@ class HostRing:
         self._buffers = [torch.empty(max_num_reqs, dtype=torch.int64, pin_memory=True) for _ in range(size)]
         self._events = [torch.cuda.Event(blocking=True) for _ in range(size)]
         self._turn = 0
+        self.device_index = device.index if device.index is not None else torch.cuda.current_device()
 
     def take(self) -> tuple[torch.Tensor, "torch.cuda.Event"]:
         self._turn = (self._turn + 1) % len(self._buffers)
@@ -78,7 +79,8 @@ class AsyncModelRunnerOutput:
                 host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
                 self._event = torch.cuda.Event(blocking=True)
             host.copy_(packed, non_blocking=True)
-            self._event.record()
+            # an explicit device index: current_stream() without one looks the device up in Python each step
+            self._event.record(torch.cuda.current_stream(ring.device_index if ring is not None else device))
             packed = host
         self._packed = packed
 

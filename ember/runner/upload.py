@@ -22,6 +22,9 @@ class PackedUpload:
         self._turn = 0
         self._used = 0
         self._device_buf = torch.empty(capacity, dtype=torch.int64, device=device)
+        # current_stream() without a device index looks the device up through several Python calls each step
+        self._device_index = (device.index if device.index is not None else torch.cuda.current_device()) \
+            if self._cuda else None
 
     def _alloc(self, capacity: int) -> tuple[torch.Tensor, np.ndarray]:
         host = torch.empty(capacity, dtype=torch.int64, pin_memory=self._cuda)
@@ -66,7 +69,7 @@ class PackedUpload:
             return host          # host and device memory are one: nothing to copy
         self._device_buf[:self._used].copy_(host[:self._used], non_blocking=True)
         event = self._events[self._turn] or torch.cuda.Event()
-        event.record()
+        event.record(torch.cuda.current_stream(self._device_index))
         self._events[self._turn] = event
         return self._device_buf
 

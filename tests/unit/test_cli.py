@@ -66,9 +66,11 @@ def test_attention_backend_options_from_the_command_line(monkeypatch, capsys):
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
     args = parser.parse_args(["--attention-backend-option", "fused_decode_kv_write=off",
-                              "--attention-backend-option", "split_launch=True", "--attention-backend-option", "x=2"])
-    assert engine_kwargs(args)["attention_backend_options"] == {"fused_decode_kv_write": False,
-                                                                "split_launch": True, "x": 2}
+                              "--attention-backend-option", "split_launch=True", "--attention-backend-option", "x=2",
+                              "--attention-backend-option", "single_segment_tiles=0"])
+    options = engine_kwargs(args)["attention_backend_options"]
+    assert options == {"fused_decode_kv_write": False, "split_launch": True, "x": 2, "single_segment_tiles": 0}
+    assert type(options["single_segment_tiles"]) is int    # a count of 0 is not the flag False
     assert engine_kwargs(parser.parse_args([]))["attention_backend_options"] is None
     monkeypatch.setattr("ember.llm.Engine", lambda *a, **k: (_ for _ in ()).throw(AssertionError("model loaded")))
     monkeypatch.setattr("ember.models.default_model.ensure_default_model",
