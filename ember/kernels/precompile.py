@@ -45,6 +45,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterator
 
+from ember.kernels.triton_key import installed_key, use_key
+
 logger = logging.getLogger("ember")
 
 
@@ -121,6 +123,9 @@ def _serve() -> None:
     answers = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)                       # whatever else prints goes to stderr, never into the answers
     importlib.import_module("triton.compiler")     # loaded before the first request
+    key = os.environ.get("EMBER_TRITON_KEY")
+    if key:                             # the parent's: no worker hashes Triton's library again
+        use_key(key)
     for line in sys.stdin:
         job = json.loads(line)
         t0 = time.perf_counter()
@@ -159,6 +164,9 @@ class CompilePool:
         if proc is None or proc.poll() is not None:
             root = str(Path(__file__).resolve().parents[2])    # ember importable in the worker, as it is here
             env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+            key = installed_key()
+            if key is not None:
+                env["EMBER_TRITON_KEY"] = key
             proc = subprocess.Popen([sys.executable, "-m", "ember.kernels.precompile"], stdin=subprocess.PIPE,
                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
             self._local.proc = proc

@@ -17,12 +17,13 @@ import numpy as np
 import torch
 
 from ember.attention_backends.op import ForwardContext, forward_context
-from ember.config import EngineConfig, resolve_dtype
+from ember.config import EngineConfig, cache_dir, resolve_dtype
 from ember.graphs.buckets import resolve_capture_sizes
 from ember.graphs.compile import compile_cache_key, compile_model
 from ember.graphs.cuda_graph import CUDAGraphManager
 from ember.graphs.dispatcher import CudaGraphDispatcher, resolve_modes
 from ember.graphs.modes import BatchDescriptor, CUDAGraphMode
+from ember.kernels.triton_key import install as install_triton_key
 from ember.kv_spec import blocks_per_request
 from ember.models.layers.onednn import onednn_packing_supported, pack_if_it_fits
 from ember.models.loader import load_config, load_model, random_model
@@ -63,6 +64,7 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.times = StartupTimes()
         t0 = time.perf_counter()
+        install_triton_key(cache_dir())     # Triton's build key from disk: it hashes its whole library otherwise
         self.hf_config = hf_config if hf_config is not None else load_config(model_path)
         self.dtype = resolve_dtype(config.model.dtype, self.device, self.hf_config)
         if load_format == "dummy":

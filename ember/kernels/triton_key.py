@@ -1,0 +1,98 @@
+"""Triton's cache key of its own build (`triton.runtime.cache.triton_key`), kept on disk between processes.
+
+Triton computes that key once a process, before its first kernel compiles or loads from its cache: it hashes its
+compiler, backend and language sources and the whole `libtriton` shared library (hundreds of MB). On an H100 host
+that took 0.5 s of every start-up, warm ones included. `install()` stores the key under ember's cache directory,
+filed under a signature of what the key hashes (each file's path, size and modification time, found by walking
+those folders), and puts a function returning it in place of Triton's where Triton and Inductor look it up. Any
+change to those files changes the signature and the key is computed afresh; an unreadable entry is computed
+again too. Triton's own compile-worker pools replace the key the same way; ember's (`ember.kernels.precompile`)
+hand theirs the parent's key."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import sys
+from pathlib import Path
+
+logger = logging.getLogger("ember")
+
+# modules that bind `triton_key` by name; each is patched only where it still holds Triton's own function
+_HOLDERS = ("triton.runtime.cache", "triton.compiler.compiler", "triton.runtime.autotuner",
+            "torch._inductor.runtime.triton_compat")
+
+
+def build_signature(triton_dir: Path) -> str:
+    """A hash of the path, size and mtime of every file `triton_key` reads (and some it does not)."""
+    h = hashlib.sha256()
+    roots = [triton_dir / "compiler", triton_dir / "backends", triton_dir / "language", triton_dir / "_C",
+             triton_dir / "runtime"]
+    for root in roots:
+        for folder, dirs, files in os.walk(root):
+            dirs.sort()
+            for name in sorted(files):
+                if name.endswith((".py", ".so")):
+                    path = os.path.join(folder, name)
+                    st = os.stat(path)
+                    h.update(f"{os.path.relpath(path, triton_dir)}:{st.st_size}:{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()
+
+
+def install(cache_dir: Path) -> str | None:
+    """Put a stored `triton_key` in place (computing and storing it when no entry matches); returns the key, or
+    None when Triton is absent or the key cannot be had."""
+    try:
+        import triton
+        import triton.runtime.cache as cache
+    except ImportError:
+        return None
+    if not callable(getattr(cache, "triton_key", None)):   # a Triton without it: nothing to keep
+        return None
+    if installed_key() is not None:
+        return installed_key()
+    try:
+        signature = build_signature(Path(triton.__file__).parent)
+    except OSError as exc:
+        logger.debug("Triton's files could not be listed (%s); its build key is computed as usual", exc)
+        return None
+    path = cache_dir / "triton_key" / f"{triton.__version__}-{signature[:32]}"
+    key = None
+    try:
+        key = path.read_text()
+    except OSError:
+        pass
+    if not key or not key.startswith(triton.__version__):
+        key = cache.triton_key()
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+            tmp.write_text(key)
+            os.replace(tmp, path)
+        except OSError as exc:
+            logger.debug("Triton's build key could not be stored at %s: %s", path, exc)
+    use_key(key)
+    return key
+
+
+def installed_key() -> str | None:
+    """The key `use_key` put in place in this process, or None."""
+    cache = sys.modules.get("triton.runtime.cache")
+    return getattr(getattr(cache, "triton_key", None), "ember_key", None)
+
+
+def use_key(key: str) -> None:
+    """Have Triton (and Inductor) take `key` as Triton's build key in this process."""
+    import triton.runtime.cache as cache
+    current = cache.triton_key
+
+    def stored_triton_key() -> str:
+        return key
+
+    stored_triton_key.ember_key = key
+    stored_triton_key.cache_clear = lambda: None     # what callers of the lru_cache'd original may use
+    for name in _HOLDERS:
+        module = sys.modules.get(name)
+        if module is not None and getattr(module, "triton_key", None) is current:
+            module.triton_key = stored_triton_key

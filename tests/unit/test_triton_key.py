@@ -1,0 +1,65 @@
+"""Triton's build key kept on disk (ember.kernels.triton_key): the stored key is Triton's own, a second process
+reads it instead of hashing Triton, and a changed Triton or a damaged entry computes it again."""
+
+import sys
+
+import pytest
+
+triton = pytest.importorskip("triton")
+import triton.runtime.cache as cache  # noqa: E402
+
+from ember.kernels import triton_key as tk  # noqa: E402
+
+
+@pytest.fixture
+def fresh(monkeypatch):
+    """Triton's own key function, counting its calls, in every module that holds it (restored afterwards)."""
+    real = cache.triton_key
+    calls = []
+
+    def counted():
+        calls.append(1)
+        return real()
+
+    for name in tk._HOLDERS:
+        module = sys.modules.get(name)
+        if module is not None and getattr(module, "triton_key", None) is real:
+            monkeypatch.setattr(module, "triton_key", counted)
+    return real, calls, counted
+
+
+def test_stored_key_is_tritons_and_a_second_process_reads_it(tmp_path, fresh, monkeypatch):
+    real, calls, counted = fresh
+    key = tk.install(tmp_path)
+    assert key == real() and cache.triton_key() == key and tk.installed_key() == key
+    assert len(calls) == 1
+    assert len(list((tmp_path / "triton_key").iterdir())) == 1
+    monkeypatch.setattr(cache, "triton_key", counted)      # a new process: Triton's function in place again
+    assert tk.install(tmp_path) == key
+    assert len(calls) == 1                                 # read from disk, not hashed again
+    assert cache.triton_key() == key
+
+
+def test_changed_triton_or_damaged_entry_computes_again(tmp_path, fresh, monkeypatch):
+    real, calls, counted = fresh
+    key = tk.install(tmp_path)
+    entry, = (tmp_path / "triton_key").iterdir()
+    entry.write_text("garbage")                            # not a key of this Triton
+    monkeypatch.setattr(cache, "triton_key", counted)
+    assert tk.install(tmp_path) == key and len(calls) == 2
+    assert entry.read_text() == key                        # and repaired
+    monkeypatch.setattr(cache, "triton_key", counted)
+    monkeypatch.setattr(tk, "build_signature", lambda d: "0" * 64)   # a file of Triton changed
+    assert tk.install(tmp_path) == key and len(calls) == 3
+    assert len(list((tmp_path / "triton_key").iterdir())) == 2
+
+
+def test_signature_follows_file_changes(tmp_path):
+    root = tmp_path / "triton"
+    (root / "compiler").mkdir(parents=True)
+    f = root / "compiler" / "code.py"
+    f.write_text("a = 1\n")
+    first = tk.build_signature(root)
+    assert tk.build_signature(root) == first
+    f.write_text("a = 22\n")
+    assert tk.build_signature(root) != first
