@@ -6,6 +6,7 @@ import logging
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -152,6 +153,18 @@ def select_backends(model: nn.Module, block_size: int, dtype: torch.dtype, devic
     return AttentionSetup(layers, groups, backends, refused)
 
 
+def zeroed(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero-filled 1-D tensor. On the CPU its memory comes zeroed from the OS (calloc, through numpy) and pages
+    in as the cache fills, instead of being written whole up front: torch.zeros took 3.3 s of a 28 s start-up for
+    a 2 GiB cache on two cores. The start is aligned to 64 bytes, as torch's own CPU allocations are."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(numel, dtype=dtype, device=device)
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    raw = np.zeros(nbytes + 64, dtype=np.uint8)
+    offset = -raw.ctypes.data % 64
+    return torch.from_numpy(raw[offset:offset + nbytes]).view(dtype)
+
+
 def allocate_kv_caches(setup: AttentionSetup, num_blocks: int, device: torch.device,
                        sharing_metadata_offset: int = 0) -> dict[str, AttentionLayerState]:
     """Allocate the slot tensors of the shared pool, view each owning layer's slot in its backend's layout and
@@ -159,7 +172,7 @@ def allocate_kv_caches(setup: AttentionSetup, num_blocks: int, device: torch.dev
     metadata at index group + `sharing_metadata_offset` (the runner puts the prefill-skipping tail's there)."""
     spec0 = setup.groups[0].spec
     page_numel = spec0.page_size_bytes // torch.empty((), dtype=spec0.dtype).element_size()
-    slots = [torch.zeros(num_blocks * page_numel, dtype=spec0.dtype, device=device)
+    slots = [zeroed(num_blocks * page_numel, spec0.dtype, device)
              for _ in range(setup.slots_per_block)]   # each [num_blocks * 2 * block_size * Hkv * D]
     states: dict[str, AttentionLayerState] = {}
     placements = set()

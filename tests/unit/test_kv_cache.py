@@ -127,3 +127,13 @@ def test_duplicate_request_id_is_refused():
     sched.add_request(make("a", 3))
     with pytest.raises(ValueError, match="'a' is already in use"):
         sched.add_request(make("a", 3))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cpu_cache_memory_comes_zeroed_and_aligned(dtype):
+    from ember.runner.kv_cache_setup import zeroed
+    t = zeroed(4099, dtype, torch.device("cpu"))
+    assert t.shape == (4099,) and t.dtype == dtype and t.data_ptr() % 64 == 0
+    assert not t.float().any()
+    t[4098] = 3
+    assert t[4098].item() == 3 and t.float().sum().item() == 3
