@@ -82,7 +82,8 @@ def compile_cache_dir(cache_key: str, cache_root: Path | str | None = None) -> P
 
 @contextlib.contextmanager
 def inductor_cache_scope(path: Path) -> Iterator[None]:
-    """Point Inductor's on-disk caches at `path` (and turn them on) for the duration of a compile."""
+    """Point Inductor's on-disk caches at `path` (and turn them on) for a compile. Pointwise kernels take Inductor's
+    one heuristic tile: autotuning compiles and times every candidate (6 for a 2D gather such as the rotary rows)."""
     from torch._functorch import config as functorch_config
     from torch._inductor import config as inductor_config
     path.mkdir(parents=True, exist_ok=True)
@@ -90,7 +91,8 @@ def inductor_cache_scope(path: Path) -> Iterator[None]:
     previous = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
     try:
-        with inductor_config.patch(fx_graph_cache=True), functorch_config.patch(enable_autograd_cache=True):
+        with inductor_config.patch({"fx_graph_cache": True, "triton.autotune_pointwise": False}), \
+                functorch_config.patch(enable_autograd_cache=True):
             yield
     finally:
         if previous is None:

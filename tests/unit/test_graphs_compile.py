@@ -172,7 +172,9 @@ def test_cache_scope_sets_and_restores_the_inductor_dir(tmp_path, monkeypatch):
         assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "k")
         from torch._inductor import config
         assert config.fx_graph_cache is True
+        assert config.triton.autotune_pointwise is False    # one tile a pointwise kernel: no config sweep
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == "/somewhere/else"
+    assert config.triton.autotune_pointwise is True
     assert (tmp_path / "k").is_dir()
 
 
