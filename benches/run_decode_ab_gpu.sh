@@ -1,30 +1,33 @@
 #!/usr/bin/env bash
-# Batch-1 decode A/B of the split-KV single-segment path on the GPU: the kernel checks, then the decode latency of
-# each config with `single_segment_tiles` 0 (off) and ON_TILES (default 4: contexts up to 256 keys in one program),
-# interleaved twice in one process group, each with a step profile (every kernel's share of the critical path).
-# Logs under $OUT (default ./bench_out):
+# Batch-1 decode A/B of a triton_unified backend option on the GPU: the kernel checks, then the decode latency of
+# each config with the option at each value, interleaved twice, each with a step profile (every kernel's share of
+# the critical path). Default: `single_segment_tiles` 0 (off) against 4 (contexts up to 256 keys in one program).
+# Logs under $OUT (default ./bench_out; JSON=1 adds each run's JSON):
 #   bash benches/run_decode_ab_gpu.sh                  # Qwen3-0.6B and Llama-3.2-1B configs
 #   CONFIGS="llama-3.1-8b" bash benches/run_decode_ab_gpu.sh
+#   AB_OPTION=split_kv AB_VALUES="on off" SKIP_KERNEL_CHECK=1 bash benches/run_decode_ab_gpu.sh   # 3D vs 2D decode
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-bench_out}; mkdir -p "$OUT"
 CONFIGS=${CONFIGS:-"qwen3-0.6b llama-3.2-1b"}
-ON_TILES=${ON_TILES:-4}
+AB_OPTION=${AB_OPTION:-single_segment_tiles}
+AB_VALUES=${AB_VALUES:-"0 ${ON_TILES:-4}"}
 LATENCY="python3 -m ember bench latency --batch-size 1 --input-len 32 --output-len 256 --num-iters 3 --profile 20"
 run() { local name=$1 limit=$2; shift 2; timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; echo "== $name rc=$?"; }
 [ -n "${SKIP_KERNEL_CHECK:-}" ] || run kernels 200 python3 -m pytest -q -m gpu -p no:cacheprovider \
   tests/gpu/test_triton_unified_gpu.py -k "single_segment or 2d_and_3d"
 for config in $CONFIGS; do
   for round in 1 2; do
-    for tiles in 0 "$ON_TILES"; do
-      run "${config}_tiles${tiles}_r${round}" 150 $LATENCY --config "$config" \
-        --attention-backend-option "single_segment_tiles=$tiles" --json "$OUT/${config}_tiles${tiles}_r${round}.json"
+    for value in $AB_VALUES; do
+      name="${config}_${AB_OPTION}-${value}_r${round}"
+      run "$name" 150 $LATENCY --config "$config" --attention-backend-option "$AB_OPTION=$value" \
+        ${JSON:+--json "$OUT/$name.json"}
     done
   done
 done
 echo "== summary"
 [ -f "$OUT/kernels.log" ] && grep -h "passed\|failed" "$OUT/kernels.log" | tail -1
-for f in "$OUT"/*_tiles*_r*.log; do
+for f in "$OUT"/*_"$AB_OPTION"-*_r*.log; do
   echo "-- $(basename "$f" .log): $(grep -h 'decode  ' "$f" | head -1 | cut -c1-60)"
   grep -h "host  .*busy\|profile over\|unified_attention\|reduce_segments" "$f" | cut -c1-120
 done

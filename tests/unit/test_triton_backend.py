@@ -249,3 +249,32 @@ def test_plan_mixed_buckets():
     assert split.decode_count_on_device and split.num_decode_seqs == 64 and split.rest_mode == P.MODE_PREFILLS
     assert split.rest.block_m == 128 and split.decode.block_m == 16
     assert P.plan_launch(4, 64, False, 32, 8, 128, 132, True).num_decode_seqs == 4
+
+
+@pytest.mark.parametrize("value", [False, 0, "off"])
+def test_split_kv_off_decodes_in_the_2d_kernel(value):
+    """`split_kv` off: a decode bucket that would split (8 SMs, 3 requests) plans the 2D kernel, sizes no segment
+    scratch, and still matches torch_ref."""
+    shape, _ = CASES["decode_3d"]
+    reqs = len(shape.query_lens) + shape.pad_reqs
+    assert P.plan_launch(reqs, reqs, True, shape.num_heads, shape.num_kv_heads, shape.head_size, 8,
+                         False).num_segments > 1
+    builder = Backend.builder_cls(_context(shape, torch.float32, 8, extra_options=(("split_kv", value),)))
+    assert builder.scratch_max.numel() == 0
+    batch = make_paged_batch(shape, torch.float32, "cpu", torch.Generator().manual_seed(0))
+    metadata = builder.build(common_metadata(batch, None))
+    impl = Backend.impl_cls(shape.options(), sinks=batch.sinks, alibi_slopes=batch.alibi_slopes)
+    assert metadata.num_sms == 0 and impl._plan(metadata).num_segments == 1
+    batch, out, cache, ref_out, ref_cache = _run_both(shape, torch.float32, num_sms=8,
+                                                      extra_options=(("split_kv", value),))
+    torch.testing.assert_close(cache[:, 1:], ref_cache[:, 1:], atol=0, rtol=0)
+    n = batch.num_tokens
+    assert (out[:n] - ref_out[:n]).abs().max().item() <= tolerance(torch.float32)
+
+
+@pytest.mark.parametrize("name", ["split_kv", "split_launch", "fused_decode_kv_write"])
+@pytest.mark.parametrize("bad", ["maybe", 2, -1, 0.5])
+def test_flag_options_reject_what_is_not_on_or_off(name, bad):
+    shape, _ = CASES["decode_3d"]
+    with pytest.raises(ValueError, match=f"{name} {bad!r} is not on or off"):
+        Backend.builder_cls(_context(shape, torch.float32, 8, extra_options=((name, bad),)))

@@ -13,7 +13,9 @@ off) has a split-KV decode launch attend a request of at most that many KV tiles
 output itself (the reduce leaves it alone). Measured on an H100 at batch 1, contexts of 32-288 tokens (`ember bench
 latency --batch-size 1 --input-len 32 --output-len 256`, Qwen3-0.6B config, runs interleaved in one lease): off
 1,080 / 1,078 tok/s, 4 tiles 1,026 / 1,019. The profile gave the reduce 0.025 instead of 0.091 ms of the
-critical path, yet the step got slower: one program a KV head walks up to 288 keys alone. So it stays off."""
+critical path, yet the step got slower: one program a KV head walks up to 288 keys alone. So it stays off.
+`split_kv` (default on) lets small decode buckets take the split-KV (3D) kernel and its reduce; off, every decode
+bucket launches the 2D kernel (one launch a layer fewer at batch 1, for A/B runs and short contexts)."""
 
 from __future__ import annotations
 
@@ -54,9 +56,22 @@ class TritonUnifiedMetadata:
     fused_decode_kv_write: bool     # a uniform-decode bucket's attention launch writes the new K/V
     fused_decode_rope: bool | str   # ... and norms and rotates q and the new keys: True, False or "auto"
     single_segment_tiles: int       # split-KV decodes of at most this many KV tiles run in one program (0: none)
-    num_sms: int
+    num_sms: int                    # SMs the plan counts on: 0 plans no split-KV launch (`split_kv` off)
     num_decode_tokens: int          # live split of the batch (host ints; informational, never pick a kernel)
     num_prefill_tokens: int
+
+
+_WORDS = {"on": True, "true": True, "yes": True, "off": False, "false": False, "no": False}
+
+
+def _flag(ctx: BuilderContext, name: str, default: bool) -> bool:
+    """A boolean backend option: True/False, 1/0 (as the command line gives numbers) or on/off, true/false, yes/no."""
+    value = ctx.option(name, default)
+    if isinstance(value, str) and value.lower() in _WORDS:
+        return _WORDS[value.lower()]
+    if isinstance(value, str) or value not in (True, False):      # 1 and 0 compare equal to True and False
+        raise ValueError(f"{name} {value!r} is not on or off (true/false, 1/0)")
+    return bool(value)
 
 
 class TritonUnifiedMetadataBuilder(MetadataBuilder):
@@ -67,13 +82,16 @@ class TritonUnifiedMetadataBuilder(MetadataBuilder):
     def __init__(self, ctx: BuilderContext):
         super().__init__(ctx)
         spec = ctx.group.spec
-        self.split_launch = bool(ctx.option("split_launch", False))
-        self.fused_decode_kv_write = bool(ctx.option("fused_decode_kv_write", True))
+        self.split_launch = _flag(ctx, "split_launch", False)
+        self.fused_decode_kv_write = _flag(ctx, "fused_decode_kv_write", True)
         rope = ctx.option("fused_decode_rope", "auto")
         words = {"on": True, "true": True, "off": False, "false": False, "auto": "auto"}
         self.fused_decode_rope = words.get(rope.lower(), rope) if isinstance(rope, str) else rope
         if self.fused_decode_rope not in (True, False, "auto"):
             raise ValueError(f"fused_decode_rope {rope!r} is not on, off or auto")
+        # split_kv off: every decode bucket plans the 2D kernel, as on a GPU of no SMs (no segment scratch either)
+        self.split_kv = _flag(ctx, "split_kv", True)
+        self.plan_sms = ctx.num_sms if self.split_kv else 0
         single = ctx.option("single_segment_tiles", 0)
         if isinstance(single, bool) or not isinstance(single, int) or single < 0:
             raise ValueError(f"single_segment_tiles {single!r} is not a non-negative number of KV tiles")
@@ -81,7 +99,7 @@ class TritonUnifiedMetadataBuilder(MetadataBuilder):
         self.num_decodes = torch.zeros(1, dtype=torch.int32, device=ctx.device)   # [1]
         self._num_decodes_value = 0     # what num_decodes holds: a steady decode batch writes it once, not per step
         max_decodes = min(ctx.max_num_reqs, ctx.max_num_tokens)
-        rows = max_scratch_rows(max_decodes, spec.num_kv_heads, ctx.num_sms)
+        rows = max_scratch_rows(max_decodes, spec.num_kv_heads, self.plan_sms)
         num_out, _ = segment_scratch_numel(rows, 1, spec.head_size, 1)
         self.scratch_out = torch.empty(num_out, dtype=torch.float32, device=ctx.device)   # [rows * head_pad]
         self.scratch_max = torch.empty(rows, dtype=torch.float32, device=ctx.device)      # [rows]
@@ -102,7 +120,7 @@ class TritonUnifiedMetadataBuilder(MetadataBuilder):
             num_tokens_padded=common.num_tokens_padded, uniform_decode=common.uniform_decode,
             split_launch=self.split_launch, fused_decode_kv_write=self.fused_decode_kv_write,
             fused_decode_rope=self.fused_decode_rope, single_segment_tiles=self.single_segment_tiles,
-            num_sms=self.ctx.num_sms, num_decode_tokens=common.num_decode_tokens,
+            num_sms=self.plan_sms, num_decode_tokens=common.num_decode_tokens,
             num_prefill_tokens=common.num_prefill_tokens)
 
 
@@ -180,7 +198,7 @@ class TritonUnifiedBackend(AttentionBackend):
     cudagraph_support = CudaGraphSupport.ALWAYS
     builder_cls = TritonUnifiedMetadataBuilder
     impl_cls = TritonUnifiedImpl
-    option_names = ("split_launch", "fused_decode_kv_write", "fused_decode_rope", "single_segment_tiles")
+    option_names = ("split_launch", "fused_decode_kv_write", "fused_decode_rope", "single_segment_tiles", "split_kv")
     takes_rope = True
 
     @staticmethod
