@@ -4,7 +4,8 @@
 #   [PYC=1] bash benches/run_startup_gpu.sh [MODEL ...]
 # PYC=1 lets Python cache bytecode (under a prefix of its own) as an installed Python does; an image that sets
 # PYTHONDONTWRITEBYTECODE compiles every imported module in every process (5-6 s of a Qwen3-0.6B start on an H100
-# host). With it, a second warm start ("warm2") runs on the bytecode the first one wrote.
+# host). With it, a first start on caches of its own ("bytecode") writes the bytecode, so that the cold start after
+# it finds bytecode and empty ember/Triton caches, as on an installed Python; a second warm start ("warm2") follows.
 # STAMP_AB=1 adds, per model, a cold start that traces every decoder layer (EMBER_STAMP_LAYERS=0) on fresh caches,
 # beside the default cold start that traces three and stamps the rest (JSON "traced_layers").
 # Prints benches/startup.py's JSON line per start and the runner's start-up split; logs under $OUT.
@@ -17,6 +18,12 @@ if [ "${PYC:-0}" = 1 ]; then
   unset PYTHONDONTWRITEBYTECODE
   export PYTHONPYCACHEPREFIX=${PYTHONPYCACHEPREFIX:-$(mktemp -d)}
   LABELS="cold warm warm2"
+  cache=$(mktemp -d)
+  echo "== bytecode (writes it: not a start-up figure)"
+  EMBER_CACHE=$cache/ember TRITON_CACHE_DIR=$cache/triton timeout 280 python3 benches/startup.py \
+    --model "${1:-qwen3-0.6b}" --label bytecode > "$OUT/startup_bytecode.log" 2>&1
+  grep -h "STARTUP" "$OUT/startup_bytecode.log" | cut -c1-200
+  rm -rf "$cache"
 fi
 for model in $MODELS; do
   cache=$(mktemp -d)
