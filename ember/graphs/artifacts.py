@@ -2,6 +2,8 @@
 
 API:
     compile_cache_key(model_config, dtype, *, device=None, settings=None, source_hash=None) -> str
+    compile_cache_dir(cache_key, cache_root=None) -> Path   <root>/compile/<key>
+    inductor_cache_scope(path)                          Inductor's caches (and compile settings) for a compile
     ember_source_hash(root=None) -> str                 hash of every .py file of the ember package
     ArtifactStore(directory)
         .save(split, pieces, groups, artifacts, single_output, inputs)   after a cold compile; manifest written last
@@ -23,13 +25,14 @@ compiler pass switches).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
 import logging
 import os
 import pickle
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,12 +40,38 @@ from typing import Any
 import torch
 from torch import nn
 
-from ember.config import package_version
+from ember.config import cache_dir, package_version
 
 logger = logging.getLogger("ember")
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
+
+
+def compile_cache_dir(cache_key: str, cache_root: Path | str | None = None) -> Path:
+    """Where Inductor keeps this model's compiled code: <root>/compile/<key>."""
+    return Path(cache_dir() if cache_root is None else cache_root) / "compile" / cache_key
+
+
+@contextlib.contextmanager
+def inductor_cache_scope(path: Path) -> Iterator[None]:
+    """Point Inductor's on-disk caches at `path` (and turn them on) for a compile. Pointwise kernels take Inductor's
+    one heuristic tile: autotuning compiles and times every candidate (6 for a 2D gather such as the rotary rows)."""
+    from torch._functorch import config as functorch_config
+    from torch._inductor import config as inductor_config
+    path.mkdir(parents=True, exist_ok=True)
+    # Inductor reads its cache location from this variable each time it needs it; there is no config option
+    previous = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
+    try:
+        with inductor_config.patch({"fx_graph_cache": True, "triton.autotune_pointwise": False}), \
+                functorch_config.patch(enable_autograd_cache=True):
+            yield
+    finally:
+        if previous is None:
+            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+        else:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = previous
 
 
 def ember_source_hash(root: Path | str | None = None) -> str:

@@ -36,12 +36,11 @@ where the stamping cannot vouch for the result, or with EMBER_STAMP_LAYERS=0, th
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import time
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,6 +50,7 @@ from torch import nn
 
 import ember.attention_backends.op  # noqa: F401  (registers torch.ops.ember.attention)
 from ember.graphs.artifacts import ArtifactStore, InputSpec, LoadedForward, describe_graph_inputs
+from ember.graphs.artifacts import compile_cache_dir, inductor_cache_scope  # noqa: F401  (part of this API)
 from ember.graphs.artifacts import compile_cache_key  # noqa: F401  (part of this module's API)
 from ember.graphs.layer_stamp import (TRACED_LAYERS, StampPlan, WithLayerInputs, cut_layers, stamp_failure,
                                       stamp_plan, stamped_graph)
@@ -70,35 +70,6 @@ def resolve_compile_mode(compile_mode: str, device: torch.device | str, enforce_
     if compile_mode == "auto":
         return "default" if torch.device(device).type == "cuda" else "none"
     return compile_mode
-
-
-def compile_cache_dir(cache_key: str, cache_root: Path | str | None = None) -> Path:
-    """Where Inductor keeps this model's compiled code: <root>/compile/<key>."""
-    if cache_root is None:
-        from ember.config import cache_dir
-        cache_root = cache_dir()
-    return Path(cache_root) / "compile" / cache_key
-
-
-@contextlib.contextmanager
-def inductor_cache_scope(path: Path) -> Iterator[None]:
-    """Point Inductor's on-disk caches at `path` (and turn them on) for a compile. Pointwise kernels take Inductor's
-    one heuristic tile: autotuning compiles and times every candidate (6 for a 2D gather such as the rotary rows)."""
-    from torch._functorch import config as functorch_config
-    from torch._inductor import config as inductor_config
-    path.mkdir(parents=True, exist_ok=True)
-    # Inductor reads its cache location from this variable each time it needs it; there is no config option
-    previous = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
-    try:
-        with inductor_config.patch({"fx_graph_cache": True, "triton.autotune_pointwise": False}), \
-                functorch_config.patch(enable_autograd_cache=True):
-            yield
-    finally:
-        if previous is None:
-            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
-        else:
-            os.environ["TORCHINDUCTOR_CACHE_DIR"] = previous
 
 
 def is_attention_node(node: torch.fx.Node) -> bool:

@@ -85,7 +85,7 @@ class TritonUnifiedMetadataBuilder(MetadataBuilder):
         self.split_launch = _flag(ctx, "split_launch", False)
         self.fused_decode_kv_write = _flag(ctx, "fused_decode_kv_write", True)
         rope = ctx.option("fused_decode_rope", "auto")
-        words = {"on": True, "true": True, "off": False, "false": False, "auto": "auto"}
+        words = {**_WORDS, "auto": "auto"}
         self.fused_decode_rope = words.get(rope.lower(), rope) if isinstance(rope, str) else rope
         if self.fused_decode_rope not in (True, False, "auto"):
             raise ValueError(f"fused_decode_rope {rope!r} is not on, off or auto")
