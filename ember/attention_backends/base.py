@@ -70,6 +70,13 @@ class MetadataBuilder:
         """Metadata for a CUDA-graph capture at a bucket; by default the same as `build`."""
         return self.build(common)
 
+    def short_context_len(self, num_reqs_padded: int) -> int | None:
+        """For a uniform-decode bucket of this many request rows: the longest request (in tokens) for which this
+        builder plans other, faster kernels when told that every request is at most that long
+        (`CommonAttentionMetadata.max_seq_len_bound`); the runner then captures such a bucket twice, short and any
+        length. None (the default): one plan for every length."""
+        return None
+
 
 @dataclass(frozen=True)
 class RopeInputs:

@@ -15,7 +15,7 @@ class CommonAttentionMetadata:
     Rows past `num_reqs` (up to `num_reqs_padded`) are padding: zero-length queries, seq_len 0, slot -1.
     Tokens past `num_actual_tokens` (up to `num_tokens_padded`) are padding too.
     Host-side integers describe the live batch; kernels whose choice must be replayable decide from
-    `num_tokens_padded`, `num_reqs_padded` and `uniform_decode` only.
+    `num_tokens_padded`, `num_reqs_padded`, `uniform_decode` and `max_seq_len_bound` only.
     """
     query_start_loc: torch.Tensor        # [num_reqs_padded + 1] int32, device
     seq_lens: torch.Tensor               # [num_reqs_padded] int32, device: context + new tokens
@@ -31,6 +31,8 @@ class CommonAttentionMetadata:
     max_seq_len: int
     num_decodes: int                     # leading requests with query_len == 1
     uniform_decode: bool                 # every live request is a single-token decode
+    # no request is longer than this (a short-context decode graph's bound, replayable), or None
+    max_seq_len_bound: int | None = None
 
     @property
     def num_decode_tokens(self) -> int:

@@ -3,8 +3,9 @@
 API:
     resolve_modes(compile_config, device, backends) -> ResolvedModes     once at start-up; logs every downgrade
     ResolvedModes(compile_mode, cudagraph_mode, support, reasons)
-    CudaGraphDispatcher(cudagraph_mode, capture_sizes, max_num_seqs, support=CudaGraphSupport.ALWAYS)
-    dispatcher.dispatch(num_tokens, num_reqs, uniform_decode) -> (CUDAGraphMode, BatchDescriptor)
+    CudaGraphDispatcher(cudagraph_mode, capture_sizes, max_num_seqs, support=CudaGraphSupport.ALWAYS,
+                        short_context_len=None)
+    dispatcher.dispatch(num_tokens, num_reqs, uniform_decode, max_seq_len=None) -> (CUDAGraphMode, BatchDescriptor)
     dispatcher.capture_list() -> list[(CUDAGraphMode, BatchDescriptor)]  what to capture, largest first
 
 Resolution (requested mode x backend support), after CPU / enforce_eager (both: NONE, and enforce_eager also
@@ -17,12 +18,17 @@ Without compiled pieces (compile_mode "none") a mode with PIECEWISE cannot run: 
 or FULL_AND_PIECEWISE raises ValueError; one reached from "auto" or by a downgrade becomes FULL_DECODE_ONLY (when
 the backends allow it) or NONE, with the reason logged. There is no speculative decoding, so UNIFORM_BATCH and
 UNIFORM_SINGLE_TOKEN_DECODE behave alike: uniform batches are single-token decodes.
+
+Short-context decode graphs: where the attention builders plan other kernels for a uniform-decode bucket whose
+requests are all short (`short_context_len(num_reqs)`, e.g. triton_unified's one-pass decode kernel instead of
+split-KV and its reduce), that bucket has a second FULL graph, keyed by `max_seq_len`, and a step takes it when
+its longest request fits.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -119,7 +125,8 @@ class CudaGraphDispatcher:
     """
 
     def __init__(self, cudagraph_mode: CUDAGraphMode, capture_sizes: Sequence[int], max_num_seqs: int,
-                 support: CudaGraphSupport = CudaGraphSupport.ALWAYS, pad_piecewise_reqs: bool = False):
+                 support: CudaGraphSupport = CudaGraphSupport.ALWAYS, pad_piecewise_reqs: bool = False,
+                 short_context_len: Callable[[int], int | None] | None = None):
         self.mode = CUDAGraphMode.parse(cudagraph_mode)
         # PIECEWISE descriptors that pad the request rows as FULL ones do: a model whose last layers run on one row
         # per request (a prefill-skipping tail) needs a row count fixed per bucket for those layers' graphs
@@ -140,22 +147,35 @@ class CudaGraphDispatcher:
                              f"NEVER; resolve the mode with resolve_modes() first")
         # uniform-decode batches take a FULL graph in every mode that has one
         self._full_decode = self.mode.has_full
+        # decode bucket -> the request length up to which it has a short-context graph as well
+        self.short_decode: dict[int, int] = {}
+        if self._full_decode and short_context_len is not None:
+            for size in self.decode_sizes:
+                bound = short_context_len(min(size, max_num_seqs))
+                if bound is not None:
+                    if isinstance(bound, bool) or not isinstance(bound, int) or bound < 1:
+                        raise ValueError(f"short_context_len({size}) returned {bound!r}, not a positive length")
+                    self.short_decode[size] = bound
         self._full_mixed = self.mode == M.FULL
         self._piecewise_mixed = self.mode.has_piecewise
 
-    def _full_desc(self, bucket: int, uniform_decode: bool) -> BatchDescriptor:
+    def _full_desc(self, bucket: int, uniform_decode: bool, max_seq_len: int | None = None) -> BatchDescriptor:
         # a bucket of T tokens holds at most T requests, and never more than the request rows that exist
-        return BatchDescriptor(bucket, min(bucket, self.max_num_seqs), uniform_decode)
+        return BatchDescriptor(bucket, min(bucket, self.max_num_seqs), uniform_decode, max_seq_len)
 
     def _piecewise_desc(self, bucket: int) -> BatchDescriptor:
         return BatchDescriptor(bucket, min(bucket, self.max_num_seqs) if self.pad_piecewise_reqs else None)
 
-    def dispatch(self, num_tokens: int, num_reqs: int, uniform_decode: bool) -> tuple[CUDAGraphMode, BatchDescriptor]:
-        """The runtime mode and padded descriptor for a step of `num_tokens` tokens over `num_reqs` requests."""
+    def dispatch(self, num_tokens: int, num_reqs: int, uniform_decode: bool,
+                 max_seq_len: int | None = None) -> tuple[CUDAGraphMode, BatchDescriptor]:
+        """The runtime mode and padded descriptor for a step of `num_tokens` tokens over `num_reqs` requests whose
+        longest is `max_seq_len` tokens (None: unknown, which never takes a short-context graph)."""
         if self._full_decode and uniform_decode and num_tokens == num_reqs:
             bucket = pad_to_bucket(num_tokens, self.decode_sizes) if self.decode_sizes else None
             if bucket is not None:
-                return M.FULL, self._full_desc(bucket, True)
+                bound = self.short_decode.get(bucket)
+                fits = bound is not None and max_seq_len is not None and max_seq_len <= bound
+                return M.FULL, self._full_desc(bucket, True, bound if fits else None)
         if self._full_mixed or self._piecewise_mixed:
             bucket = pad_to_bucket(num_tokens, self.sizes)
             if bucket is not None:
@@ -170,8 +190,10 @@ class CudaGraphDispatcher:
         out: list[tuple[CUDAGraphMode, BatchDescriptor]] = []
         if self._full_decode:
             out += [(M.FULL, self._full_desc(s, True)) for s in self.decode_sizes]
+            out += [(M.FULL, self._full_desc(s, True, bound)) for s, bound in self.short_decode.items()]
         if self._full_mixed:
             out += [(M.FULL, self._full_desc(s, False)) for s in self.sizes]
         elif self._piecewise_mixed:
             out += [(M.PIECEWISE, self._piecewise_desc(s)) for s in self.sizes]
-        return sorted(out, key=lambda md: (-md[1].num_tokens, md[0].value, md[1].uniform_decode))
+        return sorted(out, key=lambda md: (-md[1].num_tokens, md[0].value, md[1].uniform_decode,
+                                           md[1].max_seq_len or 0))

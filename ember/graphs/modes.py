@@ -3,7 +3,7 @@
 API:
     CUDAGraphMode.parse(name) -> CUDAGraphMode        "auto" is FULL_AND_PIECEWISE
     mode.has_full / mode.has_piecewise                  which kinds of graph a (resolved) mode may dispatch to
-    BatchDescriptor(num_tokens, num_reqs, uniform_decode)
+    BatchDescriptor(num_tokens, num_reqs, uniform_decode, max_seq_len=None)
     desc.padded_num_reqs(live_num_reqs) -> int         the request count the runner pads the batch to
 
 A *configured* mode (what the engine resolves at start-up) may be any member; the *runtime* mode of one step
@@ -57,10 +57,14 @@ class BatchDescriptor:
         None for PIECEWISE and NONE, where attention runs eagerly on the live requests.
     uniform_decode: every live request is a single-token decode (FULL graphs of such batches may pick a
         decode-only kernel, so they are captured separately from mixed ones).
+    max_seq_len: for a short-context uniform-decode graph, the longest request (context + new token) it serves;
+        None: any length. Attention may plan other kernels for a bucket whose requests are all this short (the
+        dispatcher picks such a graph only when every live request fits).
     """
     num_tokens: int
     num_reqs: int | None = None
     uniform_decode: bool = False
+    max_seq_len: int | None = None
 
     def padded_num_reqs(self, live_num_reqs: int) -> int:
         """How many request rows the runner fills: the descriptor's count if it pads requests, else the live one."""

@@ -108,8 +108,10 @@ class InputBatch:
         return upload.put(per_row)
 
     def prepare(self, table: RequestTable, layout: BatchLayout, seg: tuple[int, int], buf: torch.Tensor,
-                num_tokens_padded: int, num_reqs_padded: int, uniform_decode: bool | None = None) -> PreparedBatch:
-        """Fill the buffers on the device from the table and the flushed upload `buf`."""
+                num_tokens_padded: int, num_reqs_padded: int, uniform_decode: bool | None = None,
+                max_seq_len_bound: int | None = None) -> PreparedBatch:
+        """Fill the buffers on the device from the table and the flushed upload `buf`. `uniform_decode` and
+        `max_seq_len_bound` (a graph's, or None) go into the attention metadata as given."""
         num_tokens, num_reqs = layout.num_tokens, layout.num_reqs
         if num_tokens_padded > self.max_num_tokens:
             raise ValueError(f"batch of {num_tokens_padded} tokens exceeds the buffers ({self.max_num_tokens})")
@@ -138,7 +140,8 @@ class InputBatch:
             num_reqs=num_reqs, num_actual_tokens=num_tokens, num_reqs_padded=R, num_tokens_padded=T,
             max_query_len=int(layout.query_lens.max()) if num_reqs else 0,
             max_seq_len=int(ends.max()) if num_reqs else 0, num_decodes=layout.num_decodes,
-            uniform_decode=(layout.num_decodes == num_reqs) if uniform_decode is None else uniform_decode)
+            uniform_decode=(layout.num_decodes == num_reqs) if uniform_decode is None else uniform_decode,
+            max_seq_len_bound=max_seq_len_bound)
         tail = self._tail(common) if self.tail_query_start_loc is not None else None
         return PreparedBatch(v.input_ids, v.positions, v.logits_indices, v.idx_live, common, v.sample_index,
                              v.logits_indices_padded, tail)

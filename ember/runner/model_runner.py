@@ -89,8 +89,6 @@ class ModelRunner:
         self.skip_prefill = has_tail and (self.modes.compile_mode == "none" or self.max_num_reqs >= 2)
         if has_tail and not self.skip_prefill:
             logger.info("KV-sharing layers run on every token: a compiled prefill skip needs max_num_seqs >= 2")
-        self.dispatcher = CudaGraphDispatcher(self.modes.cudagraph_mode, self.capture_sizes, self.max_num_reqs,
-                                              self.modes.support, pad_piecewise_reqs=self.skip_prefill)
         # buffers are sized for the longest context the model allows; the KV cache may cap it lower below
         upper_len = config.model.max_model_len or self.model_max_len()
         self.table = RequestTable(len(self.attn.groups), cc.block_size, self.max_num_reqs, upper_len,
@@ -102,6 +100,9 @@ class ModelRunner:
                         self.capture_sizes, config.attention_backend_options)
         self.builders = make_builders(*builder_args)
         self.tail_builders = make_builders(*builder_args) if has_tail else []
+        self.dispatcher = CudaGraphDispatcher(self.modes.cudagraph_mode, self.capture_sizes, self.max_num_reqs,
+                                              self.modes.support, pad_piecewise_reqs=self.skip_prefill,
+                                              short_context_len=self._short_context_len)
         self.sampler = Sampler()
         self.decode_tail = DecodeTail(self.model, self.sampler, self.table, self.input_batch,
                                       rows_are_logits=self.skip_prefill)
@@ -128,6 +129,12 @@ class ModelRunner:
         logger.info("start-up %s", self.times.summary(time.perf_counter() - t0))
 
     # ---- start-up -------------------------------------------------------------------------------------------
+    def _short_context_len(self, num_reqs_padded: int) -> int | None:
+        """The request length up to which a decode bucket's builders plan short-context kernels (the shortest
+        any builder asks for), or None: such buckets get a second FULL graph (see `CudaGraphDispatcher`)."""
+        bounds = [n for b in self.builders + self.tail_builders if (n := b.short_context_len(num_reqs_padded))]
+        return min(bounds) if bounds else None
+
     def model_max_len(self) -> int:
         return int(getattr(self.hf_config, "max_position_embeddings", 0) or 1 << 20)
 
@@ -286,13 +293,19 @@ class ModelRunner:
             layout, seg, buf = self._stage(step, padded)
             batch = self.input_batch.prepare(self.table, layout, seg, buf, num_tokens if desc is None
                                              else desc.num_tokens, padded,
-                                             None if desc is None else desc.uniform_decode)
+                                             *self._graph_batch(desc))
             return self._run(batch, mode, desc, skip)
         finally:
             for r in step.new_requests:
                 self.table.remove(r.req_id)
 
     # ---- the step -------------------------------------------------------------------------------------------
+    @staticmethod
+    def _graph_batch(desc: BatchDescriptor | None, graph: bool = True) -> tuple[bool | None, int | None]:
+        """What attention plans a graph's step on beyond its sizes, (uniform decode, longest request bound), or
+        (None, None) to plan on the live batch."""
+        return (desc.uniform_decode, desc.max_seq_len) if desc is not None and graph else (None, None)
+
     def _stage(self, step: StepInput, num_reqs_padded: int | None = None
                ) -> tuple[BatchLayout, tuple[int, int], torch.Tensor]:
         """Apply a step that samples nothing to the table and flush its one upload; returns the layout, the
@@ -342,7 +355,7 @@ class ModelRunner:
             raise ValueError("a step needs at least one scheduled request; use update_table for table changes only")
         table, upload = self.table, self.upload
         num_reqs = step.num_reqs
-        mode, desc = self.dispatcher.dispatch(step.total_num_tokens, num_reqs, step.num_decodes == num_reqs)
+        mode, desc = self._dispatch(step)
         num_reqs_padded = desc.padded_num_reqs(num_reqs)
         with section("ember.prepare"):
             upload.begin()
@@ -355,8 +368,15 @@ class ModelRunner:
             buf = upload.flush()
             table.commit(buf)
             batch = self.input_batch.prepare(table, layout, batch_seg, buf, desc.num_tokens, num_reqs_padded,
-                                             desc.uniform_decode if mode == CUDAGraphMode.FULL else None)
+                                             *self._graph_batch(desc, mode == CUDAGraphMode.FULL))
         return PreparedStep(batch, mode, desc, plan, buf)
+
+    def _dispatch(self, step: StepInput) -> tuple[CUDAGraphMode, BatchDescriptor]:
+        num_reqs = step.num_reqs
+        uniform = step.num_decodes == num_reqs
+        # a uniform decode's requests are each one token past their computed context
+        longest = max(step.num_computed_tokens) + 1 if uniform and self.dispatcher.short_decode else None
+        return self.dispatcher.dispatch(step.total_num_tokens, num_reqs, uniform, longest)
 
     def sample_step(self, prepared: "PreparedStep", hidden: torch.Tensor,
                     tokens: torch.Tensor | None = None) -> AsyncModelRunnerOutput:
@@ -382,13 +402,13 @@ class ModelRunner:
         new requests leave the table afterwards: scoring is one step."""
         try:
             num_reqs = step.num_reqs
-            mode, desc = self.dispatcher.dispatch(step.total_num_tokens, num_reqs, step.num_decodes == num_reqs)
+            mode, desc = self._dispatch(step)
             if self.skip_prefill:   # every row is wanted: graphs of this model were captured with the tail's rows
                 mode, desc = CUDAGraphMode.NONE, BatchDescriptor(step.total_num_tokens)
             num_reqs_padded = desc.padded_num_reqs(num_reqs)
             layout, seg, buf = self._stage(step, num_reqs_padded)
             batch = self.input_batch.prepare(self.table, layout, seg, buf, desc.num_tokens, num_reqs_padded,
-                                             desc.uniform_decode if mode == CUDAGraphMode.FULL else None)
+                                             *self._graph_batch(desc, mode == CUDAGraphMode.FULL))
             hidden = self._run(batch, mode, desc, skip=False)[0]
             return self.model.compute_logits(hidden[:batch.common.num_actual_tokens])
         finally:

@@ -174,3 +174,30 @@ def test_sampler_inside_full_decode_graph_equals_outside(temperatures):
                 assert runner.table.token_ids.view(-1)[rows].tolist() == want
         engine.scheduler.update(out, got)
     assert in_graph >= 3
+
+
+def test_short_context_decode_graphs_match_split_kv(no_tf32):
+    """Small decode buckets of triton_unified have a second graph for short contexts (the one-pass decode kernel);
+    steps whose requests fit take it, and the tokens equal those of split-KV graphs alone (`short_decode_len` 0)."""
+    prompts = workload()[:6]     # 3 to 64 tokens: every context stays under 100
+    tokens = {}
+    for short in (512, 0):
+        llm = LLM("qwen3-0.6b", load_format="dummy", dtype="float32", max_model_len=1024, max_num_seqs=64,
+                  max_num_batched_tokens=512, cudagraph_capture_sizes=CAPTURE, gpu_memory_utilization=0.4,
+                  cudagraph_mode="full", attention_backend_options={"short_decode_len": short})
+        runner = llm.engine.runner
+        seen, dispatch = [], runner.dispatcher.dispatch
+        runner.dispatcher.dispatch = lambda *args: seen.append(got := dispatch(*args)) or got
+        tokens[short] = _tokens(llm, prompts)
+        bounds = {desc.max_seq_len for _, desc in seen if desc.uniform_decode}
+        captured = runner.graphs.num_descriptors(CUDAGraphMode.FULL)
+        print(f"short_decode_len {short}: {captured} graphs, decode steps' bounds {bounds}")
+        assert captured == len(runner.dispatcher.capture_list())
+        if short:
+            assert runner.dispatcher.short_decode and bounds == {512}
+        else:
+            assert not runner.dispatcher.short_decode and bounds == {None}
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    assert tokens[512] == tokens[0]

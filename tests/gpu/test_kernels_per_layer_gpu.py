@@ -2,8 +2,9 @@
 model shape with 4 and with 2 layers, so every launch outside the layers (embedding, final norm, LM head,
 sampling, input preparation) cancels. Qwen3 (q/k norm + rotary) and Llama (rotary) shapes with the real head size
 128: with the rotary folded into the decode attention kernel (`fused_decode_rope` on) a layer is qkv GEMV,
-attention, split-KV reduce, o, gate_up and down GEMVs; off, the QK-norm+RoPE kernel comes back; auto (the default)
-folds rotary alone (Llama) and leaves a q/k norm (Qwen3) to its own kernel."""
+attention, o, gate_up and down GEMVs (the contexts are short, so the step replays the bucket's short-context graph,
+with the one-pass decode kernel; split-KV adds its reduce); off, the QK-norm+RoPE kernel comes back; auto (the
+default) folds rotary alone (Llama) and leaves a q/k norm (Qwen3) to its own kernel."""
 
 import pytest
 import torch
@@ -44,6 +45,7 @@ def test_six_kernels_per_layer_at_batch_1(family, tmp_path, monkeypatch):
         per_layer[mode] = (four - two) / 2
     print(f"{family}: kernels per layer {per_layer[True]:.2f} (rope folded into attention), "
           f"{per_layer[False]:.2f} (its own kernel), {per_layer['auto']:.2f} (auto)")
-    assert per_layer[True] <= 6
+    assert per_layer[True] <= 5
+    assert per_layer["auto"] <= 6
     assert per_layer[False] == per_layer[True] + 1
     assert per_layer["auto"] == per_layer[False if family == "qwen3" else True]

@@ -277,3 +277,35 @@ def test_piecewise_descriptors_pad_requests_for_a_skipping_tail():
     assert {d for _, d in padded.capture_list()} == {BatchDescriptor(8, 8), BatchDescriptor(16, 12),
                                                      BatchDescriptor(32, 12)}
     assert padded.dispatch(40, 3, False) == (M.NONE, BatchDescriptor(40, None, False))
+
+
+def test_short_context_decode_graphs():
+    """A decode bucket whose builders plan other kernels for short requests has a second FULL graph, taken only
+    when the step's longest request fits; buckets without a bound, unknown lengths and mixed steps never take it."""
+    bounds = {1: 512, 2: 512, 4: 256}
+    dispatcher = CudaGraphDispatcher(M.FULL_AND_PIECEWISE, SIZES, max_num_seqs=8, support=S.UNIFORM_BATCH,
+                                     short_context_len=bounds.get)
+    assert dispatcher.short_decode == {1: 512, 2: 512, 4: 256}
+    assert dispatcher.dispatch(1, 1, True, 512) == (M.FULL, BD(1, 1, True, 512))
+    assert dispatcher.dispatch(1, 1, True, 513) == (M.FULL, BD(1, 1, True))
+    assert dispatcher.dispatch(1, 1, True) == (M.FULL, BD(1, 1, True))
+    assert dispatcher.dispatch(3, 3, True, 256) == (M.FULL, BD(4, 4, True, 256))
+    assert dispatcher.dispatch(3, 3, True, 300) == (M.FULL, BD(4, 4, True))
+    assert dispatcher.dispatch(8, 8, True, 2) == (M.FULL, BD(8, 8, True))      # no bound for this bucket
+    assert dispatcher.dispatch(3, 2, False, 2) == (M.PIECEWISE, BD(4))
+    captures = dispatcher.capture_list()
+    assert [d for _, d in captures if d.max_seq_len] == [BD(4, 4, True, 256), BD(2, 2, True, 512),
+                                                         BD(1, 1, True, 512)]
+    assert len(captures) == len(CudaGraphDispatcher(M.FULL_AND_PIECEWISE, SIZES, max_num_seqs=8,
+                                                    support=S.UNIFORM_BATCH).capture_list()) + 3
+    reached = {dispatcher.dispatch(n, n, True, length) for n in (1, 2, 3, 4) for length in (2, 256, 600)}
+    assert reached == {md for md in captures if md[1].uniform_decode and md[1].num_tokens <= 4}
+    # no graphs, no short variants
+    assert CudaGraphDispatcher(M.NONE, SIZES, max_num_seqs=8, short_context_len=bounds.get).short_decode == {}
+
+
+@pytest.mark.parametrize("bad", [0, -4, True, 2.5])
+def test_short_context_len_must_be_a_positive_length(bad):
+    with pytest.raises(ValueError, match=f"short_context_len\\(1\\) returned {bad!r}"):
+        CudaGraphDispatcher(M.FULL_AND_PIECEWISE, SIZES, max_num_seqs=8, support=S.UNIFORM_BATCH,
+                            short_context_len=lambda n: bad)

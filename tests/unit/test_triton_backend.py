@@ -272,6 +272,44 @@ def test_split_kv_off_decodes_in_the_2d_kernel(value):
     assert (out[:n] - ref_out[:n]).abs().max().item() <= tolerance(torch.float32)
 
 
+def test_short_decode_graphs_plan_the_2d_kernel():
+    """A decode bucket that splits (8 SMs, 3 requests) asks for a short-context graph; metadata built for one
+    (`max_seq_len_bound` within `short_decode_len`) plans the 2D kernel and matches torch_ref; a longer bound, an
+    unbounded step and `short_decode_len=0` keep split-KV."""
+    shape, _ = CASES["decode_3d"]
+    reqs = len(shape.query_lens) + shape.pad_reqs
+    batch = make_paged_batch(shape, torch.float32, "cpu", torch.Generator().manual_seed(0))
+    impl = Backend.impl_cls(shape.options(), sinks=batch.sinks, alibi_slopes=batch.alibi_slopes)
+    builder = Backend.builder_cls(_context(shape, torch.float32, 8, extra_options=(("short_decode_len", 128),)))
+    assert builder.short_context_len(reqs) == 128 and builder.short_context_len(64) is None   # 64 x Hkv: 2D anyway
+    assert max(shape.seq_lens) <= 128
+    common = common_metadata(batch, None)
+    short = builder.build(dataclasses.replace(common, max_seq_len_bound=128))
+    assert short.num_sms == 0 and impl._plan(short).num_segments == 1
+    for bound in (None, 129):
+        split = builder.build(dataclasses.replace(common, max_seq_len_bound=bound))
+        assert split.num_sms == 8 and impl._plan(split).num_segments > 1
+    off = Backend.builder_cls(_context(shape, torch.float32, 8, extra_options=(("short_decode_len", 0),)))
+    assert off.short_context_len(reqs) is None
+    assert off.build(dataclasses.replace(common, max_seq_len_bound=128)).num_sms == 8
+    no_split = Backend.builder_cls(_context(shape, torch.float32, 8, extra_options=(("split_kv", "off"),)))
+    assert no_split.short_context_len(reqs) is None
+    out = torch.full_like(batch.query, float("nan"))
+    cache = batch.kv_cache.clone()
+    impl.forward(batch.query, batch.key, batch.value, cache, short, out)
+    _, _, _, ref_out, ref_cache = _run_both(shape, torch.float32, num_sms=8)
+    torch.testing.assert_close(cache[:, 1:], ref_cache[:, 1:], atol=0, rtol=0)
+    n = batch.num_tokens
+    assert (out[:n] - ref_out[:n]).abs().max().item() <= tolerance(torch.float32)
+
+
+@pytest.mark.parametrize("bad", [-1, "long", 1.5, True])
+def test_short_decode_len_rejects_what_is_not_a_length(bad):
+    shape, _ = CASES["decode_3d"]
+    with pytest.raises(ValueError, match=f"short_decode_len {bad!r} is not a non-negative number"):
+        Backend.builder_cls(_context(shape, torch.float32, 8, extra_options=(("short_decode_len", bad),)))
+
+
 @pytest.mark.parametrize("name", ["split_kv", "split_launch", "fused_decode_kv_write"])
 @pytest.mark.parametrize("bad", ["maybe", 2, -1, 0.5])
 def test_flag_options_reject_what_is_not_on_or_off(name, bad):

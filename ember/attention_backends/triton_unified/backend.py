@@ -15,7 +15,10 @@ latency --batch-size 1 --input-len 32 --output-len 256`, Qwen3-0.6B config, runs
 1,080 / 1,078 tok/s, 4 tiles 1,026 / 1,019. The profile gave the reduce 0.025 instead of 0.091 ms of the
 critical path, yet the step got slower: one program a KV head walks up to 288 keys alone. So it stays off.
 `split_kv` (default on) lets small decode buckets take the split-KV (3D) kernel and its reduce; off, every decode
-bucket launches the 2D kernel (one launch a layer fewer at batch 1, for A/B runs and short contexts)."""
+bucket launches the 2D kernel (one launch a layer fewer at batch 1, for A/B runs and short contexts).
+`short_decode_len` (default `plan.SHORT_DECODE_LEN`; 0: off): a split-KV decode bucket also gets a short-context
+graph, for steps whose requests are all at most this many tokens long, which launches the 2D kernel (see
+`plan.py` for the measurement)."""
 
 from __future__ import annotations
 
@@ -31,7 +34,8 @@ from ember.kv_spec import KVCacheSpec
 
 from .kernels import (MODE_DECODES, segment_scratch_numel, unified_attention_2d, unified_attention_3d,
                       write_kv_cache)
-from .plan import FUSED_COMBINE_MAX_GROUP, MAX_GROUP_3D, max_scratch_rows, plan_launch
+from .plan import (FUSED_COMBINE_MAX_GROUP, MAX_GROUP_3D, SHORT_DECODE_LEN, max_scratch_rows, num_split_segments,
+                   plan_launch)
 
 MIN_HEAD_SIZE, MAX_HEAD_SIZE = 16, 256
 MAX_QUERIES_PER_KV = 128   # the decode tile packs one token's query heads into at most 128 rows
@@ -96,6 +100,10 @@ class TritonUnifiedMetadataBuilder(MetadataBuilder):
         if isinstance(single, bool) or not isinstance(single, int) or single < 0:
             raise ValueError(f"single_segment_tiles {single!r} is not a non-negative number of KV tiles")
         self.single_segment_tiles = single
+        short = ctx.option("short_decode_len", SHORT_DECODE_LEN)
+        if isinstance(short, bool) or not isinstance(short, int) or short < 0:
+            raise ValueError(f"short_decode_len {short!r} is not a non-negative number of tokens (0: off)")
+        self.short_decode_len = short
         self.num_decodes = torch.zeros(1, dtype=torch.int32, device=ctx.device)   # [1]
         self._num_decodes_value = 0     # what num_decodes holds: a steady decode batch writes it once, not per step
         max_decodes = min(ctx.max_num_reqs, ctx.max_num_tokens)
@@ -107,7 +115,19 @@ class TritonUnifiedMetadataBuilder(MetadataBuilder):
         # one arrival count per (decode request, KV head) for the fused combine; each launch leaves them at 0
         self.segment_counters = torch.zeros(max_decodes * spec.num_kv_heads, dtype=torch.int32, device=ctx.device)
 
+    def short_context_len(self, num_reqs_padded: int) -> int | None:
+        """`short_decode_len` for a decode bucket that plans split-KV: there the 2D kernel serves short requests
+        in one launch a layer fewer."""
+        # the builder does not see the query heads: a group too wide for split-KV (the plan's other condition) gets
+        # a short graph that launches what its other graph does
+        heads = self.ctx.group.spec.num_kv_heads
+        if not self.short_decode_len or num_split_segments(num_reqs_padded, heads, 1, self.plan_sms) <= 1:
+            return None
+        return self.short_decode_len
+
     def build(self, common: CommonAttentionMetadata) -> TritonUnifiedMetadata:
+        bound = common.max_seq_len_bound
+        short = bound is not None and self.short_decode_len and bound <= self.short_decode_len
         if common.num_decodes != self._num_decodes_value:
             self.num_decodes.fill_(common.num_decodes)
             self._num_decodes_value = common.num_decodes
@@ -120,7 +140,7 @@ class TritonUnifiedMetadataBuilder(MetadataBuilder):
             num_tokens_padded=common.num_tokens_padded, uniform_decode=common.uniform_decode,
             split_launch=self.split_launch, fused_decode_kv_write=self.fused_decode_kv_write,
             fused_decode_rope=self.fused_decode_rope, single_segment_tiles=self.single_segment_tiles,
-            num_sms=self.plan_sms, num_decode_tokens=common.num_decode_tokens,
+            num_sms=0 if short else self.plan_sms, num_decode_tokens=common.num_decode_tokens,
             num_prefill_tokens=common.num_prefill_tokens)
 
 
@@ -198,7 +218,8 @@ class TritonUnifiedBackend(AttentionBackend):
     cudagraph_support = CudaGraphSupport.ALWAYS
     builder_cls = TritonUnifiedMetadataBuilder
     impl_cls = TritonUnifiedImpl
-    option_names = ("split_launch", "fused_decode_kv_write", "fused_decode_rope", "single_segment_tiles", "split_kv")
+    option_names = ("split_launch", "fused_decode_kv_write", "fused_decode_rope", "single_segment_tiles", "split_kv",
+                    "short_decode_len")
     takes_rope = True
 
     @staticmethod

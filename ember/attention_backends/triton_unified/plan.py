@@ -12,6 +12,9 @@ The rule (documented here, tuned on an H100 with benches/bench_attention.py, whi
   min(num_reqs_padded, num_tokens_padded) decodes; programs past the live count, read from a device tensor, exit)
   and a prefill-tuned 2D kernel over the remaining requests.
 
+- A uniform-decode bucket that plans split-KV has a second graph for short contexts (`SHORT_DECODE_LEN`): its
+  builder plans it with no SMs to split over, so the 2D decode kernel.
+
 Nothing here reads a live value, so a CUDA graph captured at a bucket replays the kernels it was captured with.
 """
 
@@ -32,6 +35,12 @@ MAX_GROUP_3D = 16                     # 3D only for up to this many query heads 
 # but made decode slower, Qwen3-0.6B 975 vs 1,021 tok/s and Llama-3.2-1B 743 vs 785 tok/s in one run (its serial
 # combine lengthens the attention kernel's tail more than the reduce launch costs under PDL)
 FUSED_COMBINE_MAX_GROUP = 0
+# A split-KV decode bucket also has a short-context graph, for steps whose requests are all at most this many tokens
+# long; it launches the 2D kernel: one program a (request, KV head) walks at most this many keys, and the reduce
+# launch goes. On an H100 at batch 1, contexts of 32-288 tokens (`ember bench latency --batch-size 1 --input-len 32
+# --output-len 256`, Qwen3-0.6B config, one lease, runs interleaved): 2D 1,121.3 / 1,120.9 tok/s, split-KV
+# 1,075.0 / 1,073.5 (6 launches a layer instead of 7).
+SHORT_DECODE_LEN = 512
 
 
 @dataclass(frozen=True)
