@@ -36,11 +36,13 @@ MAX_GROUP_3D = 16                     # 3D only for up to this many query heads 
 # combine lengthens the attention kernel's tail more than the reduce launch costs under PDL)
 FUSED_COMBINE_MAX_GROUP = 0
 # A split-KV decode bucket also has a short-context graph, for steps whose requests are all at most this many tokens
-# long; it launches the 2D kernel: one program a (request, KV head) walks at most this many keys, and the reduce
-# launch goes. On an H100 at batch 1, contexts of 32-288 tokens (`ember bench latency --batch-size 1 --input-len 32
-# --output-len 256`, Qwen3-0.6B config, one lease, runs interleaved): 2D 1,121.3 / 1,120.9 tok/s, split-KV
-# 1,075.0 / 1,073.5 (6 launches a layer instead of 7).
-SHORT_DECODE_LEN = 512
+# long; it launches the 2D kernel: one program a (request, KV head) walks the whole context, and the reduce launch
+# goes. On an H100 at batch 1, Qwen3-0.6B config (`ember bench latency --batch-size 1`, one lease each, interleaved):
+# contexts of 32-288 tokens (`--input-len 32 --output-len 256`), 2D 1,121.3 / 1,120.9 tok/s against split-KV
+# 1,075.0 / 1,073.5; contexts of 400-512 (`--input-len 400 --output-len 112`), 2D 964.5 / 975.9 against split-KV
+# 1,038.7 / 1,015.5. The crossover lies between; interpolating the per-step difference puts it near 280 tokens, so
+# the bound is 256 (not itself measured).
+SHORT_DECODE_LEN = 256
 
 
 @dataclass(frozen=True)
