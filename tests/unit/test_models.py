@@ -164,6 +164,24 @@ def test_random_model_is_seeded_and_usable():
     assert torch.isfinite(a.compute_logits(hidden)).all()
 
 
+def test_random_model_weights_do_not_depend_on_the_thread_count():
+    config = tiny_config("llama")
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        serial = random_model(config, torch.float32, "cpu", seed=3)
+        torch.set_num_threads(2)
+        parallel = random_model(config, torch.float32, "cpu", seed=3)
+    finally:
+        torch.set_num_threads(threads)
+    pairs = list(zip(serial.state_dict().items(), parallel.state_dict().items()))
+    assert len(pairs) > 10
+    for (name, a), (other, b) in pairs:
+        assert name == other and torch.equal(a, b), name
+    weights = [p for p in serial.parameters() if p.dim() == 2]
+    assert not torch.equal(weights[0][:4, :4], weights[1][:4, :4])   # each parameter draws a stream of its own
+
+
 def test_random_model_from_bundled_config():
     from ember.models.bundled import bundled_config
 
