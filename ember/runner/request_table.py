@@ -165,7 +165,7 @@ class RequestTable:
         """Table rows of the batch's requests, in batch order."""
         rows = self.rows
         try:
-            return np.fromiter((rows[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
+            return np.fromiter(map(rows.__getitem__, req_ids), dtype=np.int64, count=len(req_ids))
         except KeyError as exc:
             raise ValueError(f"request {exc.args[0]!r} is in the batch but has no row in the table") from None
 

@@ -62,7 +62,7 @@ class StepInput:
             raise ValueError(f"{len(self.req_ids)} request ids but {len(self.num_scheduled_tokens)} token counts")
         if len(self.num_computed_tokens) != len(self.req_ids):
             raise ValueError(f"{len(self.req_ids)} request ids but {len(self.num_computed_tokens)} chunk starts")
-        if any(n < 1 for n in self.num_scheduled_tokens):
+        if self.num_scheduled_tokens and min(self.num_scheduled_tokens) < 1:
             raise ValueError(f"every scheduled request runs at least one token, got {self.num_scheduled_tokens}")
 
     @property

@@ -182,3 +182,14 @@ def test_sampling_plan_is_reused_only_while_the_same_requests_hold_the_rows():
     assert blocked.blocked is not None
     assert _plan_for(table, upload, ["d"], [3]).blocked is not None       # one out: still blocked
     assert _plan_for(table, upload, ["d"], [4]).blocked is None           # two out: free
+
+
+def test_step_input_refuses_counts_that_do_not_match_or_run_nothing():
+    with pytest.raises(ValueError, match="at least one token, got \\(1, 0\\)"):
+        StepInput(req_ids=("a", "b"), num_scheduled_tokens=(1, 0), num_computed_tokens=(0, 0))
+    with pytest.raises(ValueError, match="2 request ids but 1 token counts"):
+        StepInput(req_ids=("a", "b"), num_scheduled_tokens=(1,), num_computed_tokens=(0, 0))
+    with pytest.raises(ValueError, match="2 request ids but 1 chunk starts"):
+        StepInput(req_ids=("a", "b"), num_scheduled_tokens=(1, 1), num_computed_tokens=(0,))
+    assert StepInput().is_empty
+    assert StepInput(req_ids=("a",), num_scheduled_tokens=(3,), num_computed_tokens=(0,)).total_num_tokens == 3
