@@ -156,6 +156,8 @@ class CudaGraphDispatcher:
                     if isinstance(bound, bool) or not isinstance(bound, int) or bound < 1:
                         raise ValueError(f"short_context_len({size}) returned {bound!r}, not a positive length")
                     self.short_decode[size] = bound
+        # no step of more requests than this can take a short-context graph
+        self.short_decode_max_reqs = max(self.short_decode, default=0)
         self._full_mixed = self.mode == M.FULL
         self._piecewise_mixed = self.mode.has_piecewise
 

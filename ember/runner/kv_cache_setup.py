@@ -1,4 +1,5 @@
-"""From a built model to KV-cache groups, backends, cache tensors and metadata builders."""
+"""From a built model to KV-cache groups, backends, cache tensors and metadata builders, and the cache's size
+(`num_kv_blocks`, `resolve_max_model_len`)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from ember.attention_backends.op import AttentionLayerState
 from ember.attention_backends.registry import BackendSelectionError, select_backend
 from ember.models.layers.attention import Attention
 from ember.kv_spec import KVCacheGroup, KVCacheSpec, blocks_per_request
+from ember.runner.cpu_memory import cpu_kv_cache_bytes
 
 logger = logging.getLogger("ember")
 
@@ -204,3 +206,58 @@ def make_builders(setup: AttentionSetup, dtype: torch.dtype, device: torch.devic
     return [backend.builder_cls(BuilderContext(g, gi, dtype, device, max_num_reqs, max_num_tokens, max_model_len,
                                                capture_sizes, num_sms, backend_options))
             for gi, (g, backend) in enumerate(zip(setup.groups, setup.backends))]
+
+
+GRAPH_RESERVE_BYTES = 512 << 20  # left free for CUDA-graph pools and allocator slack
+
+
+def num_kv_blocks(attn: AttentionSetup, cache_config, model: nn.Module, device: torch.device, wanted_len: int,
+                  max_num_reqs: int, max_num_tokens: int, activation_peak: int) -> int:
+    """Blocks of the shared pool, the reserved null block 0 included: `num_kv_blocks` when asked; on the CPU
+    enough for `max_num_reqs` requests of `wanted_len` tokens within the CPU budget; on CUDA what
+    `gpu_memory_utilization` leaves after the weights, a full-size step's activations and the graphs' reserve."""
+    cc = cache_config
+    per_block = attn.bytes_per_block()
+    if cc.num_kv_blocks is not None:
+        return cc.num_kv_blocks + 1
+    if device.type == "cpu":
+        cap = blocks_per_request(attn.groups, wanted_len) * max_num_reqs + 1
+        budget = cpu_kv_cache_bytes()
+        blocks = max(2, min(cap, budget // per_block))
+        logger.info("KV cache on the CPU: %.2f GiB, %d blocks of %d tokens (budget %.2f GiB: a quarter of "
+                    "available memory, at most 2 GiB)", blocks * per_block / 2**30, blocks, cc.block_size,
+                    budget / 2**30)
+        return blocks
+    # this engine may use gpu_memory_utilization of the device for weights, activations and KV cache, and never
+    # more than is actually free (other engines or processes may hold the rest)
+    total = torch.cuda.get_device_properties(device).total_memory
+    weights = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    free_now = torch.cuda.mem_get_info(device)[0]
+    free = min(int(total * cc.gpu_memory_utilization) - weights, free_now) - activation_peak - GRAPH_RESERVE_BYTES
+    if free < 2 * per_block:
+        raise ValueError(f"only {max(free, 0) / 2**30:.2f} GiB of GPU memory is left for the KV cache after the "
+                         f"weights ({weights / 2**30:.2f} GiB) and a full-size step ({activation_peak / 2**30:.2f} "
+                         f"GiB) with {free_now / 2**30:.2f} GiB free; raise gpu_memory_utilization "
+                         f"({cc.gpu_memory_utilization}) or lower max_num_batched_tokens ({max_num_tokens})")
+    logger.info("KV cache: %.2f GiB, %d blocks of %d tokens", free / 2**30, free // per_block, cc.block_size)
+    return int(free // per_block)
+
+
+def resolve_max_model_len(attn: AttentionSetup, asked: int | None, model_len: int, num_blocks: int,
+                          max_num_tokens: int) -> int:
+    """The longest request the engine takes: `asked` when the model and the cache allow it (else ValueError), or
+    the model's length lowered to what the cache holds."""
+    # what one request can reach: the full-attention groups hold all its tokens, sliding-window groups their
+    # window and one prefill chunk
+    capacity = attn.max_len_for(num_blocks - 1, max_num_tokens, max(model_len, asked or 0))
+    if asked is not None:
+        if asked > model_len:
+            raise ValueError(f"max_model_len {asked} exceeds the model's max_position_embeddings {model_len}")
+        if asked > capacity:
+            raise ValueError(f"max_model_len {asked} exceeds the KV cache capacity of {capacity} tokens; lower "
+                             f"max_model_len or give the cache more blocks (num_kv_blocks, gpu_memory_utilization)")
+        return asked
+    if model_len > capacity:
+        logger.warning("max_model_len lowered from the model's %d to the KV cache capacity of %d tokens",
+                       model_len, capacity)
+    return min(model_len, capacity)

@@ -24,13 +24,13 @@ from ember.graphs.cuda_graph import CUDAGraphManager
 from ember.graphs.dispatcher import CudaGraphDispatcher, resolve_modes
 from ember.graphs.modes import BatchDescriptor, CUDAGraphMode
 from ember.kernels.triton_key import install as install_triton_key
-from ember.kv_spec import blocks_per_request
 from ember.models.layers.onednn import onednn_packing_supported, pack_if_it_fits
 from ember.models.loader import load_config, load_model, random_model
-from ember.runner.cpu_memory import available_memory_bytes, cpu_kv_cache_bytes
+from ember.runner.cpu_memory import available_memory_bytes
 from ember.runner.decode_tail import DecodeTail, with_decode_tail
 from ember.runner.input_batch import BatchLayout, InputBatch, PreparedBatch
-from ember.runner.kv_cache_setup import allocate_kv_caches, make_builders, select_backends
+from ember.runner.kv_cache_setup import (allocate_kv_caches, make_builders, num_kv_blocks, resolve_max_model_len,
+                                        select_backends)
 from ember.runner.output import AsyncModelRunnerOutput, HostRing, ModelRunnerOutput, StartupTimes
 from ember.runner.request_table import RequestTable
 from ember.runner.sampler import Sampler, SamplerOutput, SamplingMetadata
@@ -42,8 +42,6 @@ from ember.sampling_params import SamplingParams
 from ember.profiling import section
 
 logger = logging.getLogger("ember")
-
-GRAPH_RESERVE_BYTES = 512 << 20  # left free for CUDA-graph pools and allocator slack
 
 
 @dataclass(frozen=True)
@@ -116,8 +114,11 @@ class ModelRunner:
         self.layer_states = allocate_kv_caches(self.attn, 2, self.device, tail_offset)
         self.times.precompile_s = precompile(self)     # CUDA: the start-up's Triton kernels, in worker processes
         peak = self._profile_run() if self.device.type == "cuda" or self.modes.compile_mode != "none" else 0
-        self.num_blocks = self._num_kv_blocks(peak)
-        self.max_model_len = self._resolve_max_model_len()
+        self.num_blocks = num_kv_blocks(self.attn, config.cache, self.model, self.device,
+                                        config.model.max_model_len or self.model_max_len(), self.max_num_reqs,
+                                        self.max_num_tokens, peak)
+        self.max_model_len = resolve_max_model_len(self.attn, config.model.max_model_len, self.model_max_len(),
+                                                   self.num_blocks, self.max_num_tokens)
         self._log_capacity()
         self.layer_states = allocate_kv_caches(self.attn, self.num_blocks, self.device, tail_offset)
         if self.graphs is not None:
@@ -209,52 +210,6 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         logger.info("profile run of %d tokens in %.1f s", self.max_num_tokens, time.perf_counter() - t0)
         return torch.cuda.max_memory_allocated(self.device) - before
-
-    def _num_kv_blocks(self, activation_peak: int) -> int:
-        cc = self.config.cache
-        per_block = self.attn.bytes_per_block()
-        if cc.num_kv_blocks is not None:
-            return cc.num_kv_blocks + 1   # block 0 is the reserved null block
-        wanted_len = self.config.model.max_model_len or self.model_max_len()
-        if self.device.type == "cpu":
-            cap = blocks_per_request(self.attn.groups, wanted_len) * self.max_num_reqs + 1
-            budget = cpu_kv_cache_bytes()
-            blocks = max(2, min(cap, budget // per_block))
-            logger.info("KV cache on the CPU: %.2f GiB, %d blocks of %d tokens (budget %.2f GiB: a quarter of "
-                        "available memory, at most 2 GiB)", blocks * per_block / 2**30, blocks, cc.block_size,
-                        budget / 2**30)
-            return blocks
-        # this engine may use gpu_memory_utilization of the device for weights, activations and KV cache, and
-        # never more than is actually free (other engines or processes may hold the rest)
-        total = torch.cuda.get_device_properties(self.device).total_memory
-        weights = sum(t.numel() * t.element_size() for t in (*self.model.parameters(), *self.model.buffers()))
-        free_now = torch.cuda.mem_get_info(self.device)[0]
-        free = min(int(total * cc.gpu_memory_utilization) - weights, free_now) - activation_peak - GRAPH_RESERVE_BYTES
-        if free < 2 * per_block:
-            raise ValueError(f"only {max(free, 0) / 2**30:.2f} GiB of GPU memory is left for the KV cache after the "
-                             f"weights ({weights / 2**30:.2f} GiB) and a full-size step ({activation_peak / 2**30:.2f} "
-                             f"GiB) with {free_now / 2**30:.2f} GiB free; raise gpu_memory_utilization "
-                             f"({cc.gpu_memory_utilization}) or lower max_num_batched_tokens ({self.max_num_tokens})")
-        logger.info("KV cache: %.2f GiB, %d blocks of %d tokens", free / 2**30, free // per_block, cc.block_size)
-        return int(free // per_block)
-
-    def _resolve_max_model_len(self) -> int:
-        asked = self.config.model.max_model_len
-        model_len = self.model_max_len()
-        # what one request can reach: the full-attention groups hold all its tokens, sliding-window groups their
-        # window and one prefill chunk
-        capacity = self.attn.max_len_for(self.num_blocks - 1, self.max_num_tokens, max(model_len, asked or 0))
-        if asked is not None:
-            if asked > model_len:
-                raise ValueError(f"max_model_len {asked} exceeds the model's max_position_embeddings {model_len}")
-            if asked > capacity:
-                raise ValueError(f"max_model_len {asked} exceeds the KV cache capacity of {capacity} tokens; lower "
-                                 f"max_model_len or give the cache more blocks (num_kv_blocks, gpu_memory_utilization)")
-            return asked
-        if model_len > capacity:
-            logger.warning("max_model_len lowered from the model's %d to the KV cache capacity of %d tokens",
-                           model_len, capacity)
-        return min(model_len, capacity)
 
     def _log_capacity(self) -> None:
         """How many tokens the cache holds as requests of max_model_len tokens, beside what it would hold if
@@ -375,7 +330,8 @@ class ModelRunner:
         num_reqs = step.num_reqs
         uniform = step.num_decodes == num_reqs
         # a uniform decode's requests are each one token past their computed context
-        longest = max(step.num_computed_tokens) + 1 if uniform and self.dispatcher.short_decode else None
+        longest = (max(step.num_computed_tokens) + 1 if uniform and num_reqs <= self.dispatcher.short_decode_max_reqs
+                   else None)
         return self.dispatcher.dispatch(step.total_num_tokens, num_reqs, uniform, longest)
 
     def sample_step(self, prepared: "PreparedStep", hidden: torch.Tensor,

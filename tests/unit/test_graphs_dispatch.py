@@ -285,7 +285,7 @@ def test_short_context_decode_graphs():
     bounds = {1: 512, 2: 512, 4: 256}
     dispatcher = CudaGraphDispatcher(M.FULL_AND_PIECEWISE, SIZES, max_num_seqs=8, support=S.UNIFORM_BATCH,
                                      short_context_len=bounds.get)
-    assert dispatcher.short_decode == {1: 512, 2: 512, 4: 256}
+    assert dispatcher.short_decode == {1: 512, 2: 512, 4: 256} and dispatcher.short_decode_max_reqs == 4
     assert dispatcher.dispatch(1, 1, True, 512) == (M.FULL, BD(1, 1, True, 512))
     assert dispatcher.dispatch(1, 1, True, 513) == (M.FULL, BD(1, 1, True))
     assert dispatcher.dispatch(1, 1, True) == (M.FULL, BD(1, 1, True))
