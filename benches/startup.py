@@ -1,15 +1,17 @@
 """Start-up of `LLM(...)` in a fresh process, from the call to ready, split into load / compile / capture / rest.
 
-    python benches/startup.py --model qwen3-0.6b --label cold [--cudagraph-capture lazy] [--replay-table]
+    python benches/startup.py --model qwen3-0.6b --label cold [--cudagraph-capture lazy] [--replay-table
+        [--replay-context N]]
         [--tokens-out FILE] [--tokens-ref FILE] [--profile N | --sample N]
 
 Cold or warm is the caller's choice: point EMBER_CACHE and TRITON_CACHE_DIR at empty or at filled folders. The
-script then runs a greedy workload twice (first run vs second run in this process; each run has prompts
-of its own, of the same lengths, so the prefix cache cannot favour the second), optionally times the
-replay of every captured FULL graph (the step time per bucket, for choosing capture sizes), and prints one JSON
-line. `--profile N` runs `LLM(...)` under cProfile and prints its N costliest functions (cumulative and own
-time, then ember's own); `--sample N` samples its stack instead (no slow-down) and prints the N most-seen. The
-Triton compilations of start-up are printed per kernel, and those inside each run counted.
+script then runs a greedy workload twice (first run vs second run in this process; each run has prompts of its
+own, of the same lengths, so the prefix cache cannot favour the second), optionally times the replay of every
+captured FULL graph (the step time per bucket, for choosing capture sizes; `--replay-context N` gives each replayed
+request N tokens of context), and prints one JSON line. `--profile N` runs `LLM(...)` under cProfile and prints its
+N costliest functions (cumulative and own time, then ember's own); `--sample N` samples its stack instead (no
+slow-down) and prints the N most-seen, then does the same for each run (every 5 ms). The Triton compilations of
+start-up are printed per kernel, and those inside each run counted.
 `--tokens-ref` compares the greedy tokens with those another run wrote through `--tokens-out`.
 """
 
@@ -20,14 +22,22 @@ import json
 import random
 import time
 
+from stack_sampler import StackSampler
 
-def replay_table(runner) -> list[dict]:
-    """Mean replay time of each captured FULL graph over 20 replays (after 3 warm-up replays)."""
+
+def replay_table(runner, context_len: int = 0) -> list[dict]:
+    """Mean replay time of each captured FULL graph over 20 replays (after 3 warm-up replays), on a step of the
+    graph's shape whose requests have `context_len` tokens of context each (the null block's)."""
     import torch
     wrapper = runner.forward_fn
     rows = []
     for desc, entry in sorted(getattr(wrapper, "entries", {}).items(), key=lambda de: (de[0].uniform_decode,
                                                                                        de[0].num_tokens)):
+        # a step of the graph's own shape fills the input buffers first: a graph replayed on another step's
+        # buffers reads rows and lengths that step left (a short-context graph, longer requests than its bound)
+        with torch.inference_mode():
+            runner._dummy_forward(desc.num_tokens, desc.num_reqs if desc.uniform_decode else 1,
+                                  wrapper.runtime_mode, desc, context_len=context_len)
         for _ in range(3):
             entry.graph.replay()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -36,7 +46,8 @@ def replay_table(runner) -> list[dict]:
             entry.graph.replay()
         end.record()
         end.synchronize()
-        rows.append({"tokens": desc.num_tokens, "decode": desc.uniform_decode, "ms": start.elapsed_time(end) / 20})
+        rows.append({"tokens": desc.num_tokens, "decode": desc.uniform_decode, "max_seq_len": desc.max_seq_len,
+                     "ms": start.elapsed_time(end) / 20})
     return rows
 
 
@@ -55,6 +66,8 @@ def main() -> None:
     parser.add_argument("--label", default="run")
     parser.add_argument("--cudagraph-capture", default=None, choices=["eager", "lazy"])
     parser.add_argument("--replay-table", action="store_true")
+    parser.add_argument("--replay-context", type=int, default=0, metavar="N",
+                        help="each request of a replayed step has N tokens of context (default 0)")
     parser.add_argument("--triton-compile-workers", type=int, default=None, metavar="N",
                         help="processes compiling the start-up's Triton kernels (0: each at its first launch)")
     parser.add_argument("--num-prompts", type=int, default=128)
@@ -62,7 +75,8 @@ def main() -> None:
     parser.add_argument("--tokens-ref", default=None)
     parser.add_argument("--profile", type=int, default=0, metavar="N")
     parser.add_argument("--sample", type=int, default=0, metavar="N",
-                        help="sample the stack every 20 ms during LLM(...) and print the N most-seen functions")
+                        help="sample the stack every 20 ms during LLM(...) (and 5 ms in each run) and print the N "
+                             "most-seen functions")
     args = parser.parse_args()
 
     import logging
@@ -85,7 +99,6 @@ def main() -> None:
         profiler = cProfile.Profile()
     sampler = None
     if args.sample:
-        from stack_sampler import StackSampler
         sampler = StackSampler(0.02).__enter__()
     t1 = time.perf_counter()
     if profiler is not None:
@@ -123,9 +136,13 @@ def main() -> None:
         prompts = [[rng.randrange(1000, 20000) for _ in range(lengths.randint(16, 512))]
                    for _ in range(args.num_prompts)]
         compiles = counter.total
+        run_sampler = StackSampler(0.005).__enter__() if args.sample else None
         t2 = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
         runs.append(time.perf_counter() - t2)
+        if run_sampler is not None:
+            run_sampler.__exit__(None, None, None)
+            print(f"RUN {run + 1} " + run_sampler.report(args.sample), flush=True)
         result[f"run{run + 1}_triton_compiles"] = counter.total - compiles
         if tokens is None:
             tokens = [list(o.outputs[0].token_ids) for o in outputs]
@@ -141,7 +158,7 @@ def main() -> None:
         result["tokens_equal_ref"] = ref == tokens
         result["rows_differing"] = sum(a != b for a, b in zip(ref, tokens))
     if args.replay_table:
-        result["replay"] = replay_table(runner)
+        result["replay"] = replay_table(runner, args.replay_context)
     print("STARTUP " + json.dumps(result), flush=True)
 
 

@@ -234,15 +234,16 @@ class ModelRunner:
         self.times.graph_memory_bytes = report.memory_bytes
 
     def _dummy_forward(self, num_tokens: int, num_reqs: int, mode: CUDAGraphMode = CUDAGraphMode.NONE,
-                       desc: BatchDescriptor | None = None, skip: bool | None = None, lens=None):
+                       desc: BatchDescriptor | None = None, skip: bool | None = None, lens=None, context_len: int = 0):
         """Run a step of the given shape (or query `lens`) for warm-up, profiling or capture: requests of token 0
-        whose blocks are all the null block, added to the table and dropped again. Returns what `_run` does."""
+        whose blocks are all the null block (`context_len` tokens of it before each query), added to the table
+        and dropped again. Returns what `_run` does."""
         if lens is None:
             num_reqs = max(1, min(num_reqs, num_tokens), -(-num_tokens // self.table.max_model_len))
             lens = [num_tokens // num_reqs + (r < num_tokens % num_reqs) for r in range(num_reqs)]
         num_reqs = len(lens)
         step = null_block_step("__dummy", lens, [_DUMMY_PARAMS] * num_reqs, self.config.cache.block_size,
-                               len(self.attn.groups))
+                               len(self.attn.groups), context_len)
         padded = num_reqs if desc is None else max(desc.padded_num_reqs(num_reqs), num_reqs)
         try:
             layout, seg, buf = self._stage(step, padded)

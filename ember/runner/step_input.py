@@ -79,12 +79,18 @@ class StepInput:
 
 
 def null_block_step(name: str, query_lens: Sequence[int], params: Sequence[SamplingParams], block_size: int,
-                    num_groups: int) -> StepInput:
+                    num_groups: int, context_len: int = 0) -> StepInput:
     """A step of new requests `{name}_{i}` of token 0 whose blocks are all the null block 0 (warm-up, profiling and
-    capture run these; the caller drops their rows afterwards), single-token queries leading the batch."""
-    new = tuple(NewRequest(f"{name}_{r}", (0,) * n, p, 0, ((0,) * -(-n // block_size),) * num_groups, 0)
+    capture run these; the caller drops their rows afterwards), single-token queries leading the batch. With
+    `context_len`, each request has that many tokens already computed before its query (as a prefix-cache hit
+    would), so its attention reads that long a context (of the null block's bytes)."""
+    if context_len < 0:
+        raise ValueError(f"context_len {context_len} must be non-negative")
+    new = tuple(NewRequest(f"{name}_{r}", (0,) * (context_len + n), p, 0,
+                           ((0,) * -(-(context_len + n) // block_size),) * num_groups, context_len)
                 for r, (n, p) in enumerate(zip(query_lens, params)))
     order = sorted(range(len(new)), key=lambda r: query_lens[r] != 1)
     return StepInput(new_requests=new, req_ids=tuple(new[r].req_id for r in order),
                      num_scheduled_tokens=tuple(query_lens[r] for r in order),
-                     num_decodes=sum(1 for n in query_lens if n == 1), num_computed_tokens=(0,) * len(new))
+                     num_decodes=sum(1 for n in query_lens if n == 1),
+                     num_computed_tokens=(context_len,) * len(new))

@@ -128,3 +128,22 @@ def test_tokens_after_warmup_equal_tokens_without_it():
     torch.manual_seed(0)
     prompt = [5, 17, 250, 3, 99, 41, 7, 12, 8, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
     assert _greedy_tokens(_runner(True), prompt, 6) == _greedy_tokens(_runner(False), prompt, 6)
+
+
+def test_null_block_step_with_context():
+    from ember.runner.step_input import null_block_step
+    step = null_block_step("d", [3, 1], [GREEDY, GREEDY], 16, 2, context_len=20)
+    assert step.req_ids == ("d_1", "d_0") and step.num_scheduled_tokens == (1, 3) and step.num_decodes == 1
+    assert step.num_computed_tokens == (20, 20)
+    for new, n in zip(step.new_requests, (3, 1)):
+        assert len(new.prompt_token_ids) == 20 + n and new.num_computed_tokens == 20
+        assert new.block_ids == ((0, 0), (0, 0))      # 21-23 tokens: two null blocks per group
+    with pytest.raises(ValueError, match="context_len -1"):
+        null_block_step("d", [1], [GREEDY], 16, 1, context_len=-1)
+
+
+def test_dummy_forward_with_context_leaves_the_table_as_found(monkeypatch):
+    runner = _runner(False, monkeypatch, [])
+    hidden = runner._dummy_forward(2, 2, context_len=40)[0]
+    assert hidden.shape[0] >= 2 and bool(torch.isfinite(hidden[:2]).all())
+    assert runner.table.num_rows == 0 and sorted(runner.table._free) == list(range(MAX_SEQS))
