@@ -1,7 +1,7 @@
 """Start-up of `LLM(...)` in a fresh process, from the call to ready, split into load / compile / capture / rest.
 
     python benches/startup.py --model qwen3-0.6b --label cold [--cudagraph-capture lazy] [--replay-table
-        [--replay-context N]]
+        [--replay-context N]] [--step-times]
         [--tokens-out FILE] [--tokens-ref FILE] [--profile N | --sample N]
 
 Cold or warm is the caller's choice: point EMBER_CACHE and TRITON_CACHE_DIR at empty or at filled folders. The
@@ -11,7 +11,8 @@ captured FULL graph (the step time per bucket, for choosing capture sizes; `--re
 request N tokens of context), and prints one JSON line. `--profile N` runs `LLM(...)` under cProfile and prints its
 N costliest functions (cumulative and own time, then ember's own); `--sample N` samples its stack instead (no
 slow-down) and prints the N most-seen, then does the same for each run (every 5 ms). The Triton compilations of
-start-up are printed per kernel, and those inside each run counted.
+start-up are printed per kernel, and those inside each run counted. `--step-times` splits each run's time between
+its steps with a prefill and its uniform decodes.
 `--tokens-ref` compares the greedy tokens with those another run wrote through `--tokens-out`.
 """
 
@@ -51,6 +52,48 @@ def replay_table(runner, context_len: int = 0) -> list[dict]:
     return rows
 
 
+def _time_steps(engine) -> tuple[list, dict]:
+    """Record (launch time, tokens, requests, uniform decode) of each step the runner launches from now on, and the
+    seconds spent adding requests and scheduling (the first schedule apart)."""
+    launched, spent = [], {"add_s": 0.0, "schedule_s": 0.0, "first_schedule_s": None}
+    runner, scheduler = engine.runner, engine.scheduler
+    execute_async, schedule, add_request = runner.execute_async, scheduler.schedule, engine.add_request
+
+    def timed(step):
+        launched.append((time.perf_counter(), step.total_num_tokens, step.num_reqs, step.num_decodes == step.num_reqs))
+        return execute_async(step)
+
+    def timed_schedule():
+        start = time.perf_counter()
+        out = schedule()
+        took = time.perf_counter() - start
+        spent["schedule_s"] += took
+        if spent["first_schedule_s"] is None:
+            spent["first_schedule_s"] = took
+        return out
+
+    def timed_add(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return add_request(*args, **kwargs)
+        finally:
+            spent["add_s"] += time.perf_counter() - start
+    runner.execute_async, scheduler.schedule, engine.add_request = timed, timed_schedule, timed_add
+    return launched, spent
+
+
+def _step_summary(launched: list) -> dict:
+    """Seconds and count of the intervals from each launch to the next, for steps with a prefill and for uniform
+    decodes, and the five longest intervals (ms, tokens, requests, uniform decode)."""
+    gaps = [(b[0] - a[0], *a[1:]) for a, b in zip(launched, launched[1:])]
+    out = {}
+    for kind, uniform in (("prefill", False), ("decode", True)):
+        sel = [g for g in gaps if g[3] == uniform]
+        out[kind] = {"steps": len(sel), "s": round(sum(g[0] for g in sel), 4)}
+    out["longest"] = [(round(g[0] * 1e3, 2), *g[1:]) for g in sorted(gaps, key=lambda g: -g[0])[:5]]
+    return out
+
+
 def _print_profile(profiler, n: int) -> None:
     import io
     import pstats
@@ -73,6 +116,8 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=128)
     parser.add_argument("--tokens-out", default=None)
     parser.add_argument("--tokens-ref", default=None)
+    parser.add_argument("--step-times", action="store_true",
+                        help="per run: the time between launches of prefill and of decode steps, and the slowest")
     parser.add_argument("--profile", type=int, default=0, metavar="N")
     parser.add_argument("--sample", type=int, default=0, metavar="N",
                         help="sample the stack every 20 ms during LLM(...) (and 5 ms in each run) and print the N "
@@ -130,6 +175,7 @@ def main() -> None:
 
     params = SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)
     runs, tokens = [], None
+    steps, spent = _time_steps(llm.engine) if args.step_times else (None, None)
     for run in range(2):
         # each run its own prompts (same lengths), so the second finds nothing of the first in the prefix cache
         rng, lengths = random.Random(run), random.Random(0)
@@ -144,6 +190,15 @@ def main() -> None:
             run_sampler.__exit__(None, None, None)
             print(f"RUN {run + 1} " + run_sampler.report(args.sample), flush=True)
         result[f"run{run + 1}_triton_compiles"] = counter.total - compiles
+        if steps is not None:
+            summary = _step_summary(steps)
+            if steps:
+                summary["before_first_s"] = round(steps[0][0] - t2, 4)
+                summary["after_last_s"] = round(t2 + runs[-1] - steps[-1][0], 4)
+            summary.update({k: round(v, 4) for k, v in spent.items() if v is not None})
+            result[f"run{run + 1}_steps"] = summary
+            steps.clear()
+            spent.update(add_s=0.0, schedule_s=0.0, first_schedule_s=None)
         if tokens is None:
             tokens = [list(o.outputs[0].token_ids) for o in outputs]
     num_out = sum(len(t) for t in tokens)
