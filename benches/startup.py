@@ -12,13 +12,14 @@ request N tokens of context), and prints one JSON line. `--profile N` runs `LLM(
 N costliest functions (cumulative and own time, then ember's own); `--sample N` samples its stack instead (no
 slow-down) and prints the N most-seen, then does the same for each run (every 5 ms). The Triton compilations of
 start-up are printed per kernel, and those inside each run counted. `--step-times` splits each run's time between
-its steps with a prefill and its uniform decodes.
+its steps with a prefill and its uniform decodes, and counts Python's full garbage collections.
 `--tokens-ref` compares the greedy tokens with those another run wrote through `--tokens-out`.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import time
@@ -53,9 +54,10 @@ def replay_table(runner, context_len: int = 0) -> list[dict]:
 
 
 def _time_steps(engine) -> tuple[list, dict]:
-    """Record (launch time, tokens, requests, uniform decode) of each step the runner launches from now on, and the
-    seconds spent adding requests and scheduling (the first schedule apart)."""
-    launched, spent = [], {"add_s": 0.0, "schedule_s": 0.0, "first_schedule_s": None}
+    """Record (launch time, tokens, requests, uniform decode) of each step the runner launches from now on, the
+    seconds spent adding requests and scheduling (the first schedule apart), and the full (oldest-generation)
+    collections of Python's cycle collector, which scan the whole heap."""
+    launched, spent = [], {"add_s": 0.0, "schedule_s": 0.0, "first_schedule_s": None, "gc_full": 0, "gc_full_s": 0.0}
     runner, scheduler = engine.runner, engine.scheduler
     execute_async, schedule, add_request = runner.execute_async, scheduler.schedule, engine.add_request
 
@@ -79,6 +81,16 @@ def _time_steps(engine) -> tuple[list, dict]:
         finally:
             spent["add_s"] += time.perf_counter() - start
     runner.execute_async, scheduler.schedule, engine.add_request = timed, timed_schedule, timed_add
+
+    def full_collections(phase, info):   # Python's cycle collector over the oldest generation: the whole heap
+        if info["generation"] != 2:
+            return
+        if phase == "start":
+            spent["_gc_start"] = time.perf_counter()
+        elif "_gc_start" in spent:
+            spent["gc_full"] += 1
+            spent["gc_full_s"] += time.perf_counter() - spent.pop("_gc_start")
+    gc.callbacks.append(full_collections)
     return launched, spent
 
 
@@ -195,10 +207,10 @@ def main() -> None:
             if steps:
                 summary["before_first_s"] = round(steps[0][0] - t2, 4)
                 summary["after_last_s"] = round(t2 + runs[-1] - steps[-1][0], 4)
-            summary.update({k: round(v, 4) for k, v in spent.items() if v is not None})
+            summary.update({k: round(v, 4) for k, v in spent.items() if v is not None and not k.startswith("_")})
             result[f"run{run + 1}_steps"] = summary
             steps.clear()
-            spent.update(add_s=0.0, schedule_s=0.0, first_schedule_s=None)
+            spent.update(add_s=0.0, schedule_s=0.0, first_schedule_s=None, gc_full=0, gc_full_s=0.0)
         if tokens is None:
             tokens = [list(o.outputs[0].token_ids) for o in outputs]
     num_out = sum(len(t) for t in tokens)
