@@ -143,7 +143,9 @@ class ModelRunner:
         mode = self.modes.compile_mode
         key = (compile_cache_key(self.hf_config.to_dict(), self.dtype, device=self.device,
                                  settings={"capture_sizes": list(self.capture_sizes), "prefill_skip": self.skip_prefill,
-                                           "disabled_fusions": list(self.config.compile.disabled_fusions)})
+                                           "disabled_fusions": list(self.config.compile.disabled_fusions),
+                                           # which layers hand q and k to their backend unrotated (traced code)
+                                           "fuse_rope": sorted(n for n, a in self.attn.layers.items() if a.fuse_rope)})
                if mode != "none" else None)
         piecewise = self.graphs if self.modes.cudagraph_mode.has_piecewise else None
         forward = compile_model(self.model, mode, cache_key=key, graph_manager=piecewise,
