@@ -8,7 +8,8 @@
 # it finds bytecode and empty ember/Triton caches, as on an installed Python; a second warm start ("warm2") follows.
 # STAMP_AB=1 adds, per model, a cold start that traces every decoder layer (EMBER_STAMP_LAYERS=0) on fresh caches,
 # beside the default cold start that traces three and stamps the rest (JSON "traced_layers").
-# Prints benches/startup.py's JSON line per start and the runner's start-up split; logs under $OUT.
+# Prints benches/startup.py's JSON line per start (with --step-times: each run's time before its first launch, in its
+# steps, and its full garbage collections) and the runner's start-up split; logs under $OUT.
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-bench_out}; mkdir -p "$OUT"
@@ -30,7 +31,8 @@ for model in $MODELS; do
   export EMBER_CACHE=$cache/ember TRITON_CACHE_DIR=$cache/triton
   for label in $LABELS; do
     echo "== $model $label"
-    timeout 280 python3 benches/startup.py --model "$model" --label "$label" > "$OUT/startup_${model}_$label.log" 2>&1
+    timeout 280 python3 benches/startup.py --model "$model" --label "$label" --step-times \
+      > "$OUT/startup_${model}_$label.log" 2>&1
     grep -h "start-up\|captured\|STARTUP" "$OUT/startup_${model}_$label.log" | cut -c1-600
   done
   rm -rf "$cache"
