@@ -147,3 +147,20 @@ def test_dummy_forward_with_context_leaves_the_table_as_found(monkeypatch):
     hidden = runner._dummy_forward(2, 2, context_len=40)[0]
     assert hidden.shape[0] >= 2 and bool(torch.isfinite(hidden[:2]).all())
     assert runner.table.num_rows == 0 and sorted(runner.table._free) == list(range(MAX_SEQS))
+
+
+def test_warmup_ends_with_a_full_garbage_collection(monkeypatch):
+    """The start-up's objects are passed over at its end, not when the first requests arrive."""
+    import gc
+    runner = _runner(False)
+    full = []
+
+    def seen(phase, info):
+        if phase == "stop" and info["generation"] == 2:
+            full.append(info)
+    gc.callbacks.append(seen)
+    try:
+        run_warmup(runner)
+    finally:
+        gc.callbacks.remove(seen)
+    assert full, "no full collection during the warm-up"
