@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import math
 from dataclasses import dataclass
@@ -232,8 +233,15 @@ def num_kv_blocks(attn: AttentionSetup, cache_config, model: nn.Module, device: 
     # more than is actually free (other engines or processes may hold the rest)
     total = torch.cuda.get_device_properties(device).total_memory
     weights = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    allowed = int(total * cc.gpu_memory_utilization) - weights
     free_now = torch.cuda.mem_get_info(device)[0]
-    free = min(int(total * cc.gpu_memory_utilization) - weights, free_now) - activation_peak - GRAPH_RESERVE_BYTES
+    if free_now < allowed:
+        # something else holds device memory; it may be an engine dropped in this process whose reference cycles
+        # the cycle collector has not reached yet (an engine is freed only by it): collect, then look again
+        gc.collect()
+        torch.cuda.empty_cache()
+        free_now = torch.cuda.mem_get_info(device)[0]
+    free = min(allowed, free_now) - activation_peak - GRAPH_RESERVE_BYTES
     if free < 2 * per_block:
         raise ValueError(f"only {max(free, 0) / 2**30:.2f} GiB of GPU memory is left for the KV cache after the "
                          f"weights ({weights / 2**30:.2f} GiB) and a full-size step ({activation_peak / 2**30:.2f} "
