@@ -32,3 +32,30 @@ def test_dropped_engine_gives_its_gpu_memory_back(tmp_path, monkeypatch):
     assert model() is None, "the model outlived its engine"
     assert kv() is None, "the KV cache outlived its engine"
     assert left < 0.02 * held, f"{left / 2**20:.0f} of {held / 2**20:.0f} MiB still allocated"
+
+
+def test_an_engine_after_a_dropped_one_sizes_its_cache_as_the_first(tmp_path, monkeypatch):
+    """`del llm; llm = LLM(...)` with the cycle collector off in between (as when no pass happens to run): the second
+    engine's KV cache is as large as the first's, not sized around the first's weights and cache."""
+    from ember import LLM
+    monkeypatch.setenv("EMBER_CACHE", str(tmp_path))
+    kwargs = dict(load_format="dummy", max_num_seqs=8, max_num_batched_tokens=512, max_model_len=512,
+                  gpu_memory_utilization=0.6)
+    gc.collect()
+    torch.cuda.empty_cache()
+    first = LLM("qwen3-0.6b", **kwargs)
+    blocks = first.engine.runner.num_blocks
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        del first
+        second = LLM("qwen3-0.6b", **kwargs)
+        again = second.engine.runner.num_blocks
+    finally:
+        if enabled:
+            gc.enable()
+    del second
+    gc.collect()
+    torch.cuda.empty_cache()
+    print(f"KV blocks: first engine {blocks}, the one after it {again}")
+    assert again >= 0.95 * blocks, f"{again} blocks after a dropped engine, {blocks} before"
