@@ -146,6 +146,9 @@ def test_dummy_forward_with_context_leaves_the_table_as_found(monkeypatch):
     runner = _runner(False, monkeypatch, [])
     hidden = runner._dummy_forward(2, 2, context_len=40)[0]
     assert hidden.shape[0] >= 2 and bool(torch.isfinite(hidden[:2]).all())
+    # each request attended 40 tokens of context and its own one
+    assert runner.input_batch.seq_lens[:2].tolist() == [41, 41]
+    assert runner.input_batch.positions[:2].tolist() == [40, 40]
     assert runner.table.num_rows == 0 and sorted(runner.table._free) == list(range(MAX_SEQS))
 
 
