@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Batch-1 decode A/B of a triton_unified backend option on the GPU: the kernel checks, then the decode latency of
 # each config with the option at each value, interleaved twice, each with a step profile (every kernel's share of
-# the critical path). Default: `single_segment_tiles` 0 (off) against 4 (contexts up to 256 keys in one program).
+# the critical path). Default: `single_segment_tiles` 0 (off) against 8 (contexts up to 256 keys, in 32-key tiles,
+# in one program).
 # BATCH_SIZE, INPUT_LEN and OUTPUT_LEN (default 1, 32, 256) set the workload. Logs under $OUT (default ./bench_out;
 # JSON=1 adds each run's JSON):
 #   bash benches/run_decode_ab_gpu.sh                  # Qwen3-0.6B and Llama-3.2-1B configs
@@ -14,7 +15,7 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-bench_out}; mkdir -p "$OUT"
 CONFIGS=${CONFIGS:-"qwen3-0.6b llama-3.2-1b"}
 AB_OPTION=${AB_OPTION:-single_segment_tiles}
-AB_VALUES=${AB_VALUES:-"0 ${ON_TILES:-4}"}
+AB_VALUES=${AB_VALUES:-"0 ${ON_TILES:-8}"}
 LATENCY="python3 -m ember bench latency --batch-size ${BATCH_SIZE:-1} --input-len ${INPUT_LEN:-32} \
   --output-len ${OUTPUT_LEN:-256} --num-iters 3 --profile 20"
 run() { local name=$1 limit=$2; shift 2; timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; echo "== $name rc=$?"; }

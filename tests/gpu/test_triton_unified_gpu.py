@@ -130,8 +130,8 @@ def test_2d_and_3d_agree_on_the_same_decode_batch(name, dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
 @pytest.mark.parametrize("name", ["small_decode", "sinks", "all_options", "head_size_64"])
 def test_single_segment_requests_match_reference(name, dtype):
-    """A 3D launch with `single_segment_tiles`: requests of up to 4 KV tiles (256 keys) in one program, the rest
-    split; both within tolerance of the reference and of the plain 3D launch."""
+    """A 3D launch with `single_segment_tiles`: requests of up to 256 keys (in the planned split tile) in one
+    program, the rest split; both within tolerance of the reference and of the plain 3D launch."""
     _, P = _kernels()
     shape = next(s for s in SHAPES if s.name == name)
     shape = dataclasses.replace(shape, query_lens=(1,) * len(shape.query_lens))
@@ -139,8 +139,8 @@ def test_single_segment_requests_match_reference(name, dtype):
     batch = _batch(shape, dtype)
     ref = reference_output(batch)
     split, plan = _run_plan(batch, split_launch=False, num_sms=100_000)
-    single, _ = _run_plan(batch, split_launch=False, num_sms=100_000, single_segment_tiles=4)
-    assert plan.num_segments > 1 and plan.decode.tile_n == 64
+    assert plan.num_segments > 1 and 256 % plan.decode.tile_n == 0
+    single, _ = _run_plan(batch, split_launch=False, num_sms=100_000, single_segment_tiles=256 // plan.decode.tile_n)
     assert _err(single, ref) <= tolerance(dtype)
     assert (single[:batch.num_tokens].float() - split[:batch.num_tokens].float()).abs().max() <= tolerance(dtype)
 
