@@ -6,13 +6,15 @@
 
 Cold or warm is the caller's choice: point EMBER_CACHE and TRITON_CACHE_DIR at empty or at filled folders. The
 script then runs a greedy workload twice (first run vs second run in this process; each run has prompts of its
-own, of the same lengths, so the prefix cache cannot favour the second), optionally times the replay of every
-captured FULL graph (the step time per bucket, for choosing capture sizes; `--replay-context N` gives each replayed
-request N tokens of context), and prints one JSON line. `--profile N` runs `LLM(...)` under cProfile and prints its
-N costliest functions (cumulative and own time, then ember's own); `--sample N` samples its stack instead (no
-slow-down) and prints the N most-seen, then does the same for each run (every 5 ms). The Triton compilations of
-start-up are printed per kernel, and those inside each run counted. `--step-times` splits each run's time between
-its steps with a prefill and its uniform decodes, and counts Python's full garbage collections.
+own, of the same lengths, so the prefix cache cannot favour the second; `--lengths-seeds` sets the runs and the
+seeds of their lengths), counts each run's device allocations (cudaMalloc, cudaFree, retries), optionally times
+the replay of every captured FULL graph (the step time per bucket, for choosing capture sizes;
+`--replay-context N` gives each replayed request N tokens of context), and prints one JSON line. `--profile N` runs
+`LLM(...)` under cProfile and prints its N costliest functions (cumulative and own time, then ember's own);
+`--sample N` samples its stack instead (no slow-down) and prints the N most-seen, then does the same for each run
+(every 5 ms). The Triton compilations of start-up are printed per kernel, and those inside each run counted.
+`--step-times` splits each run's time between its steps with a prefill and its uniform decodes, and counts Python's
+full garbage collections.
 `--tokens-ref` compares the greedy tokens with those another run wrote through `--tokens-out`.
 """
 
@@ -106,6 +108,15 @@ def _step_summary(launched: list) -> dict:
     return out
 
 
+def _allocator_counts() -> dict:
+    """The CUDA caching allocator's device allocations and frees (cudaMalloc / cudaFree) and its retries after a
+    failed allocation (each frees the cached blocks first), so far in this process."""
+    import torch
+    stats = torch.cuda.memory_stats()
+    return {"cuda_malloc": stats.get("num_device_alloc", 0), "cuda_free": stats.get("num_device_free", 0),
+            "retries": stats.get("num_alloc_retries", 0)}
+
+
 def _print_profile(profiler, n: int) -> None:
     import io
     import pstats
@@ -126,6 +137,9 @@ def main() -> None:
     parser.add_argument("--triton-compile-workers", type=int, default=None, metavar="N",
                         help="processes compiling the start-up's Triton kernels (0: each at its first launch)")
     parser.add_argument("--num-prompts", type=int, default=128)
+    parser.add_argument("--lengths-seeds", type=int, nargs="+", default=[0, 0], metavar="SEED",
+                        help="one run per seed; a seed draws the prompt lengths (default 0 0: two runs of the same "
+                             "lengths; 0 0 1 adds a run whose step sizes the process has not seen)")
     parser.add_argument("--tokens-out", default=None)
     parser.add_argument("--tokens-ref", default=None)
     parser.add_argument("--step-times", action="store_true",
@@ -188,12 +202,13 @@ def main() -> None:
     params = SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)
     runs, tokens = [], None
     steps, spent = _time_steps(llm.engine) if args.step_times else (None, None)
-    for run in range(2):
+    for run, lengths_seed in enumerate(args.lengths_seeds):
         # each run its own prompts (same lengths), so the second finds nothing of the first in the prefix cache
-        rng, lengths = random.Random(run), random.Random(0)
+        rng, lengths = random.Random(run), random.Random(lengths_seed)
         prompts = [[rng.randrange(1000, 20000) for _ in range(lengths.randint(16, 512))]
                    for _ in range(args.num_prompts)]
         compiles = counter.total
+        allocs = _allocator_counts()
         run_sampler = StackSampler(0.005).__enter__() if args.sample else None
         t2 = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
@@ -202,6 +217,7 @@ def main() -> None:
             run_sampler.__exit__(None, None, None)
             print(f"RUN {run + 1} " + run_sampler.report(args.sample), flush=True)
         result[f"run{run + 1}_triton_compiles"] = counter.total - compiles
+        result[f"run{run + 1}_allocator"] = {k: v - allocs[k] for k, v in _allocator_counts().items()}
         if steps is not None:
             summary = _step_summary(steps)
             if steps:
@@ -214,8 +230,8 @@ def main() -> None:
         if tokens is None:
             tokens = [list(o.outputs[0].token_ids) for o in outputs]
     num_out = sum(len(t) for t in tokens)
-    result["run1_s"], result["run2_s"] = round(runs[0], 3), round(runs[1], 3)
-    result["run1_tok_s"], result["run2_tok_s"] = round(num_out / runs[0]), round(num_out / runs[1])
+    for run, seconds in enumerate(runs):    # tokens out per run: every run makes max_tokens per prompt
+        result[f"run{run + 1}_s"], result[f"run{run + 1}_tok_s"] = round(seconds, 3), round(num_out / seconds)
     if args.tokens_out:
         with open(args.tokens_out, "w") as f:
             json.dump(tokens, f)
