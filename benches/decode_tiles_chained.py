@@ -73,43 +73,38 @@ def main() -> None:
             segments = num_split_segments(batch, kv_heads, heads // kv_heads, sms)
             if segments < 2:
                 continue
+            n_out, n_rows = K.segment_scratch_numel(batch, heads, d, segments)
+            scratch = [torch.empty(n, device="cuda", dtype=torch.float32) for n in (n_out, n_rows, n_rows)]
+            split = dict(num_segments=segments, scratch_out=scratch[0], scratch_max=scratch[1],
+                         scratch_sum=scratch[2])
             for ctx in (288, 512, 1024, 2048, 4096):
-                s = _step(batch, ctx, heads, kv_heads, d, args.layers)
-                n_out, n_rows = K.segment_scratch_numel(batch, heads, d, segments)
-                scratch = [torch.empty(n, device="cuda", dtype=torch.float32) for n in (n_out, n_rows, n_rows)]
-                row = []
-                for tile_n, warps, stages in SPLIT_TILES:
-                    cfg = K.TileConfig(block_m=block_m, tile_n=tile_n, num_warps=warps, num_stages=stages)
-
-                    def run(cfg=cfg):
-                        for c in s["caches"]:
-                            K.unified_attention_3d(s["query"], c[0], c[1], torch.empty_like(s["query"]), s["table"],
-                                                   s["qsl"], s["seq_lens"], num_seqs=batch, scale=d ** -0.5,
-                                                   config=cfg, num_segments=segments, scratch_out=scratch[0],
-                                                   scratch_max=scratch[1], scratch_sum=scratch[2],
-                                                   new_kv=s["new_kv"])
-                    row.append(_graph_us_per_layer(run, args.layers))
-                print(f"batch {batch:3d} segments {segments:2d} context {ctx:5d}: "
-                      + "  ".join(f"{us:7.2f}" for us in row), flush=True)
-                del s
+                row = _row(K.unified_attention_3d, split, SPLIT_TILES, block_m, batch, ctx, heads, kv_heads, d,
+                           args.layers)
+                print(f"batch {batch:3d} segments {segments:2d} context {ctx:5d}: {row}", flush=True)
     if args.what in ("short", "both"):
         print(f"2D (short contexts), us per layer, tiles (keys, warps, stages): {SHORT_TILES}", flush=True)
         for batch in args.batches:
+            short = dict(num_tokens=batch, mode=K.MODE_DECODES)
             for ctx in (16, 64, 128, 192, 256):
-                s = _step(batch, ctx, heads, kv_heads, d, args.layers)
-                row = []
-                for tile_n, warps, stages in SHORT_TILES:
-                    cfg = K.TileConfig(block_m=block_m, tile_n=tile_n, num_warps=warps, num_stages=stages)
+                row = _row(K.unified_attention_2d, short, SHORT_TILES, block_m, batch, ctx, heads, kv_heads, d,
+                           args.layers)
+                print(f"batch {batch:3d} context {ctx:5d}: {row}", flush=True)
 
-                    def run(cfg=cfg):
-                        for c in s["caches"]:
-                            K.unified_attention_2d(s["query"], c[0], c[1], torch.empty_like(s["query"]), s["table"],
-                                                   s["qsl"], s["seq_lens"], num_seqs=batch, num_tokens=batch,
-                                                   scale=d ** -0.5, config=cfg, mode=K.MODE_DECODES,
-                                                   new_kv=s["new_kv"])
-                    row.append(_graph_us_per_layer(run, args.layers))
-                print(f"batch {batch:3d} context {ctx:5d}: " + "  ".join(f"{us:7.2f}" for us in row), flush=True)
-                del s
+
+def _row(launch, options: dict, tiles, block_m: int, batch: int, ctx: int, heads: int, kv_heads: int, d: int,
+         layers: int) -> str:
+    """Microseconds a layer of `launch` (with `options`) at each tile, on a fresh step of this shape."""
+    s = _step(batch, ctx, heads, kv_heads, d, layers)
+    row = []
+    for tile_n, warps, stages in tiles:
+        cfg = K.TileConfig(block_m=block_m, tile_n=tile_n, num_warps=warps, num_stages=stages)
+
+        def run(cfg=cfg):
+            for c in s["caches"]:
+                launch(s["query"], c[0], c[1], torch.empty_like(s["query"]), s["table"], s["qsl"], s["seq_lens"],
+                       num_seqs=batch, scale=d ** -0.5, config=cfg, new_kv=s["new_kv"], **options)
+        row.append(_graph_us_per_layer(run, layers))
+    return "  ".join(f"{us:7.2f}" for us in row)
 
 
 def triton_next_pow2(n: int) -> int:
