@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 
 import torch
+import triton
 
 from ember.attention_backends.triton_unified import kernels as K
 from ember.attention_backends.triton_unified.plan import num_split_segments
@@ -65,7 +66,7 @@ def main() -> None:
     args = p.parse_args()
     heads, kv_heads = args.heads
     d = args.head_size
-    block_m = max(16, triton_next_pow2(heads // kv_heads))
+    block_m = max(16, triton.next_power_of_2(heads // kv_heads))
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     if args.what in ("split", "both"):
         print(f"split-KV + reduce, us per layer, tiles (keys, warps, stages): {SPLIT_TILES}", flush=True)
@@ -105,10 +106,6 @@ def _row(launch, options: dict, tiles, block_m: int, batch: int, ctx: int, heads
                        num_seqs=batch, scale=d ** -0.5, config=cfg, new_kv=s["new_kv"], **options)
         row.append(_graph_us_per_layer(run, layers))
     return "  ".join(f"{us:7.2f}" for us in row)
-
-
-def triton_next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 if __name__ == "__main__":

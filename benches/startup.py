@@ -55,11 +55,14 @@ def replay_table(runner, context_len: int = 0) -> list[dict]:
     return rows
 
 
+_SPENT_ZERO = {"add_s": 0.0, "schedule_s": 0.0, "first_schedule_s": None, "gc_full": 0, "gc_full_s": 0.0}
+
+
 def _time_steps(engine) -> tuple[list, dict]:
     """Record (launch time, tokens, requests, uniform decode) of each step the runner launches from now on, the
     seconds spent adding requests and scheduling (the first schedule apart), and the full (oldest-generation)
     collections of Python's cycle collector, which scan the whole heap."""
-    launched, spent = [], {"add_s": 0.0, "schedule_s": 0.0, "first_schedule_s": None, "gc_full": 0, "gc_full_s": 0.0}
+    launched, spent = [], dict(_SPENT_ZERO)
     runner, scheduler = engine.runner, engine.scheduler
     execute_async, schedule, add_request = runner.execute_async, scheduler.schedule, engine.add_request
 
@@ -226,7 +229,7 @@ def main() -> None:
             summary.update({k: round(v, 4) for k, v in spent.items() if v is not None and not k.startswith("_")})
             result[f"run{run + 1}_steps"] = summary
             steps.clear()
-            spent.update(add_s=0.0, schedule_s=0.0, first_schedule_s=None, gc_full=0, gc_full_s=0.0)
+            spent.update(_SPENT_ZERO)
         if tokens is None:
             tokens = [list(o.outputs[0].token_ids) for o in outputs]
     num_out = sum(len(t) for t in tokens)

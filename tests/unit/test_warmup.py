@@ -161,9 +161,13 @@ def test_warmup_ends_with_a_full_garbage_collection(monkeypatch):
     def seen(phase, info):
         if phase == "stop" and info["generation"] == 2:
             full.append(info)
+    enabled = gc.isenabled()
+    gc.disable()                # automatic passes off: only an explicit collection can be seen
     gc.callbacks.append(seen)
     try:
         run_warmup(runner)
     finally:
         gc.callbacks.remove(seen)
+        if enabled:
+            gc.enable()
     assert full, "no full collection during the warm-up"

@@ -64,16 +64,15 @@ def decode_tile(num_queries_per_kv: int, head_size: int, split: bool = True) -> 
 
     Split (3D), a segment's range is a few tiles at most, and shorter tiles give more segments work: on an H100
     (benches/decode_tiles_chained.py), heads 16/8 of 128, 16-token pages, 28 launches chained in a CUDA graph as a
-    decode step chains them, with the
-    planner's segment counts (64, 32, 8, 4 at 1, 4, 16, 32 requests) and the reduce, 32-key tiles with 2 stages
-    took less time than 64-key tiles with 3 stages at each of 1, 4, 16 and 32 requests and contexts of 288, 512,
-    1024, 2048 and 4096 tokens: per layer, 1 request 6.62 / 7.73 / 13.08 us against 7.41 / 9.25 / 14.60 us at 288
-    / 1024 / 4096 tokens, 16 requests 14.89 / 33.41 / 100.77 against 18.28 / 34.70 / 108.65. Over those 20 shapes
-    the time was 0.92x of the 64-key tiles' (geometric mean); with four query heads per KV head 0.97x (head 64,
-    15 of 20 shapes not slower) and 0.96x (head 128, 17 of 20), where 1 request at 288-1024 tokens took 4-10% longer
-    (8.08 / 10.03 us against 7.46 / 9.42 at 288 / 1024). In one engine run (Qwen3-0.6B config, interleaved), 16
-    requests of 512-640 tokens decoded at 8,725 / 8,727 tok/s against 8,074 / 8,016; 1 request of 1,024-1,152
-    tokens at a median step of 0.95 against 0.98 ms."""
+    decode step chains them, with the planner's segment counts (64, 32, 8, 4 at 1, 4, 16, 32 requests) and the
+    reduce, 32-key tiles with 2 stages took less time than 64-key tiles with 3 stages at each of 1, 4, 16 and 32
+    requests and contexts of 288, 512, 1024, 2048 and 4096 tokens: per layer, 1 request 6.62 / 7.73 / 13.08 us
+    against 7.41 / 9.25 / 14.60 us at 288 / 1024 / 4096 tokens, 16 requests 14.89 / 33.41 / 100.77 against 18.28 /
+    34.70 / 108.65. Over those 20 shapes the time was 0.92x of the 64-key tiles' (geometric mean); with four query
+    heads per KV head 0.97x (head 64, 15 of 20 shapes not slower) and 0.96x (head 128, 17 of 20), where 1 request at
+    288-1024 tokens took 4-10% longer (8.08 / 10.03 us against 7.46 / 9.42 at 288 / 1024). In one engine run
+    (Qwen3-0.6B config, interleaved), 16 requests of 512-640 tokens decoded at 8,725 / 8,727 tok/s against 8,074 /
+    8,016; 1 request of 1,024-1,152 tokens at a median step of 0.95 against 0.98 ms."""
     block_m = max(16, triton.next_power_of_2(num_queries_per_kv))
     if head_size > 128 or split:
         return TileConfig(block_m=block_m, tile_n=32, num_warps=4, num_stages=2)
