@@ -317,7 +317,7 @@ class CompiledModel:
         self.backend = PiecewiseBackend(self.stats, graph_manager, dedupe=dedupe, inductor_options=inductor_options,
                                         store=self.store, describe_inputs=self._describe_inputs)
         self.stamp_layers = os.environ.get("EMBER_STAMP_LAYERS", "1") != "0"
-        self._compiled: Callable = self._new_frame()
+        self._compiled: Callable | None = None   # the dynamo frame, made when a trace is needed (not on a load)
         self.split_module: torch.fx.GraphModule | None = None
         self._ready = False
 
@@ -340,6 +340,7 @@ class CompiledModel:
         out the others (ember.graphs.layer_stamp), where the model allows; else (or if stamping fails) of the whole
         model."""
         plan = stamp_plan(self.model) if self.stamp_layers else None
+        self._compiled = self._new_frame()
         if plan is None:
             return self._compiled(*inputs)
         self.backend.stamp = plan
