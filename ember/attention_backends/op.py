@@ -14,6 +14,7 @@ from typing import Any, Iterator
 import torch
 
 from ember.attention_backends.base import AttentionImpl, RopeInputs
+from ember.kernels.library import define, register_fake
 
 
 @dataclass
@@ -68,7 +69,7 @@ def run_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, o
         layer.impl.forward_rope(query, key, value, layer.kv_cache, metadata, out, rope)
 
 
-@torch.library.custom_op("ember::attention", mutates_args=("out",))
+@define("attention", mutates_args=("out",))
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: torch.Tensor, layer_name: str,
               cos: torch.Tensor | None = None, sin: torch.Tensor | None = None, q_norm: torch.Tensor | None = None,
               k_norm: torch.Tensor | None = None, norm_eps: float = 0.0) -> None:
@@ -79,7 +80,7 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: 
     run_attention(query, key, value, out, layer_name, rope)
 
 
-@attention.register_fake
+@register_fake("attention")
 def _attention_fake(query, key, value, out, layer_name, cos=None, sin=None, q_norm=None, k_norm=None,
                     norm_eps=0.0) -> None:
     return None

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from ember.kernels.gemv import gemv, gemv_applies, gemv_enabled, gemv_pays
+from ember.kernels.library import define, register_fake
 from ember.kernels.rms_norm import rms_norm, silu_mul
 
 
@@ -51,7 +52,7 @@ def _composed(x, weight, bias, norm_weight, eps, gated, residual) -> torch.Tenso
     return out if residual is None else out.add_(residual)
 
 
-@torch.library.custom_op("ember::fused_linear", mutates_args=())
+@define("fused_linear")
 def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, norm_weight: torch.Tensor | None,
                  eps: float, gated: bool, residual: torch.Tensor | None) -> torch.Tensor:
     """x [M, K] -> [M, N] (N = weight rows, or half of them when gated); see the module docstring."""
@@ -63,6 +64,6 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return _composed(x, weight, bias, norm_weight, eps, gated, residual)
 
 
-@fused_linear.register_fake
+@register_fake("fused_linear")
 def _fused_linear_fake(x, weight, bias, norm_weight, eps, gated, residual):
     return x.new_empty(x.shape[0], weight.shape[0] // 2 if gated else weight.shape[0])

@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from ember.kernels.gemv_routing import gemv_max_rows
+from ember.kernels.library import define, register_fake
 from ember.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_options
 
 __all__ = ["GEMV_MAX_M", "gemv", "gemv_applies", "gemv_config", "gemv_enabled", "gemv_pays", "linear",
@@ -473,7 +474,7 @@ def gemv_pays(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> boo
     return not _routed or x.shape[0] <= gemv_max_rows(weight.shape[0], weight.shape[1], gated)
 
 
-@torch.library.custom_op("ember::linear", mutates_args=())
+@define("linear")
 def _linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T (+ bias [N]) -> a new [M, N]: the Triton kernel when it is enabled, applies and
     was measured faster for this shape and row count, else F.linear."""
@@ -482,7 +483,7 @@ def _linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
     return F.linear(x, weight, bias)
 
 
-@_linear_op.register_fake
+@register_fake("linear")
 def _linear_fake(x, weight, bias):
     return x.new_empty(x.shape[0], weight.shape[0])
 

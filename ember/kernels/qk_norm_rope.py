@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from ember.kernels.gemv import _kernel
+from ember.kernels.library import define, register_fake
 from ember.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_options
 
 
@@ -86,7 +87,7 @@ def norm_rope_qk(q, k, q_weight, k_weight, cos, sin, eps, head_size: int):
     return qk_norm_rope_triton(q, k, q_weight, k_weight, cos, sin, eps, head_size)
 
 
-@torch.library.custom_op("ember::qk_norm_rope", mutates_args=())
+@define("qk_norm_rope")
 def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
                  cos: torch.Tensor, sin: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """q [T, Hq*D], k [T, Hkv*D], weights [D], cos/sin [T, D/2] float32 -> q [T, Hq, D], k [T, Hkv, D]."""
@@ -108,7 +109,7 @@ def qk_norm_rope_triton(q, k, q_weight, k_weight, cos, sin, eps, head_size: int 
     return q_out, k_out
 
 
-@qk_norm_rope.register_fake
+@register_fake("qk_norm_rope")
 def _qk_norm_rope_fake(q, k, q_weight, k_weight, cos, sin, eps):
     d = q_weight.shape[0]
     return q.new_empty(q.shape[0], q.shape[1] // d, d), k.new_empty(k.shape[0], k.shape[1] // d, d)
