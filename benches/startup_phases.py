@@ -1,0 +1,94 @@
+"""Where `LLM(...)`'s start-up spends host time, by phase (the weights, building the compiled forward, the profile run
+with the artifact load, the capture, the warm-up): inside each, the composed path's cuBLAS calls, Triton module
+loads, the capture's begin / end / replay and the dummy steps' staging, each counted and summed; then the profile
+run again, in the same process, for its cost without first uses.
+
+    PYTHONPATH=. python benches/startup_phases.py qwen3-0.6b
+
+Random weights of a bundled config, on CUDA. Cold or warm is the caller's: point EMBER_CACHE and TRITON_CACHE_DIR
+at empty or filled folders. The wrappers cost a few microseconds a call; compare phases, not totals, with other
+benches.
+"""
+
+from __future__ import annotations
+
+import collections
+import sys
+import time
+
+import torch
+
+PHASE = ["init"]
+SPENT: dict = collections.defaultdict(lambda: collections.defaultdict(lambda: [0, 0.0]))
+
+
+def timed(name: str, fn):
+    """`fn`, its calls counted and timed under the phase they run in."""
+    def wrapped(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            entry = SPENT[PHASE[0]][name]
+            entry[0] += 1
+            entry[1] += time.perf_counter() - start
+    return wrapped
+
+
+def phase(name: str, fn):
+    """`fn`, run as the phase `name` (its total recorded as TOTAL)."""
+    def wrapped(*args, **kwargs):
+        previous, PHASE[0] = PHASE[0], name
+        try:
+            return timed("TOTAL", fn)(*args, **kwargs)
+        finally:
+            PHASE[0] = previous
+    return wrapped
+
+
+def install() -> None:
+    import triton.compiler.compiler as triton_compiler
+
+    import ember.kernels.fused_linear as fused_linear
+    import ember.runner.model_runner as model_runner
+    from ember.graphs.cuda_graph import CUDAGraphManager
+
+    kernel = triton_compiler.CompiledKernel
+    kernel._init_handles = timed("Triton _init_handles (module load)", kernel._init_handles)
+    fused_linear._composed = timed("fused_linear composed path (cuBLAS)", fused_linear._composed)
+    graph = torch.cuda.CUDAGraph
+    for method in ("capture_begin", "capture_end", "replay"):
+        setattr(graph, method, timed(f"graph {method}", getattr(graph, method)))
+    runner = model_runner.ModelRunner
+    for method in ("_dummy_forward", "_stage", "_run"):
+        setattr(runner, method, timed(method, getattr(runner, method)))
+    runner._profile_run = phase("profile run", runner._profile_run)
+    runner._build_forward = phase("build forward", runner._build_forward)
+    CUDAGraphManager.capture_all = phase("capture", CUDAGraphManager.capture_all)
+    model_runner.run_warmup = phase("warm-up", model_runner.run_warmup)
+    model_runner.random_model = phase("weights", model_runner.random_model)
+
+
+def main() -> None:
+    model = sys.argv[1] if len(sys.argv) > 1 else "qwen3-0.6b"
+    install()
+    from ember import LLM
+    start = time.perf_counter()
+    llm = LLM(model, load_format="dummy")
+    torch.cuda.synchronize()
+    total = time.perf_counter() - start
+    runner = llm.engine.runner
+    print(f"start-up {runner.times.summary(total)}")
+    for name, entries in SPENT.items():
+        parts = sorted(entries.items(), key=lambda kv: -kv[1][1])
+        print(f"  [{name}] " + "; ".join(f"{k} {n}x {s * 1e3:.0f} ms" for k, (n, s) in parts))
+    for _ in range(2):
+        torch.cuda.synchronize()
+        again = time.perf_counter()
+        runner._profile_run()
+        torch.cuda.synchronize()
+        print(f"  the profile run again: {time.perf_counter() - again:.3f} s")
+
+
+if __name__ == "__main__":
+    main()
