@@ -13,8 +13,8 @@ the replay of every captured FULL graph (the step time per bucket, for choosing 
 `LLM(...)` under cProfile and prints its N costliest functions (cumulative and own time, then ember's own);
 `--sample N` samples its stack instead (no slow-down) and prints the N most-seen, then does the same for each run
 (every 5 ms). The Triton compilations of start-up are printed per kernel, and those inside each run counted.
-`--step-times` splits each run's time between its steps with a prefill and its uniform decodes, and counts Python's
-full garbage collections.
+`--step-times` splits each run's time between its steps with a prefill and its uniform decodes, counts Python's
+full garbage collections, and pairs the first two runs step by step (`step_pairs`: where the first took longer).
 `--tokens-ref` compares the greedy tokens with those another run wrote through `--tokens-out`.
 """
 
@@ -97,6 +97,24 @@ def _time_steps(engine) -> tuple[list, dict]:
             spent["gc_full_s"] += time.perf_counter() - spent.pop("_gc_start")
     gc.callbacks.append(full_collections)
     return launched, spent
+
+
+def _pair_steps(first: list, second: list, top: int = 8) -> dict:
+    """The first two runs side by side, step by step (their prompts have the same lengths, so the scheduler makes the
+    same steps): the intervals from each launch to the next summed over the steps where the first run took longer
+    and over those where it took less, and the `top` steps it took longest against the second (ms: index, first,
+    second, tokens, requests, uniform decode). None when the two runs made different steps."""
+    shape = [step[1:] for step in first]
+    if shape != [step[1:] for step in second]:
+        return {"same_steps": False, "steps": [len(first), len(second)]}
+    gaps = [(i, b1[0] - a1[0], b2[0] - a2[0], *a1[1:])
+            for i, (a1, b1, a2, b2) in enumerate(zip(first, first[1:], second, second[1:]))]
+    slower = sum(g1 - g2 for _, g1, g2, *_ in gaps if g1 > g2)
+    faster = sum(g2 - g1 for _, g1, g2, *_ in gaps if g1 <= g2)
+    worst = sorted(gaps, key=lambda g: g[2] - g[1])[:top]
+    return {"same_steps": True, "steps": len(first), "first_slower_s": round(slower, 4),
+            "first_faster_s": round(faster, 4),
+            "top": [(i, round(g1 * 1e3, 2), round(g2 * 1e3, 2), *rest) for i, g1, g2, *rest in worst]}
 
 
 def _step_summary(launched: list) -> dict:
@@ -205,6 +223,7 @@ def main() -> None:
     params = SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)
     runs, tokens = [], None
     steps, spent = _time_steps(llm.engine) if args.step_times else (None, None)
+    run_steps: list[list] = []     # each run's launches, for pairing the runs step by step
     for run, lengths_seed in enumerate(args.lengths_seeds):
         # each run its own prompts (same lengths), so the second finds nothing of the first in the prefix cache
         rng, lengths = random.Random(run), random.Random(lengths_seed)
@@ -228,10 +247,13 @@ def main() -> None:
                 summary["after_last_s"] = round(t2 + runs[-1] - steps[-1][0], 4)
             summary.update({k: round(v, 4) for k, v in spent.items() if v is not None and not k.startswith("_")})
             result[f"run{run + 1}_steps"] = summary
+            run_steps.append(list(steps))
             steps.clear()
             spent.update(_SPENT_ZERO)
         if tokens is None:
             tokens = [list(o.outputs[0].token_ids) for o in outputs]
+    if len(run_steps) >= 2:
+        result["step_pairs"] = _pair_steps(run_steps[0], run_steps[1])
     num_out = sum(len(t) for t in tokens)
     for run, seconds in enumerate(runs):    # tokens out per run: every run makes max_tokens per prompt
         result[f"run{run + 1}_s"], result[f"run{run + 1}_tok_s"] = round(seconds, 3), round(num_out / seconds)
