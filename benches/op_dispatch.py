@@ -24,8 +24,9 @@ def empty_body(x: torch.Tensor) -> torch.Tensor:
     return x.new_empty(0)
 
 
-def _register_both(name: str, body, fake) -> dict:
-    """`name` as a custom_op (namespace ember_bench_custom) and through ember.kernels.library (ember_bench_lib)."""
+def _register_both(name: str, body, fake) -> tuple[dict, torch.library.Library]:
+    """`name` as a custom_op (namespace ember_bench_custom) and through ember.kernels.library (ember_bench_lib):
+    the three callables by label, and the library (kept alive by the caller, or its registrations go)."""
     custom = torch.library.custom_op(f"ember_bench_custom::{name}", body, mutates_args=())
     custom.register_fake(fake)
     lib = torch.library.Library("ember_bench_lib", "FRAGMENT")

@@ -103,7 +103,7 @@ def _pair_steps(first: list, second: list, top: int = 8) -> dict:
     """The first two runs side by side, step by step (their prompts have the same lengths, so the scheduler makes the
     same steps): the intervals from each launch to the next summed over the steps where the first run took longer
     and over those where it took less, and the `top` steps it took longest against the second (ms: index, first,
-    second, tokens, requests, uniform decode). None when the two runs made different steps."""
+    second, tokens, requests, uniform decode); only `same_steps` False and the step counts when the runs differ."""
     shape = [step[1:] for step in first]
     if shape != [step[1:] for step in second]:
         return {"same_steps": False, "steps": [len(first), len(second)]}
