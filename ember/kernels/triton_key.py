@@ -7,7 +7,13 @@ filed under a signature of what the key hashes (each file's path, size and modif
 those folders), and puts a function returning it in place of Triton's where Triton and Inductor look it up. Any
 change to those files changes the signature and the key is computed afresh; an unreadable entry is computed
 again too. Triton's own compile-worker pools replace the key the same way; ember's (`ember.kernels.precompile`)
-hand theirs the parent's key."""
+hand theirs the parent's key.
+
+`pin_cache_dir()` fixes where Triton keeps compiled kernels for the whole process. Left unset, Triton's cache folder
+follows the TRITON_CACHE_DIR variable, which Inductor sets, the first time one of its kernels is made ready, to a
+folder under Inductor's own cache (`torch._inductor.runtime.triton_heuristics`), and ember points Inductor's cache at
+a folder per model while it compiles. So a cold start wrote ember's kernels under one folder and a warm start, whose
+Inductor kernels are made ready outside that scope, looked for them under another and compiled them all again."""
 
 from __future__ import annotations
 
@@ -74,6 +80,18 @@ def install(cache_dir: Path) -> str | None:
             logger.debug("Triton's build key could not be stored at %s: %s", path, exc)
     use_key(key)
     return key
+
+
+def pin_cache_dir() -> str | None:
+    """Set TRITON_CACHE_DIR to the folder Triton uses now (its default, or what the caller chose), so that Inductor
+    leaves it alone for the rest of the process; returns the folder, or None without Triton."""
+    try:
+        from triton import knobs
+    except ImportError:
+        return None
+    folder = str(knobs.cache.dir)
+    os.environ["TRITON_CACHE_DIR"] = folder
+    return folder
 
 
 def installed_key() -> str | None:

@@ -100,3 +100,54 @@ def test_worker_compiles_leave_no_compile_to_the_capture(tmp_path):
     on = _capture_entries(tmp_path, 8, "on")
     print("new entries in the capture:", on["capture_new_entries"], on["capture_new_files"])
     assert on["capture_new_entries"] == 0
+
+
+_CACHE_WRITES = """
+import json, os
+from triton.runtime import cache as triton_cache
+from ember import LLM, SamplingParams
+
+writes = []
+put = triton_cache.FileCacheManager.put
+
+
+def counted(self, data, filename, binary=True):
+    writes.append(filename)
+    return put(self, data, filename, binary)
+
+
+triton_cache.FileCacheManager.put = counted
+llm = LLM("qwen3-0.6b", load_format="dummy", max_num_seqs=16, max_num_batched_tokens=1024, max_model_len=1024,
+          gpu_memory_utilization=0.4)
+outputs = llm.generate([[5, 6, 7, 8 + i] for i in range(6)], SamplingParams(temperature=0.0, max_tokens=16,
+                       ignore_eos=True), use_tqdm=False)
+print("RESULT " + json.dumps({"writes": len(writes), "kernels": sorted({w.split(".")[0] for w in writes}),
+                              "triton_cache_dir": os.environ.get("TRITON_CACHE_DIR"),
+                              "tokens": [list(o.outputs[0].token_ids) for o in outputs]}))
+"""
+
+
+def test_a_second_start_with_default_cache_folders_compiles_no_triton_kernel(tmp_path):
+    """With TRITON_CACHE_DIR and Inductor's cache left to their defaults, a second start of the same build loads
+    every Triton kernel the first one compiled: Triton's cache receives no write (a compile writes its files there; a
+    load writes nothing). Inductor used to move Triton's cache folder while loading its kernels, so the second start
+    compiled all of ember's kernels again."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")}
+    (tmp_path / "home").mkdir()
+    (tmp_path / "tmp").mkdir()
+    env.update(PYTHONPATH=str(ROOT), HOME=str(tmp_path / "home"), TMPDIR=str(tmp_path / "tmp"),
+               EMBER_CACHE=str(tmp_path / "ember"))
+    runs = []
+    for _ in range(2):
+        done = subprocess.run([sys.executable, "-c", _CACHE_WRITES], cwd=ROOT, env=env, timeout=900,
+                              capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr[-4000:]
+        line = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")][-1]
+        runs.append(json.loads(line[len("RESULT "):]))
+    first, second = runs
+    print("first start:", first["writes"], "writes,", first["triton_cache_dir"], "| second:", second["writes"],
+          second["kernels"], second["triton_cache_dir"])
+    assert first["writes"] > 0
+    assert second["writes"] == 0, second["kernels"]
+    assert first["triton_cache_dir"] == second["triton_cache_dir"] == str(tmp_path / "home" / ".triton" / "cache")
+    assert first["tokens"] == second["tokens"]

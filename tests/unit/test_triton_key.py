@@ -63,3 +63,19 @@ def test_signature_follows_file_changes(tmp_path):
     assert tk.build_signature(root) == first
     f.write_text("a = 22\n")
     assert tk.build_signature(root) != first
+
+
+def test_pinned_cache_dir_is_tritons_and_inductor_keeps_it(tmp_path, monkeypatch):
+    """Unset, TRITON_CACHE_DIR is pinned to Triton's default folder, which Inductor then reads instead of choosing a
+    folder under its own cache; a folder the caller set stays."""
+    from torch._inductor.runtime.cache_dir_utils import triton_cache_dir
+    from triton import knobs
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    monkeypatch.setenv("TRITON_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    assert triton_cache_dir(0) == str(tmp_path / "inductor" / "triton" / "0")     # what Inductor picks unpinned
+    folder = tk.pin_cache_dir()
+    assert folder == str(tmp_path / "home" / ".triton" / "cache")
+    assert knobs.cache.dir == folder and triton_cache_dir(0) == folder
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "mine"))
+    assert tk.pin_cache_dir() == str(tmp_path / "mine") and triton_cache_dir(0) == str(tmp_path / "mine")
