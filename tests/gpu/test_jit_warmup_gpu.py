@@ -130,8 +130,8 @@ print("RESULT " + json.dumps({"writes": len(writes), "kernels": sorted({w.split(
 def test_a_second_start_with_default_cache_folders_compiles_no_triton_kernel(tmp_path):
     """With TRITON_CACHE_DIR and Inductor's cache left to their defaults, a second start of the same build loads
     every Triton kernel the first one compiled: Triton's cache receives no write (a compile writes its files there; a
-    load writes nothing). Inductor used to move Triton's cache folder while loading its kernels, so the second start
-    compiled all of ember's kernels again."""
+    load writes nothing). Unpinned, Inductor moved Triton's cache folder, and the second start compiled all of ember's
+    kernels again."""
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")}
     (tmp_path / "home").mkdir()
     (tmp_path / "tmp").mkdir()
