@@ -132,7 +132,8 @@ def test_a_second_start_with_default_cache_folders_compiles_no_triton_kernel(tmp
     every Triton kernel the first one compiled: Triton's cache receives no write (a compile writes its files there; a
     load writes nothing). Unpinned, Inductor moved Triton's cache folder, and the second start compiled all of ember's
     kernels again."""
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")}
+    unset = ("TRITON_CACHE_DIR", "TRITON_HOME", "TORCHINDUCTOR_CACHE_DIR")
+    env = {k: v for k, v in os.environ.items() if k not in unset}
     (tmp_path / "home").mkdir()
     (tmp_path / "tmp").mkdir()
     env.update(PYTHONPATH=str(ROOT), HOME=str(tmp_path / "home"), TMPDIR=str(tmp_path / "tmp"),
