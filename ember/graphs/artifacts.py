@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from ember.config import cache_dir, package_version
+from ember.kernels.triton_key import pin_cache_dir
 
 logger = logging.getLogger("ember")
 
@@ -56,9 +57,13 @@ def compile_cache_dir(cache_key: str, cache_root: Path | str | None = None) -> P
 @contextlib.contextmanager
 def inductor_cache_scope(path: Path) -> Iterator[None]:
     """Point Inductor's on-disk caches at `path` (and turn them on) for a compile. Pointwise kernels take Inductor's
-    one heuristic tile: autotuning compiles and times every candidate (6 for a 2D gather such as the rotary rows)."""
+    one heuristic tile: autotuning compiles and times every candidate (6 for a 2D gather such as the rotary rows).
+
+    Triton's cache folder is pinned first, for the rest of the process (`triton_key.pin_cache_dir`): unset,
+    Inductor derives it from the folder given here, and ember's own kernels would follow it between starts."""
     from torch._functorch import config as functorch_config
     from torch._inductor import config as inductor_config
+    pin_cache_dir()
     path.mkdir(parents=True, exist_ok=True)
     # Inductor reads its cache location from this variable each time it needs it; there is no config option
     previous = os.environ.get("TORCHINDUCTOR_CACHE_DIR")

@@ -9,11 +9,12 @@ change to those files changes the signature and the key is computed afresh; an u
 again too. Triton's own compile-worker pools replace the key the same way; ember's (`ember.kernels.precompile`)
 hand theirs the parent's key.
 
-`pin_cache_dir()` fixes where Triton keeps compiled kernels for the whole process. Left unset, Triton's cache folder
-follows the TRITON_CACHE_DIR variable, which Inductor sets when it first makes one of its kernels ready, to a folder
-under Inductor's own cache, and ember points that cache at a folder per model while it compiles. A cold start then
-wrote ember's kernels under the model's compile folder; the first warm start after it ended up with another folder
-and compiled them all again (measured on an H100: 259 cache files written again, capture 8.0 s instead of 1.3-2.4)."""
+`pin_cache_dir()` (called by `graphs.artifacts.inductor_cache_scope`) fixes where Triton keeps compiled kernels for
+the whole process. Left unset, Triton's cache folder follows the TRITON_CACHE_DIR variable, which Inductor sets when
+it first makes one of its kernels ready, to a folder under Inductor's own cache, and ember points that cache at a
+folder per model while it compiles. A cold start then wrote ember's kernels under the model's compile folder; the
+first warm start after it ended up with another folder and compiled them all again (measured on an H100: 259 cache
+files written again, capture 8.0 s instead of 1.3-2.4)."""
 
 from __future__ import annotations
 

@@ -24,7 +24,6 @@ from ember.graphs.cuda_graph import CUDAGraphManager
 from ember.graphs.dispatcher import CudaGraphDispatcher, resolve_modes
 from ember.graphs.modes import BatchDescriptor, CUDAGraphMode
 from ember.kernels.triton_key import install as install_triton_key
-from ember.kernels.triton_key import pin_cache_dir as pin_triton_cache_dir
 from ember.models.layers.onednn import onednn_packing_supported, pack_if_it_fits
 from ember.models.loader import load_config, load_model, random_model
 from ember.runner.cpu_memory import available_memory_bytes
@@ -63,7 +62,6 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.times = StartupTimes()
         t0 = time.perf_counter()
-        pin_triton_cache_dir()              # one Triton cache folder for the process: Inductor moves it otherwise
         install_triton_key(cache_dir())     # Triton's build key from disk: it hashes its whole library otherwise
         self.hf_config = hf_config if hf_config is not None else load_config(model_path)
         self.dtype = resolve_dtype(config.model.dtype, self.device, self.hf_config)

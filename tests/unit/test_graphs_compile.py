@@ -168,8 +168,13 @@ def test_cache_key_depends_on_config_dtype_source_and_settings(tmp_path):
 
 def test_cache_scope_sets_and_restores_the_inductor_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/somewhere/else")
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    monkeypatch.setenv("TRITON_HOME", str(tmp_path / "home"))
+    from torch._inductor.runtime.cache_dir_utils import triton_cache_dir
     with inductor_cache_scope(tmp_path / "k"):
         assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "k")
+        # Triton's folder stays its own, not one Inductor derives from the scope's folder
+        assert triton_cache_dir(0) == os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "home" / ".triton" / "cache")
         from torch._inductor import config
         assert config.fx_graph_cache is True
         assert config.triton.autotune_pointwise is False    # one tile a pointwise kernel: no config sweep
