@@ -37,7 +37,7 @@ from ember.runner.sampler import Sampler, SamplerOutput, SamplingMetadata
 from ember.runner.sampling_inputs import SamplingPlan, fits_graph_tail, plan_sampling, sampling_metadata
 from ember.runner.step_input import StepInput, null_block_step
 from ember.runner.upload import PackedUpload
-from ember.runner.warmup import precompile, run_warmup
+from ember.runner.warmup import collect_start_up_garbage, cycle_collector_paused, precompile, run_warmup
 from ember.sampling_params import SamplingParams
 from ember.profiling import section
 
@@ -58,6 +58,11 @@ class ModelRunner:
     """Owns the model, the KV cache, the persistent input buffers, the compiled forward and its CUDA graphs."""
 
     def __init__(self, config: EngineConfig, model_path: str, hf_config=None, load_format: str = "auto"):
+        with cycle_collector_paused():
+            self._start(config, model_path, hf_config, load_format)
+
+    def _start(self, config: EngineConfig, model_path: str, hf_config, load_format: str) -> None:
+        """Load, compile, size the KV cache, capture and warm up; logs the phases' times."""
         self.config = config
         self.device = torch.device(config.device)
         self.times = StartupTimes()
@@ -127,6 +132,7 @@ class ModelRunner:
             # under lazy capture the warm-up's steps run without graphs: they must not count as a bucket's uses
             with self.graphs.pause() if self.graphs is not None and self.graphs.lazy else contextlib.nullcontext():
                 self.times.warmup_s = run_warmup(self)
+        collect_start_up_garbage()
         logger.info("start-up %s", self.times.summary(time.perf_counter() - t0))
 
     # ---- start-up -------------------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """Start-up warm-up: run the runner's real step over a set of shapes and sampling settings that reaches every
-Triton kernel specialization a run can hit, so no kernel compiles inside the first timed run; then collect the
-start-up's garbage, so the first requests do not set off a full pass of Python's cycle collector (`run_warmup`).
+Triton kernel specialization a run can hit, so no kernel compiles inside the first timed run (`run_warmup`); and
+Python's cycle collector, paused for the whole start-up and run once at its end (`cycle_collector_paused`,
+`collect_start_up_garbage`).
 
 Triton compiles a @triton.jit kernel once per specialization: its constexpr arguments (tile sizes picked from the
 batch shape, feature flags) and, for arguments left in the key, whether an int is 1 or a multiple of 16 and whether
@@ -116,15 +117,7 @@ def warmup_plan(max_num_tokens: int, max_num_reqs: int, max_model_len: int,
 
 
 def run_warmup(runner) -> float:
-    """Run every step of the runner's warm-up plan through `runner.execute`, then a full garbage collection;
-    returns the seconds it took.
-
-    The collection is the start-up's: Python's cycle collector runs a full pass once a burst of new objects follows
-    many not yet passed over, and the start-up leaves hundreds of thousands (the imports, the compiled forward, the
-    graphs). The first requests' objects then set it off. On a 2-core CPU, after `LLM("qwen3-0.6b",
-    load_format="dummy", device="cpu", compile_mode="default")`, 30,000 new lasting objects set off a full pass of
-    0.19 s; on an H100 the first run of `benches/startup.py` spent 0.23 s before its first launch against 0.03 s in
-    the second."""
+    """Run every step of the runner's warm-up plan through `runner.execute`; returns the seconds it took."""
     t0 = time.perf_counter()
     plan = warmup_plan(runner.max_num_tokens, runner.max_num_reqs, runner.max_model_len, runner.capture_sizes)
     block_size, num_groups = runner.config.cache.block_size, len(runner.attn.groups)
@@ -135,12 +128,43 @@ def run_warmup(runner) -> float:
         finally:
             for new in step_input.new_requests:
                 runner.table.remove(new.req_id)
-    t1 = time.perf_counter()
-    gc.collect()
     seconds = time.perf_counter() - t0
-    logger.info("warm-up %.1f s: %d steps over the batch shapes and sampling settings that pick Triton kernels, "
-                "then a full garbage collection (%.2f s)", seconds, len(plan), time.perf_counter() - t1)
+    logger.info("warm-up %.1f s: %d steps over the batch shapes and sampling settings that pick Triton kernels",
+                seconds, len(plan))
     return seconds
+
+
+@contextlib.contextmanager
+def cycle_collector_paused():
+    """Python's cycle collector off while a start-up runs (which ends with `collect_start_up_garbage`); its earlier
+    state comes back on exit, on an error too.
+
+    A start-up makes hundreds of thousands of lasting objects (Dynamo's and Inductor's state, the compiled forward,
+    the graphs) on top of the imports', and every few tens of thousands of them the collector passed over all of
+    them again: on an H100 host a warm start of the Qwen3-0.6B config ran three automatic full passes (0.37-0.38 s)
+    and 0.10 s of younger ones, a cold start seven full passes (1.6 s). Nothing a start-up needs waits for the
+    collector: reference counting frees its tensors, and the KV-cache sizing collects by itself where memory it
+    expects free is held. The switch is process-wide: another thread's garbage waits for the start-up too."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def collect_start_up_garbage() -> None:
+    """One full pass of the cycle collector at the end of a start-up: it frees the start-up's garbage and moves
+    every survivor into the oldest generation, so the first requests do not set off a full pass over the
+    start-up's objects (the collector runs one once a burst of new objects follows many not yet passed over: on a
+    2-core CPU, after `LLM("qwen3-0.6b", load_format="dummy", device="cpu", compile_mode="default")`, 30,000 new
+    lasting objects set off a full pass of 0.19 s; on an H100 the first run of `benches/startup.py` spent 0.23 s
+    before its first launch against 0.03 s in the second)."""
+    t0 = time.perf_counter()
+    collected = gc.collect()
+    logger.info("start-up's garbage: one full pass of the cycle collector, %d objects freed, %.2f s", collected,
+                time.perf_counter() - t0)
 
 
 def _marker(runner) -> Path:

@@ -152,22 +152,55 @@ def test_dummy_forward_with_context_leaves_the_table_as_found(monkeypatch):
     assert runner.table.num_rows == 0 and sorted(runner.table._free) == list(range(MAX_SEQS))
 
 
-def test_warmup_ends_with_a_full_garbage_collection(monkeypatch):
-    """The start-up's objects are passed over at its end, not when the first requests arrive."""
+@pytest.mark.parametrize("jit_warmup", [False, True])
+def test_start_up_pauses_the_cycle_collector_and_ends_with_one_full_pass(jit_warmup, monkeypatch):
+    """No automatic pass over the start-up's objects while it runs; one full pass at its end, with or without the
+    warm-up; the collector's state is restored."""
     import gc
-    runner = _runner(False)
-    full = []
+    inside, passes = [False], []
+    start = ModelRunner._start
+
+    def watched(self, *args):
+        inside[0] = True
+        try:
+            start(self, *args)
+        finally:
+            inside[0] = False
 
     def seen(phase, info):
-        if phase == "stop" and info["generation"] == 2:
-            full.append(info)
-    enabled = gc.isenabled()
-    gc.disable()                # automatic passes off: only an explicit collection can be seen
+        if phase == "start" and inside[0]:
+            passes.append((info["generation"], gc.isenabled()))
+    monkeypatch.setattr(ModelRunner, "_start", watched)
+    config = _config(jit_warmup)
+    assert gc.isenabled()
+    threshold = gc.get_threshold()
+    gc.set_threshold(1, 1, 1)       # left on, the collector would pass over everything at once and often
     gc.callbacks.append(seen)
     try:
-        run_warmup(runner)
+        runner = ModelRunner(config, "tiny-qwen3", hf_config=HF_CONFIG, load_format="dummy")
     finally:
         gc.callbacks.remove(seen)
-        if enabled:
-            gc.enable()
-    assert full, "no full collection during the warm-up"
+        gc.set_threshold(*threshold)
+    assert gc.isenabled()
+    assert runner.times.warmup_s > 0 if jit_warmup else runner.times.warmup_s == 0
+    automatic = [g for g, enabled in passes if enabled]
+    assert automatic == [], f"automatic passes during the start-up: generations {automatic}"
+    assert passes and passes[-1][0] == 2, f"the start-up did not end with a full pass: {passes}"
+
+
+def test_a_failed_start_up_restores_the_cycle_collector(monkeypatch):
+    import gc
+
+    def fail(runner):
+        raise RuntimeError("capture failed")
+    monkeypatch.setattr(ModelRunner, "_log_capacity", fail)
+    with pytest.raises(RuntimeError, match="capture failed"):
+        _runner(False)
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with pytest.raises(RuntimeError, match="capture failed"):
+            _runner(False)
+        assert not gc.isenabled(), "a start-up switched on a collector its caller had off"
+    finally:
+        gc.enable()
