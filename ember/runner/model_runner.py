@@ -132,7 +132,7 @@ class ModelRunner:
             # under lazy capture the warm-up's steps run without graphs: they must not count as a bucket's uses
             with self.graphs.pause() if self.graphs is not None and self.graphs.lazy else contextlib.nullcontext():
                 self.times.warmup_s = run_warmup(self)
-        collect_start_up_garbage()
+            collect_start_up_garbage()      # where the first run's time matters; a test process's heap is large
         logger.info("start-up %s", self.times.summary(time.perf_counter() - t0))
 
     # ---- start-up -------------------------------------------------------------------------------------------

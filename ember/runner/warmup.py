@@ -136,8 +136,8 @@ def run_warmup(runner) -> float:
 
 @contextlib.contextmanager
 def cycle_collector_paused():
-    """Python's cycle collector off while a start-up runs (which ends with `collect_start_up_garbage`); its earlier
-    state comes back on exit, on an error too.
+    """Python's cycle collector off while a start-up runs (which ends with `collect_start_up_garbage` when it
+    warms up); its earlier state comes back on exit, on an error too.
 
     A start-up makes hundreds of thousands of lasting objects (Dynamo's and Inductor's state, the compiled forward,
     the graphs) on top of the imports', and every few tens of thousands of them the collector passed over all of
@@ -155,7 +155,9 @@ def cycle_collector_paused():
 
 
 def collect_start_up_garbage() -> None:
-    """One full pass of the cycle collector at the end of a start-up: it frees the start-up's garbage and moves
+    """One full pass of the cycle collector at the end of a start-up with the warm-up (the runner makes it where
+    the first run's time matters; a full pass costs 0.2-0.3 s there, and more in a process whose heap is larger,
+    such as a test run's with its hundreds of engines): it frees the start-up's garbage and moves
     every survivor into the oldest generation, so the first requests do not set off a full pass over the
     start-up's objects (the collector runs one once a burst of new objects follows many not yet passed over: on a
     2-core CPU, after `LLM("qwen3-0.6b", load_format="dummy", device="cpu", compile_mode="default")`, 30,000 new

@@ -154,8 +154,8 @@ def test_dummy_forward_with_context_leaves_the_table_as_found(monkeypatch):
 
 @pytest.mark.parametrize("jit_warmup", [False, True])
 def test_start_up_pauses_the_cycle_collector_and_ends_with_one_full_pass(jit_warmup, monkeypatch):
-    """No automatic pass over the start-up's objects while it runs; one full pass at its end, with or without the
-    warm-up; the collector's state is restored."""
+    """No automatic pass over the start-up's objects while it runs; one full pass at its end when it warms up, none
+    without the warm-up; the collector's state is restored."""
     import gc
     inside, passes = [False], []
     start = ModelRunner._start
@@ -185,7 +185,10 @@ def test_start_up_pauses_the_cycle_collector_and_ends_with_one_full_pass(jit_war
     assert runner.times.warmup_s > 0 if jit_warmup else runner.times.warmup_s == 0
     automatic = [g for g, enabled in passes if enabled]
     assert automatic == [], f"automatic passes during the start-up: generations {automatic}"
-    assert passes and passes[-1][0] == 2, f"the start-up did not end with a full pass: {passes}"
+    if jit_warmup:
+        assert passes and passes[-1][0] == 2, f"the start-up did not end with a full pass: {passes}"
+    else:
+        assert passes == [], f"passes in a start-up without the warm-up: {passes}"
 
 
 def test_a_failed_start_up_restores_the_cycle_collector(monkeypatch):
