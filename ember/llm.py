@@ -16,6 +16,7 @@ from ember.config import CacheConfig, CompileConfig, EngineConfig, ModelConfig, 
 from ember.engine.engine import Engine, EngineStepError, token_id_list
 from ember.sampling_params import SamplingParams
 from ember.engine.request import RequestOutput
+from ember.runner.warmup import cycle_collector_paused
 
 logger = logging.getLogger("ember")
 
@@ -33,6 +34,8 @@ def _load_tokenizer(path: Path, trust_remote_code: bool = False):
 class LLM:
     """Load a model folder (or ember's default model) and generate from batches of prompts."""
 
+    # the cycle collector waits for the end of the start-up, the tokenizer's load included (ember.runner.warmup)
+    @cycle_collector_paused()
     def __init__(self, model: str | None = None, *, dtype: str = "auto", device: str = "auto",
                  max_model_len: int | None = None, block_size: int = 16, num_kv_blocks: int | None = None,
                  gpu_memory_utilization: float = 0.9, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,

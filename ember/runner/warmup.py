@@ -136,8 +136,9 @@ def run_warmup(runner) -> float:
 
 @contextlib.contextmanager
 def cycle_collector_paused():
-    """Python's cycle collector off while a start-up runs (which ends with `collect_start_up_garbage` when it
-    warms up); its earlier state comes back on exit, on an error too.
+    """Python's cycle collector off while a start-up runs (`LLM.__init__` with its tokenizer's load, and
+    `ModelRunner.__init__`, which ends with `collect_start_up_garbage` when it warms up); its earlier state comes back
+    on exit, on an error too. Also a decorator.
 
     A start-up makes hundreds of thousands of lasting objects (Dynamo's and Inductor's state, the compiled forward,
     the graphs) on top of the imports', and every few tens of thousands of them the collector passed over all of

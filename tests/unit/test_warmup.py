@@ -207,3 +207,24 @@ def test_a_failed_start_up_restores_the_cycle_collector(monkeypatch):
         assert not gc.isenabled(), "a start-up switched on a collector its caller had off"
     finally:
         gc.enable()
+
+
+def test_llm_start_up_pauses_the_cycle_collector_through_the_tokenizer_load(tmp_path, monkeypatch):
+    """`LLM(...)` runs its whole start-up, the tokenizer's load included, with the collector off, and leaves it on."""
+    import gc
+    import ember.llm
+    from ember import LLM
+    from tests.helpers.model_harness import random_hf_model, tiny_config
+    random_hf_model(tiny_config("llama"), seed=5).save_pretrained(tmp_path)
+    seen = []
+    load = ember.llm._load_tokenizer
+
+    def recorded(*args, **kwargs):
+        seen.append(gc.isenabled())
+        return load(*args, **kwargs)
+    monkeypatch.setattr(ember.llm, "_load_tokenizer", recorded)
+    monkeypatch.setenv("EMBER_CACHE", str(tmp_path / "cache"))
+    assert gc.isenabled()
+    LLM(str(tmp_path), device="cpu", compile_mode="none")
+    assert seen == [False], f"the collector was on during the tokenizer's load: {seen}"
+    assert gc.isenabled()
