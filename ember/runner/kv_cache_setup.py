@@ -212,6 +212,17 @@ def make_builders(setup: AttentionSetup, dtype: torch.dtype, device: torch.devic
 GRAPH_RESERVE_BYTES = 512 << 20  # left free for CUDA-graph pools and allocator slack
 
 
+def free_dropped_engines(device: torch.device) -> None:
+    """Before a CUDA engine loads its weights: when this process already holds device memory, which may be an
+    engine dropped but not yet freed (engines sit in reference cycles, and the start-up pauses the collector), run
+    the cycle collector and give the freed blocks back to the device, so the new weights do not meet a device the
+    dropped engine still fills. Nothing runs in a process that holds no device memory yet."""
+    if device.type != "cuda" or torch.cuda.memory_reserved(device) == 0:
+        return
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
 def num_kv_blocks(attn: AttentionSetup, cache_config, model: nn.Module, device: torch.device, wanted_len: int,
                   max_num_reqs: int, max_num_tokens: int, activation_peak: int) -> int:
     """Blocks of the shared pool, the reserved null block 0 included: `num_kv_blocks` when asked; on the CPU

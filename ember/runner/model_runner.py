@@ -29,8 +29,8 @@ from ember.models.loader import load_config, load_model, random_model
 from ember.runner.cpu_memory import available_memory_bytes
 from ember.runner.decode_tail import DecodeTail, with_decode_tail
 from ember.runner.input_batch import BatchLayout, InputBatch, PreparedBatch
-from ember.runner.kv_cache_setup import (allocate_kv_caches, make_builders, num_kv_blocks, resolve_max_model_len,
-                                        select_backends)
+from ember.runner.kv_cache_setup import (allocate_kv_caches, free_dropped_engines, make_builders, num_kv_blocks,
+                                        resolve_max_model_len, select_backends)
 from ember.runner.output import AsyncModelRunnerOutput, HostRing, ModelRunnerOutput, StartupTimes
 from ember.runner.request_table import RequestTable
 from ember.runner.sampler import Sampler, SamplerOutput, SamplingMetadata
@@ -70,6 +70,7 @@ class ModelRunner:
         install_triton_key(cache_dir())     # Triton's build key from disk: it hashes its whole library otherwise
         self.hf_config = hf_config if hf_config is not None else load_config(model_path)
         self.dtype = resolve_dtype(config.model.dtype, self.device, self.hf_config)
+        free_dropped_engines(self.device)
         if load_format == "dummy":
             self.model = random_model(self.hf_config, self.dtype, self.device, seed=config.model.seed)
         else:

@@ -59,3 +59,32 @@ def test_an_engine_after_a_dropped_one_sizes_its_cache_as_the_first(tmp_path, mo
     torch.cuda.empty_cache()
     print(f"KV blocks: first engine {blocks}, the one after it {again}")
     assert again >= 0.95 * blocks, f"{again} blocks after a dropped engine, {blocks} before"
+
+
+def test_a_large_engine_after_a_dropped_one_loads_its_weights(tmp_path, monkeypatch):
+    """`del llm; llm = LLM(...)` with the cycle collector off in between and the first engine holding most of the
+    device: the second engine's weights (Llama-3.1-8B's 16 GB) need the first's memory back before they load."""
+    from ember import LLM, SamplingParams
+    monkeypatch.setenv("EMBER_CACHE", str(tmp_path))
+    kwargs = dict(load_format="dummy", max_num_seqs=4, max_num_batched_tokens=256, max_model_len=256,
+                  gpu_memory_utilization=0.9, enforce_eager=True)
+    gc.collect()
+    torch.cuda.empty_cache()
+    first = LLM("qwen3-0.6b", **kwargs)
+    first.engine.runner.owner = first        # a reference cycle, as a compiled engine's are: only the collector frees it
+    free, total = torch.cuda.mem_get_info()
+    assert free < 16e9, f"the first engine left {free / 2**30:.1f} GiB free: the case needs less than 8B's weights"
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        del first
+        second = LLM("llama-3.1-8b", **kwargs)
+        out = second.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(temperature=0.0, max_tokens=2),
+                              use_tqdm=False)
+    finally:
+        if enabled:
+            gc.enable()
+    assert len(out[0].outputs[0].token_ids) == 2
+    del second
+    gc.collect()
+    torch.cuda.empty_cache()

@@ -64,3 +64,28 @@ def test_memory_another_process_holds_still_bounds_the_cache(device_memory):
     device_memory["free"] = GIB + GRAPH_RESERVE_BYTES + PER_BLOCK     # room for one block, two needed
     with pytest.raises(ValueError, match="GiB of GPU memory is left for the KV cache"):
         _blocks()
+
+
+@pytest.mark.parametrize("reserved", [0, 61 * GIB])
+def test_a_cuda_start_frees_a_dropped_engine_before_its_weights_load(monkeypatch, reserved):
+    """Before the weights load: a process holding device memory runs the collector (a dropped engine in a cycle goes,
+    even with automatic passes off) and empties the allocator's cache; a process holding none does neither."""
+    memory = {"free": TOTAL}
+    emptied = []
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: reserved)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(True))
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        _DroppedEngine(memory)
+        assert memory["free"] == TOTAL - 60 * GIB
+        kv_cache_setup.free_dropped_engines(torch.device("cuda", 0))
+        freed = memory["free"] == TOTAL
+    finally:
+        if enabled:
+            gc.enable()
+        gc.collect()
+    assert freed == bool(reserved) and bool(emptied) == bool(reserved)
+    before = len(emptied)
+    kv_cache_setup.free_dropped_engines(torch.device("cpu"))
+    assert len(emptied) == before, "a CPU start touched the CUDA allocator"
