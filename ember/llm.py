@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import json
 import logging
 import operator
 import sys
@@ -46,15 +47,14 @@ def _tokenizer_model_config(path: Path):
     those imports). Where tokenizer_config.json names its class and no remote code (`auto_map`), AutoTokenizer
     reads only the config's model type and names, which ember's snapshot of it (`load_config`, the same object the
     runner loads) has; it is handed over with this folder as its name."""
-    import json
     from ember.models.config_snapshot import ConfigSnapshot
     from ember.models.loader import CheckpointError, load_config
     try:
         tokenizer_config = json.loads((path / "tokenizer_config.json").read_text())
     except (OSError, ValueError):
         return None
-    if not isinstance(tokenizer_config, dict) or not tokenizer_config.get("tokenizer_class") \
-            or "auto_map" in tokenizer_config:
+    names_its_class = isinstance(tokenizer_config, dict) and bool(tokenizer_config.get("tokenizer_class"))
+    if not names_its_class or "auto_map" in tokenizer_config:
         return None
     try:
         config = load_config(path)
