@@ -16,6 +16,7 @@ import threading
 import torch
 
 from ember.kernels.interpret import interpreter_on
+from ember.kernels.launcher import launcher
 
 _lock = threading.Lock()
 
@@ -46,5 +47,5 @@ class KernelPicker:
 
     def __call__(self, device: torch.device, module_name: str, kernel_name: str, compiled):
         if device.type != "cpu":
-            return compiled
+            return launcher(compiled)
         return getattr(self._interpreted_module(module_name), kernel_name)

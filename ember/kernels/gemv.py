@@ -41,6 +41,7 @@ import triton.language as tl
 
 from ember.kernels.gemv_routing import gemv_max_rows
 from ember.kernels.library import define, register_fake
+from ember.kernels.launcher import launcher
 from ember.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_options
 
 __all__ = ["GEMV_MAX_M", "gemv", "gemv_applies", "gemv_config", "gemv_enabled", "gemv_pays", "linear",
@@ -366,7 +367,7 @@ def _interpreted(kernel):
 
 
 def _kernel(kernel, device: torch.device):
-    return _interpreted(kernel) if device.type == "cpu" else kernel
+    return _interpreted(kernel) if device.type == "cpu" else launcher(kernel)
 
 
 # ---- entry points --------------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ import importlib.util
 import torch
 
 from ember.kernels.interpret import interpreter_on
+from ember.kernels.launcher import launcher
 
 
 def prepare_inputs(idx_mapping: torch.Tensor, starts: torch.Tensor, query_lens: torch.Tensor,
@@ -96,7 +97,7 @@ def _kernel(interpreted: bool):
     """The compiled kernel, or for CPU tensors an interpreted copy (whatever TRITON_INTERPRET said at import)."""
     name = "ember.kernels.prepare_triton"
     if not interpreted:
-        return importlib.import_module(name).prepare_inputs_kernel
+        return launcher(importlib.import_module(name).prepare_inputs_kernel)
     # the kernel module imported a second time with TRITON_INTERPRET=1, so that it runs on CPU tensors
     spec = importlib.util.find_spec(name)
     module = importlib.util.module_from_spec(spec)

@@ -20,6 +20,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from ember.kernels.interpret import interpreter_on
+from ember.kernels.launcher import launcher
 
 __all__ = ["random_bits_triton", "gumbel_noise_triton", "sample_triton"]
 
@@ -189,8 +190,9 @@ def _interpreted_module():
 
 def _kernel(name: str, device: torch.device):
     """The compiled kernel for a GPU tensor, the interpreted copy for a CPU tensor."""
-    module = _interpreted_module() if device.type == "cpu" else sys.modules[__name__]
-    return getattr(module, name)
+    if device.type == "cpu":
+        return getattr(_interpreted_module(), name)
+    return launcher(getattr(sys.modules[__name__], name))
 
 
 def _accurate_log(device: torch.device) -> bool:
