@@ -1,7 +1,8 @@
 """Where `LLM(...)`'s start-up spends host time, by phase (the weights, building the compiled forward, the profile run
 with the artifact load, the capture, the warm-up): inside each, the composed path's cuBLAS calls, Triton module
-loads, the capture's begin / end / replay and the dummy steps' staging, each counted and summed; then the profile
-run again, in the same process, for its cost without first uses.
+loads, the capture's begin / end / replay and the dummy steps' staging, each counted and summed; on a cold start
+also the compiles of ember's @triton.jit kernels (per kernel, last) and the C launchers Triton builds for them with
+the system's C compiler; then the profile run again, in the same process, for its cost without first uses.
 
     PYTHONPATH=. python benches/startup_phases.py qwen3-0.6b
 
@@ -20,6 +21,7 @@ import torch
 
 PHASE = ["init"]
 SPENT: dict = collections.defaultdict(lambda: collections.defaultdict(lambda: [0, 0.0]))
+KERNEL_COMPILES: dict = collections.defaultdict(lambda: [0, 0.0])     # @triton.jit kernel name: [compiles, s]
 
 
 def timed(name: str, fn):
@@ -55,6 +57,23 @@ def install() -> None:
 
     kernel = triton_compiler.CompiledKernel
     kernel._init_handles = timed("Triton _init_handles (module load)", kernel._init_handles)
+    from triton.runtime import build, jit
+    real_compile = jit.JITFunction._do_compile
+
+    def compile_by_kernel(self, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return real_compile(self, *args, **kwargs)
+        finally:
+            entry = KERNEL_COMPILES[getattr(self, "__name__", None) or self.fn.__name__]
+            entry[0] += 1
+            entry[1] += time.perf_counter() - start
+    jit.JITFunction._do_compile = timed("Triton compile of a @triton.jit kernel", compile_by_kernel)
+    # the C launcher of a kernel signature (Triton 3.5 on), built with the system's C compiler where not cached
+    import triton.backends.nvidia.driver as nvidia_driver
+    for module in (build, nvidia_driver):
+        if hasattr(module, "compile_module_from_src"):
+            module.compile_module_from_src = timed("Triton C module build", build.compile_module_from_src)
     fused_linear._composed = timed("fused_linear composed path (cuBLAS)", fused_linear._composed)
     graph = torch.cuda.CUDAGraph
     for method in ("capture_begin", "capture_end", "replay"):
@@ -82,6 +101,11 @@ def main() -> None:
     for name, entries in SPENT.items():
         parts = sorted(entries.items(), key=lambda kv: -kv[1][1])
         print(f"  [{name}] " + "; ".join(f"{k} {n}x {s * 1e3:.0f} ms" for k, (n, s) in parts))
+    if KERNEL_COMPILES:
+        parts = sorted(KERNEL_COMPILES.items(), key=lambda kv: -kv[1][1])
+        print(f"  @triton.jit compiles: {sum(n for n, _ in KERNEL_COMPILES.values())}, "
+              f"{sum(s for _, s in KERNEL_COMPILES.values()):.2f} s: "
+              + "; ".join(f"{k} {n}x {s:.2f} s" for k, (n, s) in parts))
     for _ in range(2):
         torch.cuda.synchronize()
         again = time.perf_counter()
