@@ -28,7 +28,9 @@ runner start-up): 33.5 / 28.6 s without workers, 31.1 / 29.3 s with 4, 31.6 s wi
 compile in the workers while the 65 dry steps run, and the capture drops from ~9 s to ~4.5 s, but the dry steps
 themselves take 6-8 s: they pay the first-use costs (Inductor's runtime kernel compiles, first cuBLAS shapes, kernel
 loads) that the capture and warm-up paid before. Triton 3.6 also builds a C launcher per kernel signature in the
-launching process; the workers build those too, and still the capture wrote 11 new entries to Triton's cache."""
+launching process; the workers build those too, and still the capture wrote 11 new entries to Triton's cache. (Those
+measurements predate ember's own launcher, `ember.kernels.launcher`: ember's kernels no longer use Triton's
+per-signature launchers unless EMBER_FAST_LAUNCH=0, so the workers' builds of them only serve that path.)"""
 
 from __future__ import annotations
 
