@@ -98,7 +98,8 @@ def main() -> None:
     print("rounds (us):", json.dumps({name: {w: [round(t, 1) for t in v] for w, v in r.items()}
                                       for name, r in results.items()}))
     print("specializations kept per kernel:", json.dumps(kept))
-    print(f"floor: the kernel of 'gemv 4x1024 @ 3072' through ember's C launcher alone, arguments prepared: {floor:.1f} us")
+    print(f"floor: the kernel of 'gemv 4x1024 @ 3072' through ember's C launcher alone, arguments prepared: "
+          f"{floor:.1f} us")
     print("LAUNCH_OVERHEAD " + json.dumps({name: {w: round(statistics.median(v), 2) for w, v in r.items()}
                                           for name, r in results.items()} | {"floor_us": round(floor, 2)}))
 

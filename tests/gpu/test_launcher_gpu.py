@@ -117,9 +117,11 @@ import ember.kernels.gemv as G
 from ember.kernels.rms_norm import rms_norm, silu_mul
 import ember.kernels.launcher as L
 G.set_gemv_routing(False)
-x, w = torch.randn(4, 1024, device="cuda", dtype=torch.bfloat16), torch.randn(3072, 1024, device="cuda", dtype=torch.bfloat16)
+x = torch.randn(4, 1024, device="cuda", dtype=torch.bfloat16)
+w = torch.randn(3072, 1024, device="cuda", dtype=torch.bfloat16)
 for _ in range(2):
-    G.gemv(x, w); G.gemv(x[:1], w); rms_norm(x, w[0], 1e-6); silu_mul(torch.randn(4, 3072, device="cuda", dtype=torch.bfloat16))
+    G.gemv(x, w); G.gemv(x[:1], w); rms_norm(x, w[0], 1e-6)
+    silu_mul(torch.randn(4, 3072, device="cuda", dtype=torch.bfloat16))
 torch.cuda.synchronize()
 print(json.dumps([built, L.fast_launch_count()]))
 """
