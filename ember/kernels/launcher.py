@@ -21,7 +21,8 @@ globals a kernel read have not changed since it compiled is not repeated (ember'
 Triton's own launch path is taken instead while Triton has a launch hook, pre-run hooks, a stage-inspection hook,
 debug mode or instrumentation set; for interpreted kernels (CPU tensors); for a callable grid, a keyword argument
 that is not a constexpr or a launch option, or an argument that cannot be hashed; for a kernel with a parameter type
-the launcher does not pack (a scalar other than i32/u32/i64/u64/fp32, a tensor descriptor) or scratch memory; after
+the launcher does not pack (a scalar other than i32/u32/i64/u64/fp32, a tensor descriptor) or scratch memory; for a
+tensor that is not on a GPU (Triton's launcher names it in its error); after
 `MAX_KEYS` keys of one kernel; where ember's launcher cannot be built; and everywhere with EMBER_FAST_LAUNCH=0."""
 
 from __future__ import annotations
@@ -110,6 +111,10 @@ def _parameter_types(kernel, names: tuple[str, ...]) -> tuple[str, tuple[int, ..
     return "".join(codes), tuple(picks)
 
 
+def _host_tensor_among(args) -> bool:
+    return any(isinstance(a, torch.Tensor) and not a.is_cuda for a in args)
+
+
 def _one(i: int, values: tuple) -> tuple:
     return (values[i],)
 
@@ -184,8 +189,8 @@ class KernelLauncher:
         launched nothing (the compile-only hook answered)."""
         module = _launch_module()
         tail = self._tail(len(args), kwargs)
-        if module is None or tail is None:
-            return _TRITON
+        if module is None or tail is None or _host_tensor_among(args):
+            return _TRITON          # Triton's launcher raises on a host tensor's address; a kernel would fault on it
         kernel = self.fn.run(*args, grid=grid, warmup=True, **kwargs)
         if kernel is None:
             return None

@@ -14,6 +14,8 @@ from triton.runtime import jit
 
 import ember.kernels.launcher as L
 
+_real_host_tensor_among = L._host_tensor_among
+
 
 def _toy(x_ptr, y_ptr, n, m, eps, flag, B: tl.constexpr, C: tl.constexpr = 4):
     pass
@@ -62,6 +64,7 @@ def _rig(monkeypatch, fn, scratch=0, module=True):
     monkeypatch.setattr(L, "_triton_runtime", lambda: (runtime, compilation, active))
     fake_module = types.SimpleNamespace(launch=lambda *a: launches.append(a))
     monkeypatch.setattr(L, "_launch_module", lambda: fake_module if module else None)
+    monkeypatch.setattr(L, "_host_tensor_among", lambda args: False)     # the CPU tensors here stand for GPU ones
 
     def run(*args, grid, warmup, **kwargs):
         (compiles if warmup else slow).append((args, kwargs))
@@ -173,6 +176,15 @@ def test_scratch_memory_or_no_launcher_module_leave_the_launch_to_triton(monkeyp
     r = _rig(monkeypatch, _toy_jit(), module=False)
     r.launch[(1,)](x, x, 32, 5, 1.0, 7, B=8)
     assert len(r.slow) == 1 and r.compiles == [] and r.launches == []
+
+
+def test_a_host_tensor_is_left_to_tritons_launcher_which_names_it(monkeypatch):
+    r = _rig(monkeypatch, _toy_jit())
+    monkeypatch.setattr(L, "_host_tensor_among", _real_host_tensor_among)
+    x = torch.zeros(64, dtype=torch.float16)       # a CPU tensor
+    r.launch[(1,)](x, x, 32, 5, 1.0, 7, B=8)
+    assert len(r.slow) == 1 and r.launches == [] and r.compiles == []
+    assert _real_host_tensor_among((1, x)) and not _real_host_tensor_among((1, None, 2.0))
 
 
 def test_nothing_launches_when_the_compile_only_hook_answers(monkeypatch):
