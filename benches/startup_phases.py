@@ -71,9 +71,10 @@ def install() -> None:
     jit.JITFunction._do_compile = timed("Triton compile of a @triton.jit kernel", compile_by_kernel)
     # the C launcher of a kernel signature (Triton 3.5 on), built with the system's C compiler where not cached
     import triton.backends.nvidia.driver as nvidia_driver
-    for module in (build, nvidia_driver):
+    module_build = timed("Triton C module build", build.compile_module_from_src)
+    for module in (build, nvidia_driver):        # the driver imports it by name: one wrapper for both
         if hasattr(module, "compile_module_from_src"):
-            module.compile_module_from_src = timed("Triton C module build", build.compile_module_from_src)
+            module.compile_module_from_src = module_build
     fused_linear._composed = timed("fused_linear composed path (cuBLAS)", fused_linear._composed)
     graph = torch.cuda.CUDAGraph
     for method in ("capture_begin", "capture_end", "replay"):

@@ -31,7 +31,9 @@ import functools
 import logging
 import operator
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -95,7 +97,9 @@ def _parameter_types(kernel, names: tuple[str, ...]) -> tuple[str, tuple[int, ..
     signature = kernel.src.signature
     codes, picks = [], []
     for i, name in enumerate(names):
-        ty = signature[name] if name in signature else signature.get(i, "constexpr")
+        if name not in signature:
+            return None
+        ty = signature[name]
         if ty == "constexpr":
             continue
         code = "p" if isinstance(ty, str) and ty.startswith("*") else _TYPE_CODES.get(ty)
@@ -109,6 +113,20 @@ def _parameter_types(kernel, names: tuple[str, ...]) -> tuple[str, tuple[int, ..
                 return None
             codes.append("p")        # passed as a null pointer
     return "".join(codes), tuple(picks)
+
+
+class _Kept(NamedTuple):
+    """What a key launches with."""
+    function: int              # the loaded kernel's CUfunction
+    codes: str                 # the runtime parameters' type codes, scratch pointers included
+    pick: Callable             # the runtime parameters' values out of (positional values + tail)
+    tail: tuple                # the bound values of the parameters after the positional ones
+    extra: tuple               # the null scratch pointers
+    num_warps: int
+    shared: int
+    pdl: bool
+    kernel: object             # Triton's CompiledKernel, returned as `fn[grid](...)` returns it
+    module: object             # ember's launcher module
 
 
 def _host_tensor_among(args) -> bool:
@@ -133,7 +151,7 @@ class KernelLauncher:
         self._constexpr_positions = frozenset(i for i, p in enumerate(params) if p.is_constexpr)
         self._constexpr_names = frozenset(p.name for p in params if p.is_constexpr)
         self._defaults = {p.name: p.default for p in params if p.has_default}
-        self._kept: dict[tuple, tuple | str] = {}
+        self._kept: dict[tuple, _Kept | str] = {}
         self.fast_launches = 0          # launches through ember's launcher (for tests and benchmarks)
 
     def __getitem__(self, grid):
@@ -184,9 +202,8 @@ class KernelLauncher:
         return tuple(tail)
 
     def _prepare(self, grid, device: int, args, kwargs, active):
-        """Compile (or find) the kernel for these arguments and make its entry: (function, types, pick, tail,
-        num_warps, shared, pdl, kernel); _TRITON where ember's launcher cannot launch it; None where Triton
-        launched nothing (the compile-only hook answered)."""
+        """Compile (or find) the kernel for these arguments and make its `_Kept` entry; _TRITON where ember's launcher
+        cannot launch it; None where Triton launched nothing (the compile-only hook answered)."""
         module = _launch_module()
         tail = self._tail(len(args), kwargs)
         if module is None or tail is None or _host_tensor_among(args):
@@ -212,8 +229,8 @@ class KernelLauncher:
             pick = functools.partial(_one, picks[0])
         else:
             pick = _none
-        return (function, codes, pick, tail, extra, metadata.num_warps, metadata.shared,
-                bool(getattr(metadata, "launch_pdl", False)), kernel, module)
+        return _Kept(function, codes, pick, tail, extra, metadata.num_warps, metadata.shared,
+                     bool(getattr(metadata, "launch_pdl", False)), kernel, module)
 
     def _launch(self, grid, *args, **kwargs):
         runtime, compilation, active = _triton_runtime()
@@ -248,22 +265,18 @@ class KernelLauncher:
 _launchers: list[KernelLauncher] = []
 
 
-@functools.cache
-def _launcher_for(fn) -> KernelLauncher:
-    made = KernelLauncher(fn)
-    _launchers.append(made)
-    return made
-
-
 def fast_launch_count() -> int:
     """Launches, over every kernel's launcher in this process, made through ember's launcher."""
     return sum(made.fast_launches for made in _launchers)
 
 
+@functools.cache
 def launcher(fn):
-    """A `KernelLauncher` for a compiled @triton.jit kernel (one per kernel); anything else, such as an interpreted
+    """The `KernelLauncher` of a compiled @triton.jit kernel (one per kernel); anything else, such as an interpreted
     kernel for CPU tensors, is returned as it is."""
     from triton.runtime.jit import JITFunction
     if not isinstance(fn, JITFunction) or type(fn).__name__ == "InterpretedFunction":
         return fn
-    return _launcher_for(fn)
+    made = KernelLauncher(fn)
+    _launchers.append(made)
+    return made
