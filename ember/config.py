@@ -96,9 +96,9 @@ class CompileConfig:
     jit_warmup: bool | None = None
     # worker processes that compile ember's Triton kernels for the start-up's steps before those run (ember.runner.
     # warmup.precompile), on CUDA, where an earlier start of the same build has not. 0 (default): each kernel
-    # compiles at its first launch. Off by default: on an H100 host (Qwen3-0.6B config, cold caches) 4 workers gave
-    # runner start-ups of 31.1 and 29.3 s against 33.5 and 28.6 s without, within the run-to-run noise; the dry
-    # steps (6-8 s) cost about what the capture and warm-up no longer compile
+    # compiles at its first launch. Off by default: on an H100 host (Qwen3-0.6B config, cold caches, `LLM(...)` to
+    # ready) 12 workers gave 22.1 and 27.2 s against 25.0 and 26.8 s without; the capture fell from 8.4-9.2 to
+    # 1.5-2.2 s, but the dry steps took 6.8-9.1 s
     triton_compile_workers: int = 0
 
 

@@ -19,18 +19,24 @@ prepare-inputs kernel, decode plans) are marked `launch_always`: they compile at
 step too. Kernels that are not ember's (Inductor's, a plug-in's) launch as usual.
 
 A worker is `python -m ember.kernels.precompile`: it reads one JSON request a line on stdin (kernel module and name,
-the specialization, the target) and answers one JSON line on stdout (the compiled kernel's hash, or the error).
+the specialization, the target, and the launching process's Triton environment variables at the launch) and answers
+one JSON line on stdout (the compiled kernel's hash, or the error).
 It never touches the GPU. A specialization it cannot compile is reported and left to compile, and to fail loudly,
 at its real launch.
 
-Off by default (`triton_compile_workers=0`). Measured on an H100 host (Qwen3-0.6B config, empty caches, one lease,
-runner start-up): 33.5 / 28.6 s without workers, 31.1 / 29.3 s with 4, 31.6 s with 16. The 26 specializations
-compile in the workers while the 65 dry steps run, and the capture drops from ~9 s to ~4.5 s, but the dry steps
-themselves take 6-8 s: they pay the first-use costs (Inductor's runtime kernel compiles, first cuBLAS shapes, kernel
-loads) that the capture and warm-up paid before. Triton 3.6 also builds a C launcher per kernel signature in the
-launching process; the workers build those too, and still the capture wrote 11 new entries to Triton's cache. (Those
-measurements predate ember's own launcher, `ember.kernels.launcher`: ember's kernels no longer use Triton's
-per-signature launchers unless EMBER_FAST_LAUNCH=0, so the workers' builds of them only serve that path.)"""
+Off by default (`triton_compile_workers=0`). Every CUDA start pins TRITON_PTXAS_PATH first (`pin_ptxas`). Triton
+keys its cache with the ptxas version it reads at a process's first compile, but runs whatever that variable names at
+each compile, and torch's Inductor points it at torch's ptxas (CUDA 13.0 on the H100 host, where Triton 3.6 ships
+12.8) only at its first kernel, after the start-up's first compiles. The launching process so keyed every kernel with
+12.8, the workers with another version, and it found none of their entries and compiled each kernel again (the
+capture wrote 11 new cache entries after them). Each job also carries the launching process's Triton variables
+(`triton_environment`), which the worker takes before it compiles. With the pin, measured on an H100 host (Qwen3-0.6B config, empty caches, `LLM(...)` to ready,
+interleaved, one lease): 12 workers 22.1 / 27.2 s against 25.0 / 26.8 s without. The workers compiled the 26
+specializations they were handed and the capture fell from 8.4-9.2 s to 1.5-2.2 s, but the 72 dry steps took 6.8-9.1
+s: they pay the first-use costs (Inductor's kernel loads, first cuBLAS shapes) that the capture and warm-up paid
+before, and the step sampler's kernels still compile in the launching process. ember's kernels use ember's own
+launcher (`ember.kernels.launcher`) unless EMBER_FAST_LAUNCH=0, so the C launchers the workers build for Triton's
+path only serve that switch."""
 
 from __future__ import annotations
 
@@ -120,6 +126,27 @@ def _build_launcher(compiled) -> None:
         logger.debug("no launcher built in the compile worker: %s", e)
 
 
+# Triton reads its settings (the ptxas to run, the cache folder, switches that change the code) from environment
+# variables as it compiles, and some of them enter the compiled kernel's cache key; a worker must compile with the
+# values the launching process has when its launch would compile, not those it had when the worker started.
+# torch's Inductor sets TRITON_PTXAS_PATH to the ptxas torch ships the first time it makes a kernel ready, which in a
+# start-up is after the pool starts: workers with Triton's own ptxas wrote every kernel under another key, and the
+# launching process compiled them all again.
+_TRITON_ENV_PREFIXES = ("TRITON_", "MLIR_", "LLVM_")
+
+
+def triton_environment() -> dict[str, str]:
+    """The environment variables Triton reads as it compiles, as this process has them now."""
+    return {k: v for k, v in os.environ.items() if k.startswith(_TRITON_ENV_PREFIXES)}
+
+
+def _mirror_environment(env: dict[str, str]) -> None:
+    """Make this process's Triton variables exactly `env`: set those it names, drop the others."""
+    for k in [k for k in os.environ if k.startswith(_TRITON_ENV_PREFIXES) and k not in env]:
+        del os.environ[k]
+    os.environ.update(env)
+
+
 def _serve() -> None:
     """A worker's loop: one JSON request a line in, one JSON answer a line out, until stdin closes."""
     answers = os.fdopen(os.dup(1), "w", buffering=1)
@@ -131,6 +158,7 @@ def _serve() -> None:
     for line in sys.stdin:
         job = json.loads(line)
         t0 = time.perf_counter()
+        _mirror_environment(job.get("env", {}))
         try:
             answer = {"hash": compile_specialization(job["module"], job["name"], job["spec"], job["target"])}
         except Exception as e:   # reported to the parent, which leaves the kernel to its real launch
@@ -192,7 +220,7 @@ class CompilePool:
         if self._closed:
             raise RuntimeError("the compile pool is closed")
         future = self._threads.submit(self._request, {"module": module, "name": name, "spec": spec,
-                                                      "target": self.target})
+                                                      "target": self.target, "env": triton_environment()})
         self.futures.append(future)
         return future
 
@@ -232,6 +260,37 @@ class CompilePool:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def pin_ptxas() -> None:
+    """Point TRITON_PTXAS_PATH at the ptxas torch ships, where torch's Inductor points it at the first kernel it makes
+    ready (the same rule: only where the variable is unset and that file is an executable), but now, before this
+    start-up's first Triton compile. Triton keys its cache with the ptxas version it reads at a process's first
+    compile and runs whatever the variable names at each compile: a start whose first compile came before Inductor's
+    change keyed every kernel with Triton's own ptxas, and a worker (a fresh process, after the change) with torch's.
+    Every CUDA start calls it, with workers or without, so that all starts key kernels alike."""
+    if os.environ.get("TRITON_PTXAS_PATH") is not None:
+        return
+    import torch
+    ptxas = Path(torch.__file__).resolve().parent / "bin" / "ptxas"
+    if ptxas.is_file() and os.access(ptxas, os.X_OK):
+        os.environ["TRITON_PTXAS_PATH"] = str(ptxas)
+
+
+def keys_name_current_ptxas(arch: int) -> bool:
+    """Whether the ptxas version in this process's Triton cache keys is that of the ptxas it would run now.
+
+    Triton reads the version once a process (`get_ptxas_version` is cached) but runs whatever TRITON_PTXAS_PATH
+    names at each compile. In a process whose keys took their version before the variable changed, a worker (a
+    fresh process) keys the same kernel differently, and the launching process would compile it again."""
+    import subprocess as sp
+    from triton.backends.nvidia import compiler as nvidia
+    keyed = nvidia.get_ptxas_version(arch)
+    try:
+        current = sp.check_output([nvidia.get_ptxas(arch).path, "--version"]).decode("utf-8")
+    except (OSError, sp.CalledProcessError):
+        return False
+    return keyed == current
 
 
 def current_target() -> tuple:

@@ -217,7 +217,10 @@ def precompile(runner) -> float:
     first launch, as without workers."""
     from ember.kernels import precompile as P
     workers = runner.config.compile.triton_compile_workers
-    if runner.device.type != "cuda" or not workers:
+    if runner.device.type != "cuda":
+        return 0.0
+    P.pin_ptxas()           # every CUDA start, workers or not: all starts key Triton's cache alike
+    if not workers:
         return 0.0
     marker = _marker(runner)
     if marker.exists():
@@ -230,8 +233,14 @@ def precompile(runner) -> float:
     def elapsed() -> float:   # since t0, less the model's compile inside the first dry step
         return time.perf_counter() - t0 - ((stats.seconds if stats is not None else 0.0) - compile_before)
 
+    target = P.current_target()
+    if target[0] == "cuda" and not P.keys_name_current_ptxas(target[1]):
+        logger.warning("Triton's cache keys in this process name another ptxas than it runs now "
+                       "(TRITON_PTXAS_PATH changed after its first compile): no worker compiles, each kernel "
+                       "compiles at its first launch")
+        return 0.0
     steps = _dry_steps(runner)
-    pool = P.CompilePool(workers, P.current_target())
+    pool = P.CompilePool(workers, target)
     try:
         graphs = runner.graphs
         with P.compile_only(pool) as handed, torch.inference_mode(), \

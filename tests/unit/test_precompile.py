@@ -60,6 +60,38 @@ def test_a_worker_compiles_the_kernel_the_launch_would(tmp_path, monkeypatch):
     assert _files(tmp_path / "triton") == entries
 
 
+def test_a_worker_compiles_with_the_triton_environment_of_the_launch_not_of_its_start(tmp_path, monkeypatch):
+    """Inductor sets TRITON_PTXAS_PATH after the pool has started; a worker that kept its starting environment wrote
+    every kernel under another cache key (and folder), and the launching process compiled them again."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "at_start"))
+    monkeypatch.delenv("TRITON_DISABLE_LINE_INFO", raising=False)
+    fn, (signature, constexprs, attrs), options, spec = _specialization()
+    with P.CompilePool(1, SM90) as pool:
+        monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "at_launch"))
+        monkeypatch.setenv("TRITON_DISABLE_LINE_INFO", "1")       # enters the cache key
+        future = pool.submit("ember.kernels.rms_norm", "_rms_norm_kernel", spec)
+        assert pool.wait() == (1, 0), pool.errors
+    assert not (tmp_path / "at_start").exists()
+    entries = _files(tmp_path / "at_launch")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    here = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget(*SM90),
+                          options=options.__dict__)
+    assert here.hash == future.result()["hash"]
+    assert _files(tmp_path / "at_launch") == entries      # found the worker's entry: nothing compiled here
+
+
+def test_a_worker_takes_exactly_the_launching_processs_triton_variables(monkeypatch):
+    monkeypatch.setenv("TRITON_STALE_SETTING", "1")
+    monkeypatch.setenv("EMBER_TRITON_KEY", "kept")
+    monkeypatch.setenv("TRITON_PTXAS_PATH", "/usr/bin/ptxas")
+    P._mirror_environment({"TRITON_PTXAS_PATH": "/opt/ptxas"})
+    import os
+    assert os.environ["TRITON_PTXAS_PATH"] == "/opt/ptxas"
+    assert "TRITON_STALE_SETTING" not in os.environ and os.environ["EMBER_TRITON_KEY"] == "kept"
+    assert P.triton_environment()["TRITON_PTXAS_PATH"] == "/opt/ptxas"
+
+
 def test_specializations_that_differ_compile_to_different_kernels(tmp_path, monkeypatch):
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
     with P.CompilePool(2, SM90) as pool:
@@ -165,9 +197,59 @@ def test_the_runner_pass_does_nothing_off_cuda_or_without_workers():
     assert precompile(runner("cuda", 0)) == 0.0
 
 
+def test_every_cuda_start_pins_ptxas_before_it_compiles_with_workers_or_without(monkeypatch):
+    """A warm start without the dry pass must key kernels as the cold start with workers did."""
+    from ember.runner.warmup import precompile
+    pinned = []
+    monkeypatch.setattr(P, "pin_ptxas", lambda: pinned.append(True))
+    runner = types.SimpleNamespace(device=types.SimpleNamespace(type="cuda"), config=types.SimpleNamespace(
+        compile=types.SimpleNamespace(triton_compile_workers=0)))
+    assert precompile(runner) == 0.0 and pinned == [True]
+    runner.device.type = "cpu"
+    assert precompile(runner) == 0.0 and pinned == [True]
+
+
+@pytest.mark.parametrize("state", ["executable", "not executable", "missing", "variable set"])
+def test_ptxas_is_pinned_to_torchs_by_inductors_rule(tmp_path, monkeypatch, state):
+    import os
+
+    import torch
+    monkeypatch.setattr(torch, "__file__", str(tmp_path / "torch" / "__init__.py"))
+    monkeypatch.setenv("TRITON_PTXAS_PATH", "/chosen/ptxas")
+    if state != "variable set":
+        monkeypatch.delenv("TRITON_PTXAS_PATH")
+    ptxas = tmp_path / "torch" / "bin" / "ptxas"
+    if state != "missing":
+        ptxas.parent.mkdir(parents=True)
+        ptxas.write_text("#!/bin/sh\n")
+        ptxas.chmod(0o755 if state == "executable" else 0o644)
+    P.pin_ptxas()
+    expected = {"executable": str(ptxas), "variable set": "/chosen/ptxas"}.get(state)
+    assert os.environ.get("TRITON_PTXAS_PATH") == expected
+
+
 def test_the_start_up_line_counts_worker_compiles_in_the_warm_up():
     from ember.runner.output import StartupTimes
     plain = StartupTimes(load_s=1, compile_s=2, capture_s=3, warmup_s=4).summary(12)
     assert plain.endswith("warm-up 4.0 s, other 2.0 s") and "worker" not in plain
     workers = StartupTimes(load_s=1, compile_s=2, capture_s=3, warmup_s=4, precompile_s=1.5).summary(12)
     assert "warm-up 5.5 s (of which Triton compiles in worker processes 1.5 s), other 0.5 s" in workers
+
+
+BANNER = "ptxas: NVIDIA (R) Ptx optimizing assembler"
+
+
+@pytest.mark.parametrize("runs, expected", [("release 12.8", True), ("release 13.0", False), (None, False)])
+def test_workers_run_only_where_the_keys_name_the_ptxas_that_runs(tmp_path, monkeypatch, runs, expected):
+    """Triton caches the ptxas version of its keys once a process; Inductor then points TRITON_PTXAS_PATH at
+    torch's ptxas. A worker keys with the ptxas it runs, so where the two differ its entries would never be found."""
+    import types as t
+    from triton.backends.nvidia import compiler as nvidia
+    tool = tmp_path / "ptxas"
+    if runs is not None:
+        tool.write_text(f"#!/bin/sh\nprintf '{BANNER}\\nCuda compilation tools, {runs}'\n")
+        tool.chmod(0o755)
+    monkeypatch.setattr(nvidia, "get_ptxas_version",
+                        lambda arch=80: f"{BANNER}\nCuda compilation tools, release 12.8")
+    monkeypatch.setattr(nvidia, "get_ptxas", lambda arch: t.SimpleNamespace(path=str(tool)))
+    assert P.keys_name_current_ptxas(90) is expected
