@@ -96,7 +96,7 @@ def test_worker_compiles_leave_no_compile_to_the_capture(tmp_path):
     """The worker processes compile every kernel the CUDA-graph capture launches, so the capture writes no new entry
     to Triton's cache (a compile writes one; a load does not). It wrote 11 while workers keyed kernels with another
     ptxas version than the launching process (TRITON_PTXAS_PATH set by Inductor after the workers started). One is
-    left: the split-KV combine (`reduce_segments_kernel`) compiled in the capture in three of four runs on an H100
+    left: the split-KV combine (`reduce_segments_kernel`) compiled in the capture in four of five runs on an H100
     since, for a reason not found; nothing else may."""
     on = _capture_entries(tmp_path, 8, "on")
     print("new entries in the capture:", on["capture_new_entries"], on["capture_new_files"])
