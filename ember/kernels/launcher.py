@@ -17,6 +17,9 @@ argument (constexprs and launch options) with its value. A new key compiles thro
 keeps the function handle with the kernel's parameter types; every launch then goes through ember's launcher, a
 programmatic dependent where the kernel was compiled for one (`launch_pdl`). Triton's per-launch check that the
 globals a kernel read have not changed since it compiled is not repeated (ember's kernels read module constants).
+Where Triton's compile-only hook answered a key instead (a dry launch of `precompile.compile_only`) and the hook says
+it answers the same for a key (`answers_per_key`), later launches of that key return at once while that hook is set,
+instead of going through Triton's binder and serializing the specialization for the hook again.
 
 Triton's own launch path is taken instead while Triton has a launch hook, pre-run hooks, a stage-inspection hook,
 debug mode or instrumentation set; for interpreted kernels (CPU tensors); for a callable grid, a keyword argument
@@ -152,6 +155,7 @@ class KernelLauncher:
         self._constexpr_names = frozenset(p.name for p in params if p.is_constexpr)
         self._defaults = {p.name: p.default for p in params if p.has_default}
         self._kept: dict[tuple, _Kept | str] = {}
+        self._answered: tuple[object, set] = (None, set())    # (compile-only hook, keys it answered)
         self.fast_launches = 0          # launches through ember's launcher (for tests and benchmarks)
 
     def __getitem__(self, grid):
@@ -248,8 +252,15 @@ class KernelLauncher:
         if entry is None:
             if len(self._kept) >= MAX_KEYS:
                 return self._slow(grid, args, kwargs)
+            hook = getattr(runtime, "jit_cache_hook", None)
+            if hook is not None and hook is self._answered[0] and key in self._answered[1]:
+                return None             # the compile-only hook took this key already (see `answers_per_key`)
             entry = self._prepare(grid, device, args, kwargs, active)
             if entry is None:
+                if getattr(hook, "answers_per_key", False):
+                    if hook is not self._answered[0]:
+                        self._answered = (hook, set())
+                    self._answered[1].add(key)
                 return None
             self._kept[key] = entry
         if entry is _TRITON:

@@ -197,6 +197,42 @@ def test_nothing_launches_when_the_compile_only_hook_answers(monkeypatch):
     assert len(r.compiles) == 2 and r.launches == [] and r.slow == []
 
 
+def test_a_key_the_compile_only_hook_took_returns_at_once_while_that_hook_is_set(monkeypatch):
+    """precompile's dry steps launch each key hundreds of times; Triton's binder and the hook's serialization ran for
+    each launch. Only a hook that says it answers the same for a key is remembered, and only while it is set."""
+    fn = _toy_jit()
+    r = _rig(monkeypatch, fn)
+    monkeypatch.setattr(fn, "run", lambda *a, grid, warmup, **k: r.compiles.append(a))      # returns None
+    x = torch.zeros(64, dtype=torch.float16)
+
+    def dry(**kwargs):
+        return True
+    dry.answers_per_key = True
+    r.runtime.jit_cache_hook = dry
+    for _ in range(3):
+        assert r.launch[(1,)](x, x, 32, 5, 1.0, 7, B=8) is None
+    assert len(r.compiles) == 1
+    r.launch[(1,)](x, x, 32, 5, 1.0, 7, B=16)                   # another key asks the hook again
+    assert len(r.compiles) == 2
+    r.runtime.jit_cache_hook = lambda **kwargs: True             # a hook that does not say so: asked every time
+    for _ in range(2):
+        r.launch[(1,)](x, x, 32, 5, 1.0, 7, B=8)
+    assert len(r.compiles) == 4
+    r.runtime.jit_cache_hook = None                              # the hook gone: the key compiles and launches
+    monkeypatch.setattr(fn, "run", lambda *a, grid, warmup, **k: r.compiles.append(a) or _compiled(a, k))
+    r.launch[(1,)](x, x, 32, 5, 1.0, 7, B=8)
+    assert len(r.compiles) == 5 and len(r.launches) == 1 and r.launches[0][7] == 1001
+
+
+def test_precompiles_hook_says_it_answers_the_same_for_a_key():
+    from triton import knobs
+
+    from ember.kernels import precompile as P
+    with P.compile_only(types.SimpleNamespace(submit=lambda *entry: None)):
+        assert knobs.runtime.jit_cache_hook.answers_per_key is True
+    assert knobs.runtime.jit_cache_hook is None
+
+
 def test_keys_are_bounded(monkeypatch):
     r = _rig(monkeypatch, _toy_jit())
     monkeypatch.setattr(L, "MAX_KEYS", 3)
