@@ -96,9 +96,9 @@ class CompileConfig:
     jit_warmup: bool | None = None
     # worker processes that compile ember's Triton kernels for the start-up's steps before those run (ember.runner.
     # warmup.precompile), on CUDA, where an earlier start of the same build has not. 0 (default): each kernel
-    # compiles at its first launch. Off by default: on an H100 host (Qwen3-0.6B config, cold caches, `LLM(...)` to
-    # ready) 12 workers gave 22.1 and 27.2 s against 25.0 and 26.8 s without; the capture fell from 8.4-9.2 to
-    # 1.5-2.2 s, but the dry steps took 6.8-9.1 s
+    # compiles at its first launch. On an H100 host (Qwen3-0.6B config, cold caches, `LLM(...)` to ready) 12 workers
+    # gave 18.5 and 21.5 s against 25.8 s without (ember.kernels.precompile has the history). Off by default until the
+    # GPU test suite has run with workers on
     triton_compile_workers: int = 0
 
 

@@ -24,19 +24,22 @@ one JSON line on stdout (the compiled kernel's hash, or the error).
 It never touches the GPU. A specialization it cannot compile is reported and left to compile, and to fail loudly,
 at its real launch.
 
-Off by default (`triton_compile_workers=0`). Every CUDA start pins TRITON_PTXAS_PATH first (`pin_ptxas`). Triton
-keys its cache with the ptxas version it reads at a process's first compile, but runs whatever that variable names at
-each compile, and torch's Inductor points it at torch's ptxas (CUDA 13.0 on the H100 host, where Triton 3.6 ships
-12.8) only at its first kernel, after the start-up's first compiles. The launching process so keyed every kernel with
-12.8, the workers with another version, and it found none of their entries and compiled each kernel again (the
-capture wrote 11 new cache entries after them). Each job also carries the launching process's Triton variables
-(`triton_environment`), which the worker takes before it compiles. With the pin, measured on an H100 host (Qwen3-0.6B config, empty caches, `LLM(...)` to ready,
-interleaved, one lease): 12 workers 22.1 / 27.2 s against 25.0 / 26.8 s without. The workers compiled the 26
-specializations they were handed and the capture fell from 8.4-9.2 s to 1.5-2.2 s, but the 72 dry steps took 6.8-9.1
-s: they pay the first-use costs (Inductor's kernel loads, first cuBLAS shapes) that the capture and warm-up paid
-before, and the step sampler's kernels still compile in the launching process. ember's kernels use ember's own
-launcher (`ember.kernels.launcher`) unless EMBER_FAST_LAUNCH=0, so the C launchers the workers build for Triton's
-path only serve that switch."""
+Off by default (`triton_compile_workers=0`). Every CUDA start pins TRITON_PTXAS_PATH first (`pin_ptxas`). Triton keys
+its cache with the ptxas version it reads at a process's first compile, but runs whatever that variable names at each
+compile, and torch's Inductor points it at torch's ptxas (CUDA 13.0 on the H100 host, where Triton 3.6 ships 12.8) only
+at its first kernel, after the start-up's first compiles. The launching process so keyed every kernel with 12.8, the
+workers with another version, and it found none of their entries and compiled each kernel again (the capture wrote 11
+new cache entries after them). Each job also carries the launching process's Triton variables (`triton_environment`),
+which the worker takes before it compiles. With the pin, measured on an H100 host (Qwen3-0.6B config, empty caches,
+`LLM(...)` to ready, interleaved, one lease): 12 workers 22.1 / 27.2 s against 25.0 / 26.8 s without. The workers
+compiled the 26 specializations they were handed and the capture fell from 8.4-9.2 s to 1.5-2.2 s, but the 72 dry steps
+took 6.8-9.1 s: every dry launch of a key went through Triton's binder and serialized its specialization for this
+module's hook again. The hook now says it answers the same for a key (`answers_per_key`), and ember's launcher returns
+at once on a key it took. Then, in another lease: 12 workers 18.48 / 21.51 s against 25.77 s without (dry steps 4.0 /
+3.6 s, the workers' wait 1.7 / 2.4 s after them, capture 1.57 / 2.17 against 8.84 s, warm-up 1.43 / 1.82 against 3.51
+s). The step sampler's kernels (four of the partial kernel and the noise kernel) still compile in the launching process.
+ember's kernels use ember's own launcher (`ember.kernels.launcher`) unless EMBER_FAST_LAUNCH=0, so the C launchers the
+workers build for Triton's path only serve that switch."""
 
 from __future__ import annotations
 
