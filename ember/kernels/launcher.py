@@ -34,6 +34,7 @@ import functools
 import logging
 import operator
 import os
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
@@ -144,6 +145,10 @@ def _none(values: tuple) -> tuple:
     return ()
 
 
+def _nothing() -> None:
+    return None
+
+
 class KernelLauncher:
     """`launcher[grid](*args, **kwargs)` as `fn[grid](...)`, through ember's launcher (module doc)."""
 
@@ -155,7 +160,7 @@ class KernelLauncher:
         self._constexpr_names = frozenset(p.name for p in params if p.is_constexpr)
         self._defaults = {p.name: p.default for p in params if p.has_default}
         self._kept: dict[tuple, _Kept | str] = {}
-        self._answered: tuple[object, set] = (None, set())    # (compile-only hook, keys it answered)
+        self._answered: tuple[Callable, set] = (_nothing, set())    # (compile-only hook, weakly; keys it took)
         self.fast_launches = 0          # launches through ember's launcher (for tests and benchmarks)
 
     def __getitem__(self, grid):
@@ -253,13 +258,13 @@ class KernelLauncher:
             if len(self._kept) >= MAX_KEYS:
                 return self._slow(grid, args, kwargs)
             hook = getattr(runtime, "jit_cache_hook", None)
-            if hook is not None and hook is self._answered[0] and key in self._answered[1]:
+            if hook is not None and hook is self._answered[0]() and key in self._answered[1]:
                 return None             # the compile-only hook took this key already (see `answers_per_key`)
             entry = self._prepare(grid, device, args, kwargs, active)
             if entry is None:
                 if getattr(hook, "answers_per_key", False):
-                    if hook is not self._answered[0]:
-                        self._answered = (hook, set())
+                    if hook is not self._answered[0]():
+                        self._answered = (weakref.ref(hook), set())
                     self._answered[1].add(key)
                 return None
             self._kept[key] = entry

@@ -24,22 +24,22 @@ one JSON line on stdout (the compiled kernel's hash, or the error).
 It never touches the GPU. A specialization it cannot compile is reported and left to compile, and to fail loudly,
 at its real launch.
 
-Off by default (`triton_compile_workers=0`). Every CUDA start pins TRITON_PTXAS_PATH first (`pin_ptxas`). Triton keys
-its cache with the ptxas version it reads at a process's first compile, but runs whatever that variable names at each
-compile, and torch's Inductor points it at torch's ptxas (CUDA 13.0 on the H100 host, where Triton 3.6 ships 12.8) only
-at its first kernel, after the start-up's first compiles. The launching process so keyed every kernel with 12.8, the
-workers with another version, and it found none of their entries and compiled each kernel again (the capture wrote 11
-new cache entries after them). Each job also carries the launching process's Triton variables (`triton_environment`),
-which the worker takes before it compiles. With the pin, measured on an H100 host (Qwen3-0.6B config, empty caches,
-`LLM(...)` to ready, interleaved, one lease): 12 workers 22.1 / 27.2 s against 25.0 / 26.8 s without. The workers
-compiled the 26 specializations they were handed and the capture fell from 8.4-9.2 s to 1.5-2.2 s, but the 72 dry steps
-took 6.8-9.1 s: every dry launch of a key went through Triton's binder and serialized its specialization for this
-module's hook again. The hook now says it answers the same for a key (`answers_per_key`), and ember's launcher returns
-at once on a key it took. Then, in another lease: 12 workers 18.48 / 21.51 s against 25.77 s without (dry steps 4.0 /
-3.6 s, the workers' wait 1.7 / 2.4 s after them, capture 1.57 / 2.17 against 8.84 s, warm-up 1.43 / 1.82 against 3.51
-s). The step sampler's kernels (four of the partial kernel and the noise kernel) still compile in the launching process.
-ember's kernels use ember's own launcher (`ember.kernels.launcher`) unless EMBER_FAST_LAUNCH=0, so the C launchers the
-workers build for Triton's path only serve that switch."""
+Off by default (`triton_compile_workers=0`). Every CUDA start pins TRITON_PTXAS_PATH first (`triton_key.pin_ptxas`).
+Triton keys its cache with the ptxas version it reads at a process's first compile, but runs whatever that variable
+names at each compile, and torch's Inductor points it at torch's ptxas (CUDA 13.0 on the H100 host, where Triton 3.6
+ships 12.8) only at its first kernel, after the start-up's first compiles. The launching process so keyed every kernel
+with 12.8, the workers with another version, and it found none of their entries and compiled each kernel again (the
+capture wrote 11 new cache entries after them). Each job also carries the launching process's Triton variables
+(`triton_environment`), which the worker takes before it compiles. With the pin, measured on an H100 host (Qwen3-0.6B
+config, empty caches, `LLM(...)` to ready, interleaved, one lease): 12 workers 22.1 / 27.2 s against 25.0 / 26.8 s
+without. The workers compiled the 26 specializations they were handed and the capture fell from 8.4-9.2 s to 1.5-2.2 s,
+but the 72 dry steps took 6.8-9.1 s: every dry launch of a key went through Triton's binder and serialized its
+specialization for this module's hook again. The hook now says it answers the same for a key (`answers_per_key`), and
+ember's launcher returns at once on a key it took. Then, in another lease: 12 workers 18.48 / 21.51 s against 25.77 s
+without (dry steps 4.0 / 3.6 s, the workers' wait 1.7 / 2.4 s after them, capture 1.57 / 2.17 against 8.84 s, warm-up
+1.43 / 1.82 against 3.51 s). The step sampler's kernels (four of the partial kernel and the noise kernel) still compile
+in the launching process. ember's kernels use ember's own launcher (`ember.kernels.launcher`) unless
+EMBER_FAST_LAUNCH=0, so the C launchers the workers build for Triton's path only serve that switch."""
 
 from __future__ import annotations
 
@@ -129,12 +129,7 @@ def _build_launcher(compiled) -> None:
         logger.debug("no launcher built in the compile worker: %s", e)
 
 
-# Triton reads its settings (the ptxas to run, the cache folder, switches that change the code) from environment
-# variables as it compiles, and some of them enter the compiled kernel's cache key; a worker must compile with the
-# values the launching process has when its launch would compile, not those it had when the worker started.
-# torch's Inductor sets TRITON_PTXAS_PATH to the ptxas torch ships the first time it makes a kernel ready, which in a
-# start-up is after the pool starts: workers with Triton's own ptxas wrote every kernel under another key, and the
-# launching process compiled them all again.
+# what a worker takes from each job before it compiles: Triton reads these as it compiles, some enter the key
 _TRITON_ENV_PREFIXES = ("TRITON_", "MLIR_", "LLVM_")
 
 
@@ -161,7 +156,8 @@ def _serve() -> None:
     for line in sys.stdin:
         job = json.loads(line)
         t0 = time.perf_counter()
-        _mirror_environment(job.get("env", {}))
+        if "env" in job:
+            _mirror_environment(job["env"])
         try:
             answer = {"hash": compile_specialization(job["module"], job["name"], job["spec"], job["target"])}
         except Exception as e:   # reported to the parent, which leaves the kernel to its real launch
@@ -263,21 +259,6 @@ class CompilePool:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def pin_ptxas() -> None:
-    """Point TRITON_PTXAS_PATH at the ptxas torch ships, where torch's Inductor points it at the first kernel it makes
-    ready (the same rule: only where the variable is unset and that file is an executable), but now, before this
-    start-up's first Triton compile. Triton keys its cache with the ptxas version it reads at a process's first
-    compile and runs whatever the variable names at each compile: a start whose first compile came before Inductor's
-    change keyed every kernel with Triton's own ptxas, and a worker (a fresh process, after the change) with torch's.
-    Every CUDA start calls it, with workers or without, so that all starts key kernels alike."""
-    if os.environ.get("TRITON_PTXAS_PATH") is not None:
-        return
-    import torch
-    ptxas = Path(torch.__file__).resolve().parent / "bin" / "ptxas"
-    if ptxas.is_file() and os.access(ptxas, os.X_OK):
-        os.environ["TRITON_PTXAS_PATH"] = str(ptxas)
 
 
 def keys_name_current_ptxas(arch: int) -> bool:

@@ -95,6 +95,20 @@ def pin_cache_dir() -> str | None:
     return folder
 
 
+def pin_ptxas() -> None:
+    """Set TRITON_PTXAS_PATH to the ptxas torch ships, as torch's Inductor does at the first kernel it makes ready
+    (the same rule: only where the variable is unset and that file is an executable), but before this start-up's
+    first Triton compile. Triton keys its cache with the ptxas version it reads at a process's first compile, so
+    a start whose first compile came before Inductor's change keyed kernels otherwise than a start (or a compile
+    worker, `precompile`) whose first compile came after it. Every CUDA start calls it (`runner.warmup.precompile`)."""
+    if os.environ.get("TRITON_PTXAS_PATH") is not None:
+        return
+    import torch
+    ptxas = Path(torch.__file__).resolve().parent / "bin" / "ptxas"
+    if ptxas.is_file() and os.access(ptxas, os.X_OK):
+        os.environ["TRITON_PTXAS_PATH"] = str(ptxas)
+
+
 def installed_key() -> str | None:
     """The key `use_key` put in place in this process, or None."""
     cache = sys.modules.get("triton.runtime.cache")

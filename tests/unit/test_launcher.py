@@ -218,6 +218,12 @@ def test_a_key_the_compile_only_hook_took_returns_at_once_while_that_hook_is_set
     for _ in range(2):
         r.launch[(1,)](x, x, 32, 5, 1.0, 7, B=8)
     assert len(r.compiles) == 4
+    import gc
+    import weakref
+    gone = weakref.ref(dry)
+    del dry
+    gc.collect()
+    assert gone() is None                                        # the launcher does not keep the hook alive
     r.runtime.jit_cache_hook = None                              # the hook gone: the key compiles and launches
     monkeypatch.setattr(fn, "run", lambda *a, grid, warmup, **k: r.compiles.append(a) or _compiled(a, k))
     r.launch[(1,)](x, x, 32, 5, 1.0, 7, B=8)

@@ -177,6 +177,8 @@ def test_a_worker_answers_on_stdout_only_with_answers(tmp_path):
                           env={**__import__("os").environ, "TRITON_CACHE_DIR": str(tmp_path)})
     lines = done.stdout.splitlines()
     assert len(lines) == 1 and "hash" in json.loads(lines[0]), done.stdout + done.stderr
+    # a job without the launching process's variables leaves the worker's own (its cache folder here)
+    assert any(p.suffix == ".cubin" for p in tmp_path.rglob("*")), sorted(tmp_path.rglob("*"))
 
 
 @pytest.mark.parametrize("workers", [-1, True, 2.0, "4", None])
@@ -199,9 +201,10 @@ def test_the_runner_pass_does_nothing_off_cuda_or_without_workers():
 
 def test_every_cuda_start_pins_ptxas_before_it_compiles_with_workers_or_without(monkeypatch):
     """A warm start without the dry pass must key kernels as the cold start with workers did."""
+    from ember.kernels import triton_key
     from ember.runner.warmup import precompile
     pinned = []
-    monkeypatch.setattr(P, "pin_ptxas", lambda: pinned.append(True))
+    monkeypatch.setattr(triton_key, "pin_ptxas", lambda: pinned.append(True))
     runner = types.SimpleNamespace(device=types.SimpleNamespace(type="cuda"), config=types.SimpleNamespace(
         compile=types.SimpleNamespace(triton_compile_workers=0)))
     assert precompile(runner) == 0.0 and pinned == [True]
@@ -223,7 +226,8 @@ def test_ptxas_is_pinned_to_torchs_by_inductors_rule(tmp_path, monkeypatch, stat
         ptxas.parent.mkdir(parents=True)
         ptxas.write_text("#!/bin/sh\n")
         ptxas.chmod(0o755 if state == "executable" else 0o644)
-    P.pin_ptxas()
+    from ember.kernels.triton_key import pin_ptxas
+    pin_ptxas()
     expected = {"executable": str(ptxas), "variable set": "/chosen/ptxas"}.get(state)
     assert os.environ.get("TRITON_PTXAS_PATH") == expected
 
