@@ -53,9 +53,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-jit-warmup", dest="jit_warmup", action="store_false", default=None,
                    help="skip the start-up steps that compile every Triton kernel specialization (default: run them "
                         "on CUDA)")
-    p.add_argument("--triton-compile-workers", type=int, default=0, metavar="N",
-                   help="processes that compile the start-up's Triton kernels before they run (default 0: each "
-                        "compiles at its first launch)")
+    p.add_argument("--triton-compile-workers", type=int, default=None, metavar="N",
+                   help="processes that compile the start-up's Triton kernels before they run (default: one fewer "
+                        "than the CPUs, at most 12, with CUDA; 0: each compiles at its first launch)")
     p.add_argument("--disable-fusion", action="append", default=[], metavar="NAME",
                    help="leave a fusion pass out of the compile (repeatable; 'all' for every pass)")
     p.add_argument("--seed", type=int, default=0)

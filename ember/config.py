@@ -95,11 +95,22 @@ class CompileConfig:
     # compiles inside a request (ember.runner.warmup). None: on with CUDA; off on the CPU, where kernels interpret
     jit_warmup: bool | None = None
     # worker processes that compile ember's Triton kernels for the start-up's steps before those run (ember.runner.
-    # warmup.precompile), on CUDA, where an earlier start of the same build has not. 0 (default): each kernel
-    # compiles at its first launch. On an H100 host (Qwen3-0.6B config, cold caches, `LLM(...)` to ready) 12 workers
-    # gave 18.5 and 21.5 s against 25.8 s without (ember.kernels.precompile has the history). Off by default until the
-    # GPU test suite has run with workers on
-    triton_compile_workers: int = 0
+    # warmup.precompile), on CUDA, where an earlier start of the same build has not. None (default): one fewer than
+    # the CPUs this process may use, at most 12, with CUDA (`default_compile_workers`); 0: each kernel compiles at
+    # its first launch. On an H100 host (Qwen3-0.6B config, cold caches, `LLM(...)` to ready) 12 workers gave 18.5
+    # and 21.5 s against 25.8 s without (ember.kernels.precompile has the history)
+    triton_compile_workers: int | None = None
+
+
+def default_compile_workers(device_type: str) -> int:
+    """The compile workers of `triton_compile_workers=None`: none off CUDA (nothing compiles ahead there) or on
+    fewer than 4 CPUs (the workers would take the launching process's own); else one fewer than the CPUs this
+    process may use, at most 12 (a cold start holds about thirty specializations; 12 workers finished them in
+    1.7-2.4 s after the dry steps on an H100 host)."""
+    if device_type != "cuda":
+        return 0
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return 0 if cpus < 4 else min(12, cpus - 1)
 
 
 @dataclass(frozen=True)
@@ -141,9 +152,9 @@ class EngineConfig:
         if self.compile.cudagraph_capture not in ("eager", "lazy"):
             raise ValueError(f"cudagraph_capture {self.compile.cudagraph_capture!r} is not known; use 'eager' or 'lazy'")
         workers = self.compile.triton_compile_workers
-        if not isinstance(workers, int) or isinstance(workers, bool) or workers < 0:
+        if workers is not None and (not isinstance(workers, int) or isinstance(workers, bool) or workers < 0):
             raise ValueError(f"triton_compile_workers {workers!r} must be an integer of at least 0 (0: compile each "
-                             f"kernel at its first launch)")
+                             f"kernel at its first launch) or None (as many as the CPUs allow, with CUDA)")
         if self.model.max_model_len is not None and self.model.max_model_len < 1:
             raise ValueError(f"max_model_len {self.model.max_model_len} must be at least 1")
         if s.async_scheduling is None:
@@ -151,4 +162,6 @@ class EngineConfig:
         comp = self.compile
         if comp.jit_warmup is None:
             comp = dataclasses.replace(comp, jit_warmup=dev.type == "cuda")
+        if comp.triton_compile_workers is None:
+            comp = dataclasses.replace(comp, triton_compile_workers=default_compile_workers(dev.type))
         return dataclasses.replace(self, device=str(dev), scheduler=s, compile=comp)

@@ -77,7 +77,7 @@ class LLM:
                  attention_backend_options: dict | None = None, load_format: str = "auto", tokenizer=None,
                  async_scheduling: bool | None = None, disabled_fusions: Sequence[str] = (),
                  cudagraph_capture: str = "eager", jit_warmup: bool | None = None,
-                 triton_compile_workers: int = 0, tensor_parallel_size: int = 1,
+                 triton_compile_workers: int | None = None, tensor_parallel_size: int = 1,
                  trust_remote_code: bool = False, revision: str | None = None, download_dir: str | None = None,
                  **kwargs):
         check_llm_arguments(kwargs, _LLM_PARAMETERS, tensor_parallel_size)

@@ -181,12 +181,26 @@ def test_a_worker_answers_on_stdout_only_with_answers(tmp_path):
     assert any(p.suffix == ".cubin" for p in tmp_path.rglob("*")), sorted(tmp_path.rglob("*"))
 
 
-@pytest.mark.parametrize("workers", [-1, True, 2.0, "4", None])
+@pytest.mark.parametrize("workers", [-1, True, 2.0, "4"])
 def test_config_refuses_a_bad_worker_count(workers):
     from ember.config import CompileConfig, EngineConfig, ModelConfig
     config = EngineConfig(model=ModelConfig("m"), compile=CompileConfig(triton_compile_workers=workers), device="cpu")
     with pytest.raises(ValueError, match="triton_compile_workers"):
         config.resolve()
+
+
+@pytest.mark.parametrize("cpus,device,expected", [(16, "cuda", 12), (13, "cuda", 12), (8, "cuda", 7), (4, "cuda", 3),
+                                                  (3, "cuda", 0), (1, "cuda", 0), (16, "cpu", 0)])
+def test_default_workers_follow_the_cpus_this_process_may_use(monkeypatch, cpus, device, expected):
+    import os
+    from ember import config as C
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cpus)), raising=False)
+    assert C.default_compile_workers(device) == expected
+    resolved = C.EngineConfig(model=C.ModelConfig("m"), device="cpu").resolve()
+    assert resolved.compile.triton_compile_workers == 0      # None resolves; off CUDA to none
+    kept = C.EngineConfig(model=C.ModelConfig("m"), compile=C.CompileConfig(triton_compile_workers=5),
+                          device="cpu").resolve()
+    assert kept.compile.triton_compile_workers == 5
 
 
 def test_the_runner_pass_does_nothing_off_cuda_or_without_workers():
