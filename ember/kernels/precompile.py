@@ -14,9 +14,10 @@ cache, and the real steps then load each kernel from that cache instead of compi
 What such a dry step computes is garbage: ember's kernels write nothing, so what reads their outputs reads
 uninitialised memory. The dry steps must therefore be steps whose host code never reads a device value and whose
 device code never indexes with one an ember kernel produced (the runner's forward, its FULL-graph decode tail and
-the LM head qualify; the step's sampler does not). Kernels that produce indices or step metadata (the
-prepare-inputs kernel, decode plans) are marked `launch_always`: they compile at once and launch as usual in a dry
-step too. Kernels that are not ember's (Inductor's, a plug-in's) launch as usual.
+the LM head qualify; the step as a whole does not, since the next step's inputs come from its sampled tokens: the
+sampler runs on its own, on zero hidden states, where only torch's argmax and `where` read what its kernels
+return). Kernels that produce indices or step metadata (the prepare-inputs kernel, decode plans) are marked
+`launch_always`: they compile at once and launch as usual in a dry step too. Kernels that are not ember's (Inductor's, a plug-in's) launch as usual.
 
 A worker is `python -m ember.kernels.precompile`: it reads one JSON request a line on stdin (kernel module and name,
 the specialization, the target, and the launching process's Triton environment variables at the launch) and answers
@@ -37,8 +38,8 @@ but the 72 dry steps took 6.8-9.1 s: every dry launch of a key went through Trit
 specialization for this module's hook again. The hook now says it answers the same for a key (`answers_per_key`), and
 ember's launcher returns at once on a key it took. Then, in another lease: 12 workers 18.48 / 21.51 s against 25.77 s
 without (dry steps 4.0 / 3.6 s, the workers' wait 1.7 / 2.4 s after them, capture 1.57 / 2.17 against 8.84 s, warm-up
-1.43 / 1.82 against 3.51 s). The step sampler's kernels (four of the partial kernel and the noise kernel) still compile
-in the launching process. ember's kernels use ember's own launcher (`ember.kernels.launcher`) unless
+1.43 / 1.82 against 3.51 s). The step sampler's kernels (four of the partial kernel and the noise kernel) still compiled
+in the launching process; the dry pass now runs the sampler with each sampling mix of the warm-up too. ember's kernels use ember's own launcher (`ember.kernels.launcher`) unless
 EMBER_FAST_LAUNCH=0, so the C launchers the workers build for Triton's path only serve that switch."""
 
 from __future__ import annotations

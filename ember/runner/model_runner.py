@@ -37,7 +37,8 @@ from ember.runner.sampler import Sampler, SamplerOutput, SamplingMetadata
 from ember.runner.sampling_inputs import SamplingPlan, fits_graph_tail, plan_sampling, sampling_metadata
 from ember.runner.step_input import StepInput, null_block_step
 from ember.runner.upload import PackedUpload
-from ember.runner.warmup import collect_start_up_garbage, cycle_collector_paused, precompile, run_warmup
+from ember.runner.warmup import (PROFILE_SAMPLING, collect_start_up_garbage, cycle_collector_paused, precompile,
+                                 run_warmup)
 from ember.sampling_params import SamplingParams
 from ember.profiling import section
 
@@ -212,7 +213,7 @@ class ModelRunner:
         rows = torch.arange(self.max_num_reqs, device=self.device) % hidden.shape[0]
         logits = self.model.compute_logits(hidden[rows])
         n = logits.shape[0]
-        meta = SamplingMetadata.build([SamplingParams(temperature=1.0, top_p=0.9, top_k=50)] * n, [0] * n,
+        meta = SamplingMetadata.build([PROFILE_SAMPLING] * n, [0] * n,
                                       [[]] * n, [[0]] * n, [()] * n, self.vocab_size, self.device)
         self.sampler(logits, meta)
         del hidden, logits

@@ -24,6 +24,7 @@ dummy steps are: no real KV block is written and the table is left as it was fou
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import json
 import logging
@@ -35,6 +36,7 @@ import torch
 
 from ember.graphs.modes import CUDAGraphMode
 from ember.kernels.gemv import GEMV_MAX_M
+from ember.runner.sampler import SamplingMetadata
 from ember.runner.step_input import null_block_step
 from ember.sampling_params import SamplingParams
 
@@ -45,6 +47,8 @@ RANDOM = SamplingParams(temperature=1.0, max_tokens=1)            # no temperatu
 HOT = SamplingParams(temperature=0.8, max_tokens=1)
 FILTERED = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, min_p=0.01, max_tokens=1)
 LOGPROBS = SamplingParams(temperature=0.8, logprobs=2, max_tokens=1)
+# the profile run's sampling (`ModelRunner._profile_run`): the filtered path, whose work is the largest
+PROFILE_SAMPLING = SamplingParams(temperature=1.0, top_p=0.9, top_k=50)
 
 # each batch mix of the one-pass sampling kernel's flags (all greedy, all random with / without temperature,
 # greedy and random rows together with / without temperature)
@@ -207,15 +211,40 @@ def _dry_steps(runner) -> list[tuple]:
     return steps
 
 
+def _dry_sampling_mixes(runner) -> list[tuple[SamplingParams, ...]]:
+    """The sampling settings of the profile run and of the warm-up's steps, each once, with no logprobs: the
+    dry pass's sampler must not gather at tokens its kernels did not write, and logprobs pick no kernel of their
+    own (they are torch ops on the logits)."""
+    mixes = {(PROFILE_SAMPLING,): None}
+    if runner.config.compile.jit_warmup:
+        for step in warmup_plan(runner.max_num_tokens, runner.max_num_reqs, runner.table.max_model_len,
+                                runner.capture_sizes):
+            mixes[tuple(dataclasses.replace(p, logprobs=None) for p in step.params)] = None
+    return list(mixes)
+
+
+def _dry_sample(runner, mix: tuple[SamplingParams, ...]) -> None:
+    """The step sampler on one row a request of `mix`, its logits from the LM head: the specializations of the
+    sampler's kernels for that mix go to the workers. What they return is garbage, and only torch's argmax and
+    `where` read it, so nothing indexes with it."""
+    n = len(mix)
+    hidden = torch.zeros(n, runner.hf_config.hidden_size, dtype=runner.dtype, device=runner.device)
+    logits = runner.model.compute_logits(hidden)
+    meta = SamplingMetadata.build(list(mix), [0] * n, [[]] * n, [[0]] * n, [()] * n, runner.vocab_size,
+                                  runner.device)
+    runner.sampler(logits, meta)
+
+
 def precompile(runner) -> float:
     """Compile the Triton kernels of the start-up's steps in worker processes (`ember.kernels.precompile`): run
     each step's forward once with ember's kernels handing their specializations to the workers instead of
-    launching, plus the LM head where the step's sampler would take logits, then wait for the workers. The real
+    launching, plus the LM head where the step's sampler would take logits, then the step sampler on its own with
+    each sampling mix of the profile run and the warm-up (`_dry_sample`), then wait for the workers. The real
     steps afterwards load every kernel from Triton's cache. Returns the seconds it took beyond the model's
     compile (which the first dry step triggers). On CUDA it first pins the ptxas Triton runs (`triton_key.pin_ptxas`),
     with workers or not. Nothing runs (0.0) off CUDA, with 0 workers, or when an earlier
-    start of the same build left its marker; kernels the dry steps miss (the step sampler's) compile where they
-    first launch, as without workers."""
+    start of the same build left its marker; kernels the dry pass misses compile where they first launch, as
+    without workers."""
     from ember.kernels import precompile as P
     from ember.kernels import triton_key
     workers = runner.config.compile.triton_compile_workers
@@ -251,6 +280,8 @@ def precompile(runner) -> float:
                 hidden, sampled = runner._dummy_forward(num_tokens, num_reqs, mode, desc, lens=lens)
                 if sampled is None:    # the step's sampler takes the logits of one row a request
                     runner.model.compute_logits(hidden[:min(num_reqs, hidden.shape[0])].contiguous())
+            for mix in _dry_sampling_mixes(runner):
+                _dry_sample(runner, mix)
         dry_s = elapsed()
         compiled, failed = pool.wait()
     finally:

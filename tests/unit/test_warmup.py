@@ -228,3 +228,36 @@ def test_llm_start_up_pauses_the_cycle_collector_through_the_tokenizer_load(tmp_
     LLM(str(tmp_path), device="cpu", compile_mode="none")
     assert seen == [False], f"the collector was on during the tokenizer's load: {seen}"
     assert gc.isenabled()
+
+
+def test_the_dry_pass_samples_with_every_sampler_kernel_setting_the_warm_up_reaches(monkeypatch):
+    """`precompile`'s dry pass runs the step sampler on its own (`_dry_sample`), once for each sampling mix of the
+    profile run and the warm-up: every (kernel, logits dtype, flags) the warm-up's real steps reach, it reaches."""
+    from ember.kernels import sampling
+    from ember.runner.sampler import Sampler
+    from ember.runner.warmup import _dry_sample, _dry_sampling_mixes
+    runner = _runner(True)
+    runner.sampler = Sampler(use_triton=True)      # the Triton kernels, interpreted on the CPU
+    seen = set()
+
+    def one_pass(logits, temperature, seeds, counters, greedy_mask, all_greedy):
+        seen.add(("one_pass", logits.dtype, temperature is not None and not all_greedy,
+                  greedy_mask is not None and not all_greedy, all_greedy))
+        return sample(logits, temperature, seeds, counters, greedy_mask, all_greedy)
+
+    def noise(seeds, counters, vocab_size):
+        seen.add(("noise",))
+        return gumbel(seeds, counters, vocab_size)
+
+    sample, gumbel = sampling.sample_triton, sampling.gumbel_noise_triton
+    monkeypatch.setattr(sampling, "sample_triton", one_pass)
+    monkeypatch.setattr(sampling, "gumbel_noise_triton", noise)
+    run_warmup(runner)
+    warm_up, seen = seen, set()
+    mixes = _dry_sampling_mixes(runner)
+    assert all(p.logprobs is None for mix in mixes for p in mix)
+    assert len(mixes) == len({repr(m) for m in mixes})
+    for mix in mixes:
+        _dry_sample(runner, mix)
+    assert ("noise",) in warm_up and len(warm_up) >= 6, warm_up
+    assert warm_up <= seen, warm_up - seen
