@@ -17,7 +17,8 @@ device code never indexes with one an ember kernel produced (the runner's forwar
 the LM head qualify; the step as a whole does not, since the next step's inputs come from its sampled tokens: the
 sampler runs on its own, on zero hidden states, where only torch's argmax and `where` read what its kernels
 return). Kernels that produce indices or step metadata (the prepare-inputs kernel, decode plans) are marked
-`launch_always`: they compile at once and launch as usual in a dry step too. Kernels that are not ember's (Inductor's, a plug-in's) launch as usual.
+`launch_always`: they compile at once and launch as usual in a dry step too. Kernels that are not ember's
+(Inductor's, a plug-in's) launch as usual.
 
 A worker is `python -m ember.kernels.precompile`: it reads one JSON request a line on stdin (kernel module and name,
 the specialization, the target, and the launching process's Triton environment variables at the launch) and answers
@@ -39,7 +40,8 @@ specialization for this module's hook again. The hook now says it answers the sa
 ember's launcher returns at once on a key it took. Then, in another lease: 12 workers 18.48 / 21.51 s against 25.77 s
 without (dry steps 4.0 / 3.6 s, the workers' wait 1.7 / 2.4 s after them, capture 1.57 / 2.17 against 8.84 s, warm-up
 1.43 / 1.82 against 3.51 s). The step sampler's kernels (four of the partial kernel and the noise kernel) still compiled
-in the launching process; the dry pass now runs the sampler with each sampling mix of the warm-up too. ember's kernels use ember's own launcher (`ember.kernels.launcher`) unless
+in the launching process; the dry pass now runs the sampler with each sampling mix of the warm-up too. ember's kernels
+use ember's own launcher (`ember.kernels.launcher`) unless
 EMBER_FAST_LAUNCH=0, so the C launchers the workers build for Triton's path only serve that switch."""
 
 from __future__ import annotations

@@ -53,7 +53,8 @@ def counted(phase, fn):
         out = fn(*args)
         new = set(cache.iterdir()) - before
         result[f"{phase}_new_entries"] = len(new)
-        result[f"{phase}_new_files"] = sorted(f.name for d in new for f in d.iterdir() if not f.name.startswith("__grp"))
+        result[f"{phase}_new_files"] = sorted(f.name for d in new for f in d.iterdir()
+                                              if not f.name.startswith("__grp"))
         return out
     return run
 
