@@ -25,8 +25,9 @@ def startup_times(llm) -> dict[str, float]:
     """Seconds the engine spent loading, compiling, capturing CUDA graphs and warming up Triton kernels at
     start-up."""
     t = llm.engine.runner.times
+    # the worker compiles before the steps are warm-up too; precompile_s says how much of it they were
     return {"load_s": t.load_s, "compile_s": t.compile_s, "capture_s": t.capture_s,
-            "warmup_s": t.warmup_s + t.precompile_s}   # the worker compiles before the steps are warm-up too
+            "warmup_s": t.warmup_s + t.precompile_s, "precompile_s": t.precompile_s}
 
 
 class CompileWatch:

@@ -90,7 +90,8 @@ def test_cli_throughput_writes_json(tiny_model, tmp_path, capsys):
     assert result["total_tok_s"] == pytest.approx(result["output_tok_s"] * (expected.input_tokens +
                                                                              expected.output_tokens)
                                                   / expected.output_tokens)
-    assert set(result["startup"]) == {"load_s", "compile_s", "capture_s", "warmup_s", "triton_compiles"}
+    assert set(result["startup"]) == {"load_s", "compile_s", "capture_s", "warmup_s", "precompile_s",
+                                      "triton_compiles"}
     assert result["startup"]["load_s"] > 0
     # the CPU runs no Triton warm-up (off by default there) and compiles no kernel: the interpreter never does
     assert result["startup"]["warmup_s"] == 0.0 and result["triton_compiles"] == 0
