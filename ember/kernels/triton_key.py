@@ -127,6 +127,35 @@ def pin_libdevice() -> None:
         setter()
 
 
+def order_dependency_hashes() -> bool:
+    """Make the source hash Triton computes for each of ember's @triton.jit functions (`JITFunction.cache_key`, part
+    of every cache key of the kernel) the same in every process, whatever that process ran before.
+
+    Triton 3.6 merges a called function's global constants into the caller's hash before it computes that callee's
+    hash, so a callee not yet hashed in this process adds nothing, and one already hashed (by an earlier kernel, or
+    by compiling one) adds its constants: the same kernel got another hash after other kernels had compiled. On an
+    H100 host the compile workers, a cold start and the warm start after it keyed the sampler's kernels and the
+    split-KV combine three ways, and each start compiled again what another had compiled. Here the callee of one of
+    ember's functions is hashed before the merge, as later Triton versions do; other functions (Inductor's, whose
+    compile workers do not import this) keep Triton's order. Returns whether the order was put in place."""
+    try:
+        from triton.runtime.jit import DependenciesFinder
+    except ImportError:
+        return False
+    update = getattr(DependenciesFinder, "_update_hash", None)
+    if update is None or getattr(update, "ember_ordered", False):
+        return update is not None
+
+    def _update_hash(self, func):
+        if str(getattr(self, "globals", {}).get("__name__", "")).startswith("ember."):
+            func.cache_key        # the callee's hash and constants first, then the merge
+        return update(self, func)
+
+    _update_hash.ember_ordered = True
+    DependenciesFinder._update_hash = _update_hash
+    return True
+
+
 def installed_key() -> str | None:
     """The key `use_key` put in place in this process, or None."""
     cache = sys.modules.get("triton.runtime.cache")

@@ -79,3 +79,38 @@ def test_pinned_cache_dir_is_tritons_and_inductor_keeps_it(tmp_path, monkeypatch
     assert knobs.cache.dir == folder and triton_cache_dir(0) == folder
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "mine"))
     assert tk.pin_cache_dir() == str(tmp_path / "mine") and triton_cache_dir(0) == str(tmp_path / "mine")
+
+
+def _reset(module):
+    """Forget every source hash of the @triton.jit functions of `module`: a process that has hashed none yet."""
+    from triton.runtime.jit import JITFunction
+    for value in vars(module).values():
+        if isinstance(value, JITFunction):
+            value.hash, value.used_global_vals = None, {}
+
+
+def test_ember_kernel_hashes_do_not_depend_on_what_this_process_hashed_before(monkeypatch):
+    """Triton 3.6 merged a callee's global constants into its caller's hash before hashing the callee: the sampler's
+    kernel hashed fresh differed from the same kernel hashed once its callees had been (after other kernels, or a
+    compile), so processes keyed it differently. With ember's order the two agree."""
+    from triton.runtime import jit as J
+    from ember.kernels import sampling, triton_key
+
+    def merge_then_hash(self, func):       # Triton 3.6's order
+        self.used_global_vals.update(func.used_global_vals)
+        self.hasher.update((func.cache_key + str(getattr(func, "noinline", False))).encode("utf-8"))
+
+    def fresh_then_again():
+        _reset(sampling)
+        fresh = sampling._sample_partial_kernel.cache_key
+        sampling._sample_partial_kernel.hash = None       # its callees stay hashed
+        return fresh, sampling._sample_partial_kernel.cache_key
+
+    monkeypatch.setattr(J.DependenciesFinder, "_update_hash", merge_then_hash)
+    fresh, again = fresh_then_again()
+    assert fresh != again          # the order this guards against does make them differ
+    assert triton_key.order_dependency_hashes()
+    assert J.DependenciesFinder._update_hash.ember_ordered
+    fresh, again = fresh_then_again()
+    assert fresh == again
+    _reset(sampling)
