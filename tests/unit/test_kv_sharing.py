@@ -85,11 +85,14 @@ def engine_pair(tmp_path_factory):
 
 
 def _reference_tokens(hf, prompts: list[list[int]], n: int = 12) -> list[list[int]]:
-    """transformers' greedy continuation of each prompt, n tokens, no early stop."""
+    """transformers' greedy continuation of each prompt, n tokens, no early stop. Without a KV cache: each step runs
+    the whole sequence, so the sharing layers read their source's keys of the same forward (transformers 5.24's
+    generation cache gave the patched model other tokens than 5.23's, while its cache-free logits still matched)."""
     expected = []
     for p in prompts:
         out = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                          max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+                          max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0,
+                          use_cache=False)
         expected.append(out[0, len(p):].tolist())
     return expected
 
