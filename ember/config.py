@@ -109,8 +109,13 @@ def default_compile_workers(device_type: str) -> int:
     1.7-2.4 s after the dry steps on an H100 host)."""
     if device_type != "cuda":
         return 0
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cpus = usable_cpus()
     return 0 if cpus < 4 else min(12, cpus - 1)
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity where the OS tells it, else all of them)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 @dataclass(frozen=True)

@@ -61,6 +61,7 @@ import sys
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import Iterator
 
@@ -176,10 +177,17 @@ def _serve() -> None:
 
 # ---- the parent side ------------------------------------------------------------------------------------------
 
+# how long a start-up waits for its workers after the dry steps: they take seconds (2-8 s for the ~30 specializations
+# of a cold start on an H100 host); one that hangs must not hang the start-up, and its kernels compile at launch
+WAIT_S = 120.0
+
+
 class CompilePool:
     """`workers` worker processes, each driven by a thread of its own; `submit` queues a specialization, `wait`
-    returns (compiled, failed) once all are done, `close` ends the workers. The processes start at once, so their
-    imports overlap whatever the parent does next."""
+    returns (compiled, failed) once all are done or its time is up, `close` ends the workers (killing any that
+    hangs). The processes start at once, so their imports overlap whatever the parent does next."""
+
+    command = (sys.executable, "-m", "ember.kernels.precompile")     # one worker process
 
     def __init__(self, workers: int, target):
         if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
@@ -204,11 +212,13 @@ class CompilePool:
             key = installed_key()
             if key is not None:
                 env["EMBER_TRITON_KEY"] = key
-            proc = subprocess.Popen([sys.executable, "-m", "ember.kernels.precompile"], stdin=subprocess.PIPE,
-                                    stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
-            self._local.proc = proc
-            with self._lock:
+            with self._lock:     # no process starts once `close` has taken the list of those to end
+                if self._closed:
+                    raise RuntimeError("the compile pool is closed")
+                proc = subprocess.Popen(list(self.command), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                        stderr=subprocess.DEVNULL, text=True, env=env)
                 self._procs.append(proc)
+            self._local.proc = proc
         return proc
 
     def _request(self, job: dict) -> dict:
@@ -231,34 +241,44 @@ class CompilePool:
         self.futures.append(future)
         return future
 
-    def wait(self) -> tuple[int, int]:
-        """Wait for every submitted compile: (compiled, failed); the failures' messages are in `errors`."""
+    def wait(self, timeout: float | None = None) -> tuple[int, int]:
+        """Wait for every submitted compile, for at most `timeout` seconds in all: (compiled, failed), where a
+        compile without an answer by then counts as failed (its kernel compiles at its launch, as without workers);
+        the failures' messages are in `errors`."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         compiled = failed = 0
         for future in self.futures:
             try:
-                future.result()
+                future.result(timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
                 compiled += 1
+            except FutureTimeout:
+                failed += 1
+                self.errors.append(f"no answer within {timeout:g} s")
             except Exception as e:
                 failed += 1
                 self.errors.append(str(e))
         self.futures = []
         return compiled, failed
 
-    def close(self) -> None:
-        """End the workers (they exit when their stdin closes; one that does not is killed)."""
-        if self._closed:
-            return
-        self._closed = True
-        self._threads.shutdown(wait=True, cancel_futures=True)
-        for proc in self._procs:
+    def close(self, grace: float = 10.0) -> None:
+        """End the workers: they exit when their stdin closes, and one that has not within `grace` seconds (a hung
+        compile) is killed; then the threads that drove them, whose reads end with their process."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            procs = list(self._procs)
+        for proc in procs:
             with contextlib.suppress(OSError):
                 proc.stdin.close()
-        for proc in self._procs:
+        for proc in procs:
             try:
-                proc.wait(timeout=10)
+                proc.wait(timeout=grace)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        self._threads.shutdown(wait=True, cancel_futures=True)
+        for proc in procs:
             with contextlib.suppress(OSError):
                 proc.stdout.close()
 

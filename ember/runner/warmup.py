@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from ember.config import usable_cpus
 from ember.graphs.modes import CUDAGraphMode
 from ember.kernels.gemv import GEMV_MAX_M
 from ember.runner.sampler import SamplingMetadata
@@ -271,6 +272,11 @@ def precompile(runner) -> float:
                        "(TRITON_PTXAS_PATH changed after its first compile): no worker compiles, each kernel "
                        "compiles at its first launch")
         return 0.0
+    cpus = usable_cpus()
+    if workers > cpus:
+        logger.warning("triton_compile_workers %d is more than the %d CPUs this process may use: %d workers start",
+                       workers, cpus, cpus)
+        workers = cpus
     steps = _dry_steps(runner)
     pool = P.CompilePool(workers, target)
     try:
@@ -284,7 +290,7 @@ def precompile(runner) -> float:
             for mix in _dry_sampling_mixes(runner):
                 _dry_sample(runner, mix)
         dry_s = elapsed()
-        compiled, failed = pool.wait()
+        compiled, failed = pool.wait(P.WAIT_S)
     finally:
         pool.close()
     for error in pool.errors:

@@ -287,3 +287,70 @@ def test_workers_run_only_where_the_keys_name_the_ptxas_that_runs(tmp_path, monk
                         lambda arch=80: f"{BANNER}\nCuda compilation tools, release 12.8")
     monkeypatch.setattr(nvidia, "get_ptxas", lambda arch: t.SimpleNamespace(path=str(tool)))
     assert P.keys_name_current_ptxas(90) is expected
+
+
+def _idle_pool(monkeypatch, script: str, workers: int = 1):
+    """A pool whose worker processes run `script` instead of the compile loop."""
+    import sys
+    monkeypatch.setattr(P.CompilePool, "command", (sys.executable, "-c", script))
+    return P.CompilePool(workers, SM90)
+
+
+def test_a_hung_worker_costs_the_wait_its_time_limit_and_close_ends_it(monkeypatch):
+    """A worker that never answers (a hung compile) must not hang the start-up: its compile counts as failed (the
+    kernel then compiles at its launch) and `close` kills it."""
+    import time
+    pool = _idle_pool(monkeypatch, "import time; time.sleep(600)")
+    pool.submit("ember.kernels.rms_norm", "_rms_norm_kernel", "{}")
+    pool.submit("ember.kernels.rms_norm", "_rms_norm_kernel", "{}")
+    t0 = time.monotonic()
+    assert pool.wait(timeout=1.0) == (0, 2)
+    assert time.monotonic() - t0 < 5
+    assert pool.errors == ["no answer within 1 s"] * 2
+    procs = list(pool._procs)
+    t0 = time.monotonic()
+    pool.close(grace=0.5)
+    assert time.monotonic() - t0 < 10
+    assert procs and all(p.poll() is not None for p in procs)
+    with pytest.raises(RuntimeError, match="closed"):
+        pool.submit("ember.kernels.rms_norm", "_rms_norm_kernel", "{}")
+
+
+def test_a_worker_that_exits_is_reported_and_no_worker_starts_after_close(monkeypatch):
+    pool = _idle_pool(monkeypatch, "pass")
+    pool.submit("ember.kernels.rms_norm", "_rms_norm_kernel", "{}")
+    assert pool.wait(timeout=60) == (0, 1)
+    assert "exited with code 0" in pool.errors[0]
+    pool.close()
+    started = len(pool._procs)
+    with pytest.raises(RuntimeError, match="closed"):
+        pool._process()          # this thread has no worker yet: it would start one, were the pool open
+    assert len(pool._procs) == started
+
+
+def test_the_start_up_starts_no_more_workers_than_cpus(monkeypatch, caplog):
+    """`triton_compile_workers` above the CPUs the process may use is cut to them, with a warning naming it."""
+    from ember.runner import warmup
+    from ember.kernels import triton_key
+    monkeypatch.setattr(triton_key, "pin_ptxas", lambda: None)
+    monkeypatch.setattr(triton_key, "pin_libdevice", lambda: None)
+    monkeypatch.setattr(warmup, "usable_cpus", lambda: 3)
+    monkeypatch.setattr(warmup, "_marker", lambda runner: __import__("pathlib").Path("/nonexistent/marker"))
+    monkeypatch.setattr(P, "current_target", lambda: ("cpu", 0, 1))
+    started = []
+
+    class Stop(Exception):
+        pass
+
+    def pool(workers, target):
+        started.append(workers)
+        raise Stop
+    monkeypatch.setattr(P, "CompilePool", pool)
+    monkeypatch.setattr(warmup, "_dry_steps", lambda runner: [])
+    compile_config = types.SimpleNamespace(triton_compile_workers=64)
+    runner = types.SimpleNamespace(device=types.SimpleNamespace(type="cuda"), compile_stats=None,
+                                   config=types.SimpleNamespace(compile=compile_config))
+    with caplog.at_level("WARNING", logger="ember"), pytest.raises(Stop):
+        warmup.precompile(runner)
+    assert started == [3]
+    assert "triton_compile_workers 64 is more than the 3 CPUs" in caplog.text
