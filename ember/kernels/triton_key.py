@@ -109,24 +109,6 @@ def pin_ptxas() -> None:
         os.environ["TRITON_PTXAS_PATH"] = str(ptxas)
 
 
-def pin_libdevice() -> None:
-    """Apply torch's Inductor rule for the libdevice Triton links (`_set_triton_libdevice_path`: the CUDA toolkit's
-    in place of Triton's bundled one, under Inductor's numerics settings) before this start-up's first Triton
-    compile, where Inductor is loaded. Inductor applies it only when it compiles a kernel of its own, which a cold
-    start does and a warm start, loading its artifacts, does not; the path is in the options Triton keys its cache
-    with (`extern_libs`), so the kernels that call libdevice (the sampler's) were keyed one way in a cold start and
-    its compile workers and another way in the warm start after it, which compiled them again."""
-    if "torch._inductor" not in sys.modules:     # no Inductor in this process: nothing will change the path
-        return
-    try:
-        from torch._inductor.runtime import compile_tasks
-    except ImportError:
-        return
-    setter = getattr(compile_tasks, "_set_triton_libdevice_path", None)
-    if callable(setter):
-        setter()
-
-
 def order_dependency_hashes() -> bool:
     """Make the source hash Triton computes for each of ember's @triton.jit functions (`JITFunction.cache_key`, part
     of every cache key of the kernel) the same in every process, whatever that process ran before.

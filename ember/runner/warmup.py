@@ -242,9 +242,9 @@ def precompile(runner) -> float:
     launching, plus the LM head where the step's sampler would take logits, then the step sampler on its own with
     each sampling mix of the profile run and the warm-up (`_dry_sample`), then wait for the workers. The real
     steps afterwards load every kernel from Triton's cache. Returns the seconds it took beyond the model's
-    compile (which the first dry step triggers). On CUDA it first pins the ptxas and the libdevice Triton uses
-    (`triton_key.pin_ptxas`, `pin_libdevice`), with workers or not. Nothing runs (0.0) off CUDA, with 0
-    workers, or when an earlier start of the same build left its marker; kernels the dry pass misses compile where
+    compile (which the first dry step triggers). On CUDA it first pins the ptxas Triton runs
+    (`triton_key.pin_ptxas`), with workers or not. Nothing runs (0.0) off CUDA, with 0 workers, or when an
+    earlier start of the same build left its marker; kernels the dry pass misses compile where
     they first launch, as without workers."""
     from ember.kernels import precompile as P
     from ember.kernels import triton_key
@@ -252,7 +252,6 @@ def precompile(runner) -> float:
     if runner.device.type != "cuda":
         return 0.0
     triton_key.pin_ptxas()      # every CUDA start, workers or not: all starts key Triton's cache alike
-    triton_key.pin_libdevice()
     if not workers:
         return 0.0
     marker = _marker(runner)

@@ -219,27 +219,11 @@ def test_every_cuda_start_pins_ptxas_before_it_compiles_with_workers_or_without(
     from ember.runner.warmup import precompile
     pinned = []
     monkeypatch.setattr(triton_key, "pin_ptxas", lambda: pinned.append("ptxas"))
-    monkeypatch.setattr(triton_key, "pin_libdevice", lambda: pinned.append("libdevice"))
     runner = types.SimpleNamespace(device=types.SimpleNamespace(type="cuda"), config=types.SimpleNamespace(
         compile=types.SimpleNamespace(triton_compile_workers=0)))
-    assert precompile(runner) == 0.0 and pinned == ["ptxas", "libdevice"]
+    assert precompile(runner) == 0.0 and pinned == ["ptxas"]
     runner.device.type = "cpu"
-    assert precompile(runner) == 0.0 and pinned == ["ptxas", "libdevice"]
-
-
-@pytest.mark.parametrize("inductor_loaded", [True, False])
-def test_libdevice_is_pinned_by_inductors_own_rule_where_inductor_is_loaded(monkeypatch, inductor_loaded):
-    """Inductor sets the libdevice path only when it compiles a kernel of its own (a cold start, not a warm one):
-    pinning runs its rule at once, so both kinds of start key the sampler's libdevice kernels alike."""
-    import sys
-    from ember.kernels import triton_key
-    from torch._inductor.runtime import compile_tasks
-    calls = []
-    monkeypatch.setattr(compile_tasks, "_set_triton_libdevice_path", lambda: calls.append(True), raising=False)
-    if not inductor_loaded:
-        monkeypatch.delitem(sys.modules, "torch._inductor")
-    triton_key.pin_libdevice()
-    assert calls == ([True] if inductor_loaded else [])
+    assert precompile(runner) == 0.0 and pinned == ["ptxas"]
 
 
 @pytest.mark.parametrize("state", ["executable", "not executable", "missing", "variable set"])
@@ -333,7 +317,6 @@ def test_the_start_up_starts_no_more_workers_than_cpus(monkeypatch, caplog):
     from ember.runner import warmup
     from ember.kernels import triton_key
     monkeypatch.setattr(triton_key, "pin_ptxas", lambda: None)
-    monkeypatch.setattr(triton_key, "pin_libdevice", lambda: None)
     monkeypatch.setattr(warmup, "usable_cpus", lambda: 3)
     monkeypatch.setattr(warmup, "_marker", lambda runner: __import__("pathlib").Path("/nonexistent/marker"))
     monkeypatch.setattr(P, "current_target", lambda: ("cpu", 0, 1))
