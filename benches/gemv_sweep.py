@@ -3,8 +3,15 @@ CUDA graph (benches/bench_decode_linears.py), against the measured copy bandwidt
 
     PYTHONPATH=. python benches/gemv_sweep.py tiles --configs qwen3-0.6b llama-3.2-1b
     PYTHONPATH=. python benches/gemv_sweep.py crossover --configs qwen3-0.6b llama-3.2-1b llama-3.1-8b --write
+    PYTHONPATH=. python benches/gemv_sweep.py resident --configs qwen3-0.6b llama-3.2-1b llama-3.1-8b
+    PYTHONPATH=. python benches/gemv_sweep.py shapes --configs qwen3-0.6b llama-3.2-1b llama-3.1-8b
 
 `tiles`: every (programs per SM, W tile bytes, warps) at one row, the current constants first.
+`resident`: each projection alone at one row, its weights read from HBM (rotated out of L2) and from L2 (the same
+weights every call); the difference bounds what prefetching weights into L2 could save, and what is left is the
+launch's fixed cost.
+`shapes`: each projection alone at one row (weights from HBM) under every (programs per SM, W tile bytes), the
+current constants first: which launch shape each weight shape would pick on its own.
 `crossover`: each projection alone, ember's GEMV (with its fusions) against the same layer as separate kernels on
 cuBLAS, for 1..16 rows; the largest row count up to which the GEMV wins is what ember.kernels.gemv_routing stores
 (--write). `chain`: the whole step's projections at each row count, routed GEMV against torch's ops.
@@ -32,7 +39,7 @@ def _set(**constants) -> None:
 def tiles(configs, bw) -> None:
     default = dict(PROGRAMS_PER_SM=G.PROGRAMS_PER_SM, W_TILE_BYTES=G.W_TILE_BYTES, NUM_WARPS=G.NUM_WARPS)
     grid = [default] + [dict(PROGRAMS_PER_SM=p, W_TILE_BYTES=t, NUM_WARPS=w)
-                        for p, t, w in itertools.product((2, 4, 8), (8192, 16384), (4, 8))]
+                        for p, t, w in itertools.product((1, 2, 4, 8), (8192, 16384), (4, 8))]
     for name in configs:
         layers, q_dim, weight_bytes = _layers(name, torch.device("cuda"))
         x = torch.randn(1, layers[0]["qkv"].shape[1], device="cuda", dtype=torch.bfloat16)
@@ -64,14 +71,15 @@ def chain(configs, bw, rows) -> None:
         torch.cuda.empty_cache()
 
 
-def _projection_us(op, weight, m: int, l2_bytes: int, use_gemv: bool) -> float:
-    """Microseconds per call of one projection at m rows, many calls in one graph over weights rotated out of L2."""
+def _projection_us(op, weight, m: int, l2_bytes: int, use_gemv: bool, rotate: bool = True) -> float:
+    """Microseconds per call of one projection at m rows, many calls in one graph over weights rotated out of L2
+    (`rotate`), or over the same weights (read from L2 where they fit)."""
     from benches.bench_gemv import graph_us_per_call
     from benches.conftest import rotation_count
     n_rows, k = weight.shape
     gated, norm, residual = op
     n = n_rows // 2 if gated else n_rows
-    copies = rotation_count(weight.numel() * weight.element_size(), l2_bytes)
+    copies = rotation_count(weight.numel() * weight.element_size(), l2_bytes) if rotate else 1
     weights = [weight] + [torch.randn_like(weight) for _ in range(copies - 1)]
     x = torch.randn(m, k, device="cuda", dtype=weight.dtype)
     nw = torch.ones(k, device="cuda", dtype=weight.dtype) if norm else None
@@ -87,12 +95,71 @@ def _projection_us(op, weight, m: int, l2_bytes: int, use_gemv: bool) -> float:
         G.set_gemv_routing(True)
 
 
+# (gated, RMSNorm prologue, residual epilogue) of each projection, as the passes fuse them
+_OPS = {"qkv": (False, True, False), "o": (False, False, True), "gate_up": (True, True, False),
+        "down": (False, False, True)}
+
+
+def resident(configs, bw) -> None:
+    """Each projection at one row: weights from HBM against weights already in L2."""
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    for name in configs:
+        layers, _, _ = _layers(name, torch.device("cuda"))
+        for proj, op in _OPS.items():
+            weight = layers[0][proj]
+            nbytes = weight.numel() * weight.element_size()
+            hbm_us = _projection_us(op, weight, 1, l2, True)
+            l2_us = _projection_us(op, weight, 1, l2, True, rotate=False)
+            floor = 1e6 * nbytes / bw
+            fits = "fits L2" if nbytes <= l2 // 2 else "larger than half of L2"
+            print(f"resident {name} {proj} {tuple(weight.shape)} {nbytes / 1e6:.1f} MB ({fits}): HBM {hbm_us:.2f} us "
+                  f"({100 * floor / hbm_us:.0f}% of copy bandwidth, floor {floor:.2f} us)  L2 {l2_us:.2f} us",
+                  flush=True)
+        del layers
+        torch.cuda.empty_cache()
+
+
+def shapes(configs, bw, rounds: int = 2) -> None:
+    """Each projection at one row under every (programs per SM, W tile bytes), `rounds` interleaved passes: its
+    own best launch shape, against the constants (the first candidate)."""
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    default = (G.PROGRAMS_PER_SM, G.W_TILE_BYTES)
+    grid = [default] + [c for c in itertools.product((2, 4, 8), (8192, 16384)) if c != default]
+    seen: set[tuple[int, int, bool]] = set()
+    try:
+        for name in configs:
+            layers, _, _ = _layers(name, torch.device("cuda"))
+            for proj, op in _OPS.items():
+                weight = layers[0][proj]
+                key = (weight.shape[0], weight.shape[1], op[0])
+                if key in seen:
+                    continue
+                seen.add(key)
+                floor = 1e6 * weight.numel() * weight.element_size() / bw
+                times: dict[tuple[int, int], list[float]] = {c: [] for c in grid}
+                for _ in range(rounds):
+                    for pps, tile in grid:
+                        _set(PROGRAMS_PER_SM=pps, W_TILE_BYTES=tile)
+                        times[(pps, tile)].append(_projection_us(op, weight, 1, l2, True))
+                mean = {c: sum(t) / len(t) for c, t in times.items()}
+                for (pps, tile), us in mean.items():
+                    print(f"shapes {name} {proj} {tuple(weight.shape)} programs/SM {pps} tile {tile}: "
+                          f"{' / '.join(f'{t:.2f}' for t in times[(pps, tile)])} us "
+                          f"({100 * floor / us:.0f}% of copy bandwidth)", flush=True)
+                best = min(mean, key=mean.get)
+                print(f"shapes {name} {proj}: best programs/SM {best[0]} tile {best[1]}, {mean[best]:.2f} against "
+                      f"{mean[default]:.2f} us ({100 * (1 - mean[best] / mean[default]):.1f}%)", flush=True)
+            del layers
+            torch.cuda.empty_cache()
+    finally:
+        _set(PROGRAMS_PER_SM=default[0], W_TILE_BYTES=default[1])
+
+
 def crossover(configs, bw, rows, write: bool) -> None:
     """Each projection alone: the largest row count up to which the GEMV beats cuBLAS at every row count."""
     from ember.kernels import gemv_routing
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
-    ops = {"qkv": (False, True, False), "o": (False, False, True), "gate_up": (True, True, False),
-           "down": (False, False, True)}      # (gated, RMSNorm prologue, residual epilogue), as the passes fuse them
+    ops = _OPS
     found: dict[tuple[int, int, bool], int] = {}
     for name in configs:
         layers, _, _ = _layers(name, torch.device("cuda"))
@@ -128,7 +195,7 @@ def crossover(configs, bw, rows, write: bool) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("what", choices=("tiles", "crossover", "chain"))
+    p.add_argument("what", choices=("tiles", "crossover", "chain", "resident", "shapes"))
     p.add_argument("--write", action="store_true", help="crossover: store the table for ember.kernels.gemv_routing")
     p.add_argument("--configs", nargs="+", default=["qwen3-0.6b", "llama-3.2-1b"])
     p.add_argument("--rows", type=int, nargs="+", default=list(range(1, G.GEMV_MAX_M + 1)))
@@ -138,6 +205,10 @@ def main() -> None:
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s")
     if args.what == "tiles":
         tiles(args.configs, bw)
+    elif args.what == "shapes":
+        shapes(args.configs, bw)
+    elif args.what == "resident":
+        resident(args.configs, bw)
     elif args.what == "chain":
         chain(args.configs, bw, args.rows)
     else:
