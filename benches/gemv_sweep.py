@@ -100,23 +100,33 @@ _OPS = {"qkv": (False, True, False), "o": (False, False, True), "gate_up": (True
         "down": (False, False, True)}
 
 
-def resident(configs, bw) -> None:
-    """Each projection at one row: weights from HBM against weights already in L2."""
-    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+def _projections(configs):
+    """(config name, projection, (gated, norm, residual), weight) for each distinct weight shape of the configs, one
+    config's layers alive at a time."""
+    seen: set[tuple[int, int, bool]] = set()
     for name in configs:
         layers, _, _ = _layers(name, torch.device("cuda"))
         for proj, op in _OPS.items():
             weight = layers[0][proj]
-            nbytes = weight.numel() * weight.element_size()
-            hbm_us = _projection_us(op, weight, 1, l2, True)
-            l2_us = _projection_us(op, weight, 1, l2, True, rotate=False)
-            floor = 1e6 * nbytes / bw
-            fits = "fits L2" if nbytes <= l2 // 2 else "larger than half of L2"
-            print(f"resident {name} {proj} {tuple(weight.shape)} {nbytes / 1e6:.1f} MB ({fits}): HBM {hbm_us:.2f} us "
-                  f"({100 * floor / hbm_us:.0f}% of copy bandwidth, floor {floor:.2f} us)  L2 {l2_us:.2f} us",
-                  flush=True)
-        del layers
+            key = (weight.shape[0], weight.shape[1], op[0])
+            if key not in seen:
+                seen.add(key)
+                yield name, proj, op, weight
+        del layers, weight
         torch.cuda.empty_cache()
+
+
+def resident(configs, bw) -> None:
+    """Each projection at one row: weights from HBM against weights already in L2."""
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    for name, proj, op, weight in _projections(configs):
+        nbytes = weight.numel() * weight.element_size()
+        hbm_us = _projection_us(op, weight, 1, l2, True)
+        l2_us = _projection_us(op, weight, 1, l2, True, rotate=False)
+        floor = 1e6 * nbytes / bw
+        fits = "fits L2" if nbytes <= l2 // 2 else "larger than half of L2"
+        print(f"resident {name} {proj} {tuple(weight.shape)} {nbytes / 1e6:.1f} MB ({fits}): HBM {hbm_us:.2f} us "
+              f"({100 * floor / hbm_us:.0f}% of copy bandwidth, floor {floor:.2f} us)  L2 {l2_us:.2f} us", flush=True)
 
 
 def shapes(configs, bw, rounds: int = 2) -> None:
@@ -125,32 +135,22 @@ def shapes(configs, bw, rounds: int = 2) -> None:
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     default = (G.PROGRAMS_PER_SM, G.W_TILE_BYTES)
     grid = [default] + [c for c in itertools.product((2, 4, 8), (8192, 16384)) if c != default]
-    seen: set[tuple[int, int, bool]] = set()
     try:
-        for name in configs:
-            layers, _, _ = _layers(name, torch.device("cuda"))
-            for proj, op in _OPS.items():
-                weight = layers[0][proj]
-                key = (weight.shape[0], weight.shape[1], op[0])
-                if key in seen:
-                    continue
-                seen.add(key)
-                floor = 1e6 * weight.numel() * weight.element_size() / bw
-                times: dict[tuple[int, int], list[float]] = {c: [] for c in grid}
-                for _ in range(rounds):
-                    for pps, tile in grid:
-                        _set(PROGRAMS_PER_SM=pps, W_TILE_BYTES=tile)
-                        times[(pps, tile)].append(_projection_us(op, weight, 1, l2, True))
-                mean = {c: sum(t) / len(t) for c, t in times.items()}
-                for (pps, tile), us in mean.items():
-                    print(f"shapes {name} {proj} {tuple(weight.shape)} programs/SM {pps} tile {tile}: "
-                          f"{' / '.join(f'{t:.2f}' for t in times[(pps, tile)])} us "
-                          f"({100 * floor / us:.0f}% of copy bandwidth)", flush=True)
-                best = min(mean, key=mean.get)
-                print(f"shapes {name} {proj}: best programs/SM {best[0]} tile {best[1]}, {mean[best]:.2f} against "
-                      f"{mean[default]:.2f} us ({100 * (1 - mean[best] / mean[default]):.1f}%)", flush=True)
-            del layers
-            torch.cuda.empty_cache()
+        for name, proj, op, weight in _projections(configs):
+            floor = 1e6 * weight.numel() * weight.element_size() / bw
+            times: dict[tuple[int, int], list[float]] = {c: [] for c in grid}
+            for _ in range(rounds):
+                for pps, tile in grid:
+                    _set(PROGRAMS_PER_SM=pps, W_TILE_BYTES=tile)
+                    times[(pps, tile)].append(_projection_us(op, weight, 1, l2, True))
+            mean = {c: sum(t) / len(t) for c, t in times.items()}
+            for (pps, tile), us in mean.items():
+                print(f"shapes {name} {proj} {tuple(weight.shape)} programs/SM {pps} tile {tile}: "
+                      f"{' / '.join(f'{t:.2f}' for t in times[(pps, tile)])} us "
+                      f"({100 * floor / us:.0f}% of copy bandwidth)", flush=True)
+            best = min(mean, key=mean.get)
+            print(f"shapes {name} {proj}: best programs/SM {best[0]} tile {best[1]}, {mean[best]:.2f} against "
+                  f"{mean[default]:.2f} us ({100 * (1 - mean[best] / mean[default]):.1f}%)", flush=True)
     finally:
         _set(PROGRAMS_PER_SM=default[0], W_TILE_BYTES=default[1])
 
@@ -159,32 +159,23 @@ def crossover(configs, bw, rows, write: bool) -> None:
     """Each projection alone: the largest row count up to which the GEMV beats cuBLAS at every row count."""
     from ember.kernels import gemv_routing
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
-    ops = _OPS
     found: dict[tuple[int, int, bool], int] = {}
-    for name in configs:
-        layers, _, _ = _layers(name, torch.device("cuda"))
-        for proj, op in ops.items():
-            weight = layers[0][proj]
-            key = (weight.shape[0], weight.shape[1], op[0])
-            if key in found:
-                continue
-            best, losses = 0, 0
-            for m in rows:
-                gemv_us = _projection_us(op, weight, m, l2, True)
-                torch_us = _projection_us(op, weight, m, l2, False)
-                floor = 1e6 * weight.numel() * weight.element_size() / bw
-                print(f"crossover {name} {proj} {tuple(weight.shape)} M={m} gemv {gemv_us:.2f} us "
-                      f"({100 * floor / gemv_us:.0f}%)  cublas {torch_us:.2f} us ({100 * floor / torch_us:.0f}%)",
-                      flush=True)
-                if gemv_us < torch_us and losses == 0:
-                    best = m
-                losses += gemv_us >= torch_us
-                if losses >= 2:
-                    break
-            found[key] = best
-            print(f"crossover {name} {proj}: GEMV up to {best} rows")
-        del layers
-        torch.cuda.empty_cache()
+    for name, proj, op, weight in _projections(configs):
+        best, losses = 0, 0
+        for m in rows:
+            gemv_us = _projection_us(op, weight, m, l2, True)
+            torch_us = _projection_us(op, weight, m, l2, False)
+            floor = 1e6 * weight.numel() * weight.element_size() / bw
+            print(f"crossover {name} {proj} {tuple(weight.shape)} M={m} gemv {gemv_us:.2f} us "
+                  f"({100 * floor / gemv_us:.0f}%)  cublas {torch_us:.2f} us ({100 * floor / torch_us:.0f}%)",
+                  flush=True)
+            if gemv_us < torch_us and losses == 0:
+                best = m
+            losses += gemv_us >= torch_us
+            if losses >= 2:
+                break
+        found[(weight.shape[0], weight.shape[1], op[0])] = best
+        print(f"crossover {name} {proj}: GEMV up to {best} rows")
     if write:
         table = dict(command="PYTHONPATH=. python benches/gemv_sweep.py crossover --write",
                      device=torch.cuda.get_device_name(0), torch=torch.__version__,
