@@ -13,8 +13,10 @@ API:
     InputSpec: ("param", name) | ("input", index) | ("size", input_index, dim)
 
 Layout of a store, one per cache key: `split.pkl` (the split graph: which piece or attention call runs, in order,
-with which values), `piece-<g>.bin` (torch's standalone-compile artifact of distinct piece g, Triton/C++ kernels
-included), `manifest.json` (piece -> group, the graph inputs, a SHA-256 of every file). A save is complete only
+with which values), `piece-<g>.bin` (distinct piece g: torch's standalone-compile artifact, Triton/C++ kernels
+included, or, for a plain piece, its pickled FX graph; ember.graphs.plain_pieces), `manifest.json` (piece -> group,
+which pieces are plain, the graph inputs, a SHA-256 of every file). A store whose pieces are all plain loads without
+importing dynamo or Inductor. A save is complete only
 once the manifest exists; a file whose size or hash differs from the manifest makes `load` warn and return None, so
 the caller compiles again.
 
@@ -46,7 +48,7 @@ from ember.kernels.triton_key import pin_cache_dir
 logger = logging.getLogger("ember")
 
 MANIFEST = "manifest.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 
 def compile_cache_dir(cache_key: str, cache_root: Path | str | None = None) -> Path:
@@ -156,6 +158,7 @@ class ArtifactStore:
             name = f"piece-{g}.bin"
             artifact.save(path=str(self.directory / name), format="binary")
             files[name] = _sha256(self.directory / name)
+        plain = [_is_plain(a) for a in artifacts]
         # the pieces' own graphs are not needed to run (their artifacts replace them): pickle placeholders
         saved = {name: split._modules[name] for name in pieces}
         try:
@@ -167,9 +170,18 @@ class ArtifactStore:
         _atomic_write(self.directory / "split.pkl", data)
         files["split.pkl"] = _sha256(self.directory / "split.pkl")
         manifest = {"version": FORMAT_VERSION, "pieces": dict(zip(pieces, groups)), "num_groups": len(artifacts),
-                    "single_output": list(single_output),
+                    "single_output": list(single_output), "plain": plain,
                     "inputs": [list(spec) for spec in inputs], "files": files}
         _atomic_write(self.directory / MANIFEST, json.dumps(manifest, indent=1).encode())
+
+    def plain_only(self) -> bool:
+        """Whether a saved entry exists and every piece of it is a plain FX graph (its load then needs no
+        Inductor)."""
+        try:
+            plain = json.loads((self.directory / MANIFEST).read_text()).get("plain")
+        except (OSError, ValueError):
+            return False
+        return isinstance(plain, list) and bool(plain) and all(p is True for p in plain)
 
     def load(self) -> LoadedGraph | None:
         """The saved graph and artifacts, or None: silently when nothing was saved, with a warning when an entry is
@@ -190,14 +202,27 @@ class ArtifactStore:
         for name, digest in manifest["files"].items():
             if _sha256(self.directory / name) != digest:
                 raise ValueError(f"{name} does not match its recorded SHA-256 (truncated or overwritten)")
-        from torch._inductor import CompiledArtifact
+        from ember.graphs.plain_pieces import PlainPiece
         split = pickle.loads((self.directory / "split.pkl").read_bytes())
-        loaded = [CompiledArtifact.load(path=str(self.directory / f"piece-{g}.bin"), format="binary")
-                  for g in range(manifest["num_groups"])]
-        # a loaded artifact returns its outputs as a list, also where the piece returns a single value
-        loaded = [_FirstOutput(fn) if single else fn for fn, single in zip(loaded, manifest["single_output"])]
+        loaded = []
+        for g, (single, plain) in enumerate(zip(manifest["single_output"], manifest["plain"], strict=True)):
+            path = str(self.directory / f"piece-{g}.bin")
+            if plain:
+                loaded.append(PlainPiece.load(path))      # returns what the piece returns
+            else:
+                from torch._inductor import CompiledArtifact
+                # a loaded artifact returns its outputs as a list, also where the piece returns a single value
+                fn = CompiledArtifact.load(path=path, format="binary")
+                loaded.append(_FirstOutput(fn) if single else fn)
+        if len(loaded) != manifest["num_groups"]:
+            raise ValueError(f"{len(loaded)} pieces described, {manifest['num_groups']} recorded")
         pieces = {name: loaded[g] for name, g in manifest["pieces"].items()}
         return LoadedGraph(split, pieces, len(loaded), [tuple(spec) for spec in manifest["inputs"]])
+
+
+def _is_plain(artifact: Any) -> bool:
+    from ember.graphs.plain_pieces import PlainPiece
+    return isinstance(artifact, PlainPiece)
 
 
 class _FirstOutput:

@@ -169,8 +169,10 @@ class PiecewiseBackend:
 
     def __init__(self, stats: CompileStats, graph_manager: Any = None, *, dedupe: bool = True,
                  inductor_options: Mapping[str, Any] | None = None, store: ArtifactStore | None = None,
-                 describe_inputs: Callable[[torch.fx.GraphModule, list], list[InputSpec] | str] | None = None):
+                 describe_inputs: Callable[[torch.fx.GraphModule, list], list[InputSpec] | str] | None = None,
+                 plain_pieces: bool = False):
         self.stats = stats
+        self.plain_pieces = plain_pieces
         self.graph_manager = graph_manager
         self.dedupe = dedupe
         self.inductor_options = dict(inductor_options or {})
@@ -193,7 +195,7 @@ class PiecewiseBackend:
         # parameters, which dynamo never saw, get static shapes like the traced ones (not symbols of their own)
         fake_args = [fake_mode.from_tensor(a, static_shapes=i >= num_cut_inputs) if isinstance(a, torch.Tensor)
                      else a for i, a in enumerate(example_inputs)]
-        compiler = _PieceCompiler(split, pieces, self.dedupe, self.inductor_options)
+        compiler = _PieceCompiler(split, pieces, self.dedupe, self.inductor_options, self.plain_pieces)
         compiled = compiler.compile(fake_mode, fake_args)
         seconds = time.perf_counter() - start
         if self.store is not None:
@@ -205,7 +207,8 @@ class PiecewiseBackend:
         self.stats.num_attention_splits += len(attention)
         self.stats.backend_seconds += seconds
         self.split_module = split
-        logger.info("%d pieces, %d distinct, compiled in %.1f s", len(pieces), len(compiler.artifacts), seconds)
+        logger.info("%d pieces, %d distinct (%d as plain FX graphs, %d by Inductor), compiled in %.1f s", len(pieces),
+                    len(compiler.artifacts), compiler.num_plain, len(compiler.artifacts) - compiler.num_plain, seconds)
         if specs is not None:   # dynamo calls this with the cut model's inputs; the further layers' go last
             return WithLayerInputs(split, example_inputs[num_cut_inputs:])
         return split
@@ -240,11 +243,13 @@ class _PieceCompiler(torch.fx.Interpreter):
     pieces are most of its nodes, at about a millisecond a node)."""
 
     def __init__(self, split: torch.fx.GraphModule, pieces: Sequence[str], dedupe: bool,
-                 inductor_options: Mapping[str, Any]):
+                 inductor_options: Mapping[str, Any], plain_pieces: bool = False):
         super().__init__(split)
         self.pieces = set(pieces)
         self.dedupe = dedupe
         self.inductor_options = inductor_options
+        self.plain_pieces = plain_pieces
+        self.num_plain = 0
         self.compiled: dict[str, Callable] = {}
         self.groups: dict[str, int] = {}          # piece name -> group index
         self.artifacts: list[Any] = []            # group index -> compiled code
@@ -266,12 +271,29 @@ class _PieceCompiler(torch.fx.Interpreter):
         if group is None:
             out = super().call_module(target, args, kwargs)
             group = self._by_signature[signature] = len(self.artifacts)
-            self.artifacts.append(_compile_piece(piece, list(args), self.inductor_options))
+            self.artifacts.append(self._compile(piece, list(args)))
             self.single_output.append(isinstance(piece.graph.output_node().args[0], torch.fx.Node))
             self._outputs.append(out)
         self.groups[target] = group
         self.compiled[target] = self.artifacts[group]
         return self._outputs[group]
+
+
+    def _compile(self, piece: torch.fx.GraphModule, args: list) -> Callable:
+        """The piece as a plain FX graph where nothing is left in it for Inductor (ember.graphs.plain_pieces), else
+        Inductor's code; the fusion passes' counts go to the pipeline either way."""
+        fusion = self.inductor_options.get("post_grad_custom_post_pass")
+        if self.plain_pieces:
+            from ember.graphs.plain_pieces import plain_piece
+            plain, counts = plain_piece(piece, args, getattr(fusion, "disabled", ()))
+            if plain is not None:
+                self.num_plain += 1
+                if fusion is not None:
+                    fusion.num_graphs += 1
+                    for name, found in counts.items():
+                        fusion.counts[name] += found
+                return plain
+        return _compile_piece(piece, args, self.inductor_options)
 
 
 def _compile_piece(piece: torch.fx.GraphModule, args: list, inductor_options: Mapping[str, Any]) -> Callable:
@@ -300,26 +322,41 @@ class CompiledModel:
 
     def __init__(self, model: nn.Module, *, cache_key: str | None = None, cache_root: Path | str | None = None,
                  graph_manager: Any = None, disabled_fusions: tuple[str, ...] = (), dedupe: bool = True,
-                 inductor_options: Mapping[str, Any] | None = None, use_artifacts: bool = True):
-        from ember.graphs.passes.pipeline import FusionPipeline
+                 inductor_options: Mapping[str, Any] | None = None, use_artifacts: bool = True,
+                 plain_pieces: bool = True):
+        from ember.graphs.passes.registry import PASSES, check_pass_names, passes_digest
         self.model = model
         self.stats = CompileStats()
-        self.fusion = FusionPipeline(disabled_fusions)
-        # Inductor runs the fusion passes (ember.graphs.passes) on each piece's post-grad graph
-        inductor_options = {"post_grad_custom_post_pass": self.fusion, **(inductor_options or {})}
-        passes = self.fusion.uuid().hex()[:8]
-        self.cache_dir = compile_cache_dir(f"{cache_key or _model_fingerprint(model)}-{passes}", cache_root)
+        self.disabled_fusions = check_pass_names(disabled_fusions)
+        self._fusion = None
+        self._inductor_options = dict(inductor_options or {})
+        passes = passes_digest(n for n in PASSES if n not in self.disabled_fusions).hex()[:8]
+        # plain pieces (ember.graphs.plain_pieces) change what a cold start saves: an entry of their own
+        key = f"{cache_key or _model_fingerprint(model)}-{passes}{'-plain' if plain_pieces else ''}"
+        self.cache_dir = compile_cache_dir(key, cache_root)
         self.stats.cache_dir = str(self.cache_dir)
         self.graph_manager = graph_manager
         self.store = ArtifactStore(self.cache_dir) if use_artifacts else None
         self._call_inputs: tuple[torch.Tensor, ...] = ()
         self._arity: int | None = None          # how many inputs the first call had; every call must have as many
-        self.backend = PiecewiseBackend(self.stats, graph_manager, dedupe=dedupe, inductor_options=inductor_options,
-                                        store=self.store, describe_inputs=self._describe_inputs)
+        self.backend = PiecewiseBackend(self.stats, graph_manager, dedupe=dedupe, inductor_options=None,
+                                        store=self.store, describe_inputs=self._describe_inputs,
+                                        plain_pieces=plain_pieces)
         self.stamp_layers = os.environ.get("EMBER_STAMP_LAYERS", "1") != "0"
         self._compiled: Callable | None = None   # the dynamo frame, made when a trace is needed (not on a load)
         self.split_module: torch.fx.GraphModule | None = None
         self._ready = False
+
+    @property
+    def fusion(self):
+        """The fusion passes with their match counts (ember.graphs.passes.pipeline; made when first needed, since
+        it imports Inductor, which a start from plain pieces never does)."""
+        if self._fusion is None:
+            from ember.graphs.passes.pipeline import FusionPipeline
+            self._fusion = FusionPipeline(self.disabled_fusions)
+            # Inductor runs the fusion passes (ember.graphs.passes) on each piece's post-grad graph
+            self.backend.inductor_options = {"post_grad_custom_post_pass": self._fusion, **self._inductor_options}
+        return self._fusion
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  logits_indices: torch.Tensor | None = None) -> torch.Tensor:
@@ -388,12 +425,15 @@ class CompiledModel:
         if len(inputs) > 2 and inputs[2].shape[0] < 2:
             raise ValueError(f"the first call of a compiled model compiles it and needs at least 2 logits_indices, "
                              f"got {inputs[2].shape[0]}; warm up with more requests")
+        start = time.perf_counter()
+        if self.store is not None and self.store.plain_only() and self._load():
+            # every piece is a plain FX graph: neither dynamo nor Inductor is imported
+            return self._finish(inputs, start, {}, self._compiled(*inputs))
         from torch.fx.experimental import _config as shapes_config
         from torch._dynamo.utils import counters
         keys = [("inductor", "fxgraph_cache_hit"), ("inductor", "fxgraph_cache_miss"),
                 ("aot_autograd", "autograd_cache_hit"), ("aot_autograd", "autograd_cache_miss")]
         before = {k: counters[g][k] for g, k in keys}
-        start = time.perf_counter()
         with inductor_cache_scope(self.cache_dir):
             if self._load():
                 out = self._compiled(*inputs)
@@ -403,6 +443,7 @@ class CompiledModel:
                 for extra in inputs[2:]:
                     torch._dynamo.mark_dynamic(extra, 0)
                 self._call_inputs = inputs
+                self.fusion   # noqa: B018  (made now: the backend hands it to Inductor)
                 try:
                     # the tail's row count must keep a symbol of its own even where it equals the token count
                     with shapes_config.patch(use_duck_shape=len(inputs) == 2):
@@ -414,9 +455,12 @@ class CompiledModel:
                     # dynamo keeps the traced split module as a global of this module for the life of the process;
                     # what it calls (compiled pieces, their PIECEWISE graphs) goes when this compiled model does
                     weakref.finalize(self, uninstall_pieces, self.split_module)
+        return self._finish(inputs, start, {k: counters[g][k] - before[k] for g, k in keys}, out)
+
+    def _finish(self, inputs: tuple, start: float, cache_counters: dict, out: torch.Tensor | None = None):
         self.stats.seconds = time.perf_counter() - start
         self._arity = len(inputs)
-        self.stats.cache_counters = {k: counters[g][k] - before[k] for g, k in keys}
+        self.stats.cache_counters = cache_counters
         self._ready = True
         s, c = self.stats, self.stats.cache_counters
         if s.artifacts_loaded:

@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from ember.kernels.gemv import _kernel
+from ember.kernels.library import define, register_fake
 
 MAX_BLOCK = 4096          # elements of a row one program holds per pass
 ACT_BLOCK = 1024
@@ -82,3 +83,18 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
     _kernel(_silu_mul_kernel, x.device)[(x.shape[0], triton.cdiv(n, ACT_BLOCK))](
         x, out, n, x.stride(0), out.stride(0), BLOCK=ACT_BLOCK)
     return out
+
+
+@define("rms_norm")
+def rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`ember::rms_norm`: x [M, K], weight [K] -> a new [M, K], the Llama-form RMSNorm; the Triton kernel on a GPU,
+    the torch ops of the model's own norm on a CPU."""
+    if x.device.type == "cpu":
+        x32 = x.float()
+        return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return rms_norm(x, weight, eps)
+
+
+@register_fake("rms_norm")
+def _rms_norm_fake(x, weight, eps):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)

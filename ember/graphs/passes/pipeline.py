@@ -2,37 +2,14 @@
 
 from __future__ import annotations
 
-import hashlib
-import inspect
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.fx import Graph
 
-import ember.kernels.fused_linear  # noqa: F401  (registers torch.ops.ember.fused_linear)
-import ember.kernels.qk_norm_rope  # noqa: F401  (registers torch.ops.ember.qk_norm_rope)
-from ember.graphs.passes import gated_epilogue, match, norm_prologue, qk_norm_rope, residual_epilogue
+from ember.graphs.passes.registry import PASSES, check_pass_names, passes_digest
 
-# in the order they run: the epilogue passes also extend linears that an earlier pass already fused
-PASSES: dict[str, Callable[[Graph], int]] = {
-    norm_prologue.NAME: norm_prologue.fuse_rms_norm_prologue,
-    gated_epilogue.NAME: gated_epilogue.fuse_silu_mul_epilogue,
-    residual_epilogue.NAME: residual_epilogue.fuse_residual_epilogue,
-    qk_norm_rope.NAME: qk_norm_rope.fuse_qk_norm_rope,
-}
-_SOURCES = (match, norm_prologue, gated_epilogue, residual_epilogue, qk_norm_rope, ember.kernels.fused_linear,
-            ember.kernels.qk_norm_rope)
-
-
-def check_pass_names(names: Iterable[str]) -> tuple[str, ...]:
-    """The names, validated against the known passes ("all" stands for every pass)."""
-    names = tuple(names)
-    if "all" in names:
-        return tuple(PASSES)
-    unknown = [n for n in names if n not in PASSES]
-    if unknown:
-        raise ValueError(f"fusion pass {unknown[0]!r} is not known; known passes: {list(PASSES)} (or 'all')")
-    return names
+__all__ = ["PASSES", "FusionPipeline", "check_pass_names"]
 
 
 class FusionPipeline(CustomGraphPass):
@@ -58,10 +35,7 @@ class FusionPipeline(CustomGraphPass):
 
     def uuid(self) -> bytes:
         """Part of Inductor's cache key: the passes' code and which of them run."""
-        digest = hashlib.sha256(",".join(self.enabled).encode())
-        for module in _SOURCES:
-            digest.update(inspect.getsource(module).encode())
-        return digest.digest()
+        return passes_digest(self.enabled)
 
     def summary(self, num_cached: int = 0) -> str:
         """One line for the start-up log: matches per pass over the graphs compiled now (`num_cached` more came
