@@ -55,6 +55,7 @@ from ember.graphs.artifacts import compile_cache_key  # noqa: F401  (part of thi
 from ember.graphs.layer_stamp import (TRACED_LAYERS, StampPlan, WithLayerInputs, cut_layers, stamp_failure,
                                       stamp_plan, stamped_graph)
 from ember.graphs.piece_dedupe import piece_signature
+from ember.kernels.triton_key import pin_cache_dir
 
 logger = logging.getLogger("ember")
 
@@ -426,6 +427,7 @@ class CompiledModel:
             raise ValueError(f"the first call of a compiled model compiles it and needs at least 2 logits_indices, "
                              f"got {inputs[2].shape[0]}; warm up with more requests")
         start = time.perf_counter()
+        pin_cache_dir()    # Triton's cache folder stays where it is, whether or not Inductor comes in
         if self.store is not None and self.store.plain_only() and self._load():
             # every piece is a plain FX graph: neither dynamo nor Inductor is imported
             return self._finish(inputs, start, {}, self._compiled(*inputs))
