@@ -196,3 +196,17 @@ def save_tiny_llama(path) -> str:
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(path)
     return str(path)
+
+
+def tiny_model_step(family: str, dtype, seed: int | None = None):
+    """A random tiny model of `family` and one step over it: (model, ids [5], positions, ForwardContext) for two
+    requests of 3 and 2 tokens on the torch_ref backend (run the model inside `forward_context(context)`)."""
+    from ember.models.loader import random_model
+    if seed is not None:
+        torch.manual_seed(seed)
+    model = random_model(tiny_config(family), dtype)
+    harness = ModelHarness(model, 2, dtype=dtype)
+    common, positions = harness._metadata([(0, [1, 2, 3]), (1, [4, 5])])
+    ids = torch.tensor([1, 2, 3, 4, 5])
+    context = ForwardContext(layers=harness.layers, attn_metadata=(harness.builder.build(common),))
+    return model, ids, positions, context

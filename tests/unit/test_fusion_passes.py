@@ -9,13 +9,12 @@ import pytest
 import torch
 from torch import nn
 
-from ember.attention_backends.op import ForwardContext, forward_context
+from ember.attention_backends.op import forward_context
 from ember.graphs.passes.pipeline import PASSES, FusionPipeline, check_pass_names
 from ember.kernels.gemv import linear
 from ember.models.layers.activation import SiluAndMul
 from ember.models.layers.norm import RMSNorm
-from ember.models.loader import random_model
-from tests.helpers.model_harness import ModelHarness, tiny_config
+from tests.helpers.model_harness import tiny_model_step
 from tests.helpers.post_grad import count_calls, post_grad_graph
 
 FUSED = torch.ops.ember.fused_linear.default
@@ -123,12 +122,7 @@ def test_norm_feeding_two_users_stays_for_the_other_one():
 
 
 def _model_graph(family: str, dtype):
-    model = random_model(tiny_config(family), dtype)
-    harness = ModelHarness(model, 2, dtype=dtype)
-    common, positions = harness._metadata([(0, [1, 2, 3]), (1, [4, 5])])
-    ids = torch.tensor([1, 2, 3, 4, 5])
-    context = ForwardContext(layers=harness.layers, attn_metadata=(harness.builder.build(common),))
-    return model, ids, positions, context
+    return tiny_model_step(family, dtype)
 
 
 @pytest.mark.parametrize("family,dtype", [("qwen3", torch.bfloat16), ("llama", torch.float32)],

@@ -13,29 +13,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from ember.attention_backends.op import ForwardContext, forward_context
+from ember.attention_backends.op import forward_context
 from ember.graphs.compile import CompiledModel
 from ember.graphs.plain_pieces import fuse_final_rms_norm, plain_targets
 from ember.models.layers.norm import RMSNorm
-from ember.models.loader import random_model
-from tests.helpers.model_harness import ModelHarness, tiny_config
+from tests.helpers.model_harness import tiny_model_step
 from tests.helpers.post_grad import count_calls, post_grad_graph
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _model_graph(family: str, dtype, seed: int = 0):
-    torch.manual_seed(seed)
-    model = random_model(tiny_config(family), dtype)
-    harness = ModelHarness(model, 2, dtype=dtype)
-    common, positions = harness._metadata([(0, [1, 2, 3]), (1, [4, 5])])
-    ids = torch.tensor([1, 2, 3, 4, 5])
-    context = ForwardContext(layers=harness.layers, attn_metadata=(harness.builder.build(common),))
-    return model, ids, positions, context
-
-
 def _run(family: str, root: Path, plain: bool):
-    model, ids, positions, context = _model_graph(family, torch.bfloat16)
+    model, ids, positions, context = tiny_model_step(family, torch.bfloat16, seed=0)
     compiled = CompiledModel(model, cache_key=family, cache_root=root, plain_pieces=plain)
     with torch.inference_mode(), forward_context(context):
         out = compiled(ids, positions)
