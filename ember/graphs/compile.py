@@ -1,5 +1,7 @@
 """Piecewise torch.compile: trace the forward once with a dynamic token count, split the FX graph at every
 `ember::attention` call, compile each distinct piece between with Inductor, and run attention eagerly in between.
+A piece left with nothing but ember's ops and views after the fusion passes runs as its aten graph instead, without
+Inductor (ember.graphs.plain_pieces; `plain_pieces=False` sends every piece to Inductor).
 
 API:
     resolve_compile_mode(compile_mode, device, enforce_eager=False) -> "none" | "default"
