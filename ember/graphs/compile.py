@@ -472,7 +472,7 @@ class CompiledModel:
                         s.num_pieces, s.num_distinct, s.seconds, self.cache_dir)
         else:
             logger.info("compiled the model into %d pieces (%d distinct) around %d attention calls in %.1f s "
-                        "(Inductor %.1f s); FX graph cache %d hit / %d miss, AOT autograd cache %d hit / %d miss; "
+                        "(pieces %.1f s); FX graph cache %d hit / %d miss, AOT autograd cache %d hit / %d miss; "
                         "%d artifacts saved to %s", s.num_pieces, s.num_distinct, s.num_attention_splits, s.seconds,
                         s.backend_seconds, c["fxgraph_cache_hit"], c["fxgraph_cache_miss"], c["autograd_cache_hit"],
                         c["autograd_cache_miss"], s.artifacts_saved, self.cache_dir)
