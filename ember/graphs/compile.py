@@ -288,7 +288,11 @@ class _PieceCompiler(torch.fx.Interpreter):
         fusion = self.inductor_options.get("post_grad_custom_post_pass")
         if self.plain_pieces:
             from ember.graphs.plain_pieces import plain_piece
-            plain, counts = plain_piece(piece, args, getattr(fusion, "disabled", ()))
+            try:
+                plain, counts = plain_piece(piece, args, getattr(fusion, "disabled", ()))
+            except Exception as exc:   # a piece the plain trace cannot take is Inductor's, as it always was
+                logger.info("a piece goes to Inductor: its plain trace failed (%s: %s)", type(exc).__name__, exc)
+                plain, counts = None, {}
             if plain is not None:
                 self.num_plain += 1
                 if fusion is not None:

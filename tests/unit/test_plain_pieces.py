@@ -116,3 +116,17 @@ def test_a_standalone_rms_norm_becomes_one_ember_op(dtype):
     assert count_calls(gm, torch.ops.aten.rsqrt.default) == 0
     assert all(n.target in plain_targets() for n in gm.graph.nodes if n.op == "call_function")
     torch.testing.assert_close(gm(x), want, rtol=0, atol=0)
+
+
+def test_a_piece_the_plain_trace_cannot_take_goes_to_inductor(tmp_path, monkeypatch, caplog):
+    import ember.graphs.plain_pieces as plain_pieces
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("not traceable")
+    monkeypatch.setattr(plain_pieces, "plain_piece", fail)
+    with caplog.at_level(logging.INFO, logger="ember"):
+        compiled, out = _run("qwen3", tmp_path, True)
+    assert _manifest(compiled)["plain"] == [False] * compiled.stats.num_distinct
+    assert any("plain trace failed (RuntimeError: not traceable)" in r.getMessage() for r in caplog.records)
+    _, plain_out = _run("qwen3", tmp_path / "again", True)
+    _close(out, plain_out)
