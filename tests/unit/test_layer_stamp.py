@@ -10,6 +10,7 @@ from torch._dynamo.utils import counters
 
 from ember.attention_backends.op import forward_context
 from ember.graphs import compile as C
+from ember.graphs import piecewise
 from ember.graphs import layer_stamp
 from ember.graphs.artifacts import describe_graph_inputs
 from ember.graphs.compile import CompiledModel, compile_cache_key
@@ -145,7 +146,7 @@ def test_stamped_compile_equals_eager_and_loads_warm(tmp_path, caplog):
 @pytest.fixture
 def eager_pieces(monkeypatch):
     """Pieces run as their FX graphs (no Inductor build): the fallbacks below are about the trace, not the code."""
-    monkeypatch.setattr(C, "_compile_piece", lambda piece, args, options: piece)
+    monkeypatch.setattr(piecewise, "_compile_piece", lambda piece, args, options: piece)
 
 
 @pytest.mark.parametrize("case", ["layers_differ", "stamp_fails", "switched_off", "opted_out"])
@@ -160,8 +161,8 @@ def test_fallbacks_trace_the_whole_model(eager_pieces, monkeypatch, tmp_path, ca
     else:
         monkeypatch.setattr(StampableToy, "stamp_layers_path", lambda self: None)
     seen = []
-    original = C.split_at_attention
-    monkeypatch.setattr(C, "split_at_attention", lambda gm: seen.append(gm) or original(gm))
+    original = piecewise.split_at_attention
+    monkeypatch.setattr(piecewise, "split_at_attention", lambda gm: seen.append(gm) or original(gm))
     fn = CompiledModel(model, cache_key=f"fallback-{case}", cache_root=tmp_path, use_artifacts=False)
     with caplog.at_level(logging.INFO, logger="ember"):
         got, want = run(fn, model, 16, seed=3)
@@ -221,7 +222,7 @@ def test_the_fake_run_runs_each_distinct_piece_once(eager_pieces, monkeypatch, t
     original = torch.fx.Interpreter.call_module
 
     def call_module(self, target, args, kwargs):
-        if isinstance(self, C._PieceCompiler):
+        if isinstance(self, piecewise._PieceCompiler):
             runs.append(target)
         return original(self, target, args, kwargs)
     monkeypatch.setattr(torch.fx.Interpreter, "call_module", call_module)

@@ -96,7 +96,7 @@ def test_a_damaged_plain_piece_recovers_by_recompiling(qwen3, tmp_path, caplog):
     damaged.write_bytes(damaged.read_bytes()[: damaged.stat().st_size // 2])
     with caplog.at_level(logging.WARNING, logger="ember"):
         rebuilt, out = _run("qwen3", tmp_path, True)
-    assert any("unusable" in r.getMessage() for r in caplog.records)
+    assert sum("unusable" in r.getMessage() for r in caplog.records) == 1      # one load tried, one warning
     assert rebuilt.stats.artifacts_loaded == 0 and rebuilt.stats.artifacts_saved == plain.stats.num_distinct
     torch.testing.assert_close(out, plain_out, rtol=0, atol=0)
 

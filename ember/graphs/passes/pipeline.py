@@ -33,6 +33,12 @@ class FusionPipeline(CustomGraphPass):
             graph.eliminate_dead_code()
             graph.lint()
 
+    def record(self, counts: dict[str, int]) -> None:
+        """Add the matches of a graph these passes ran over outside Inductor (a plain piece)."""
+        self.num_graphs += 1
+        for name, found in counts.items():
+            self.counts[name] += found
+
     def uuid(self) -> bytes:
         """Part of Inductor's cache key: the passes' code and which of them run."""
         return passes_digest(self.enabled)
