@@ -26,13 +26,20 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, q_weight_ptr, k_weight_ptr, cos_ptr, sin_
     """Program (token, head): head h of [q heads | k heads], read at q_ptr + t * stride_q + h * 2 * HALF (or the
     same in k for h - HQ). NORM off: rotary only (no weights read). PDL: launched as a programmatic dependent
     (`ember.kernels.pdl`)."""
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     d = tl.arange(0, HALF)
     is_q = h < HQ
+    # the weights and the rotary rows (gathered before the step's first layer) before the PDL wait, q and k after
+    w_ptr = tl.where(is_q, q_weight_ptr, k_weight_ptr)
+    if NORM:
+        w1 = tl.load(w_ptr + d).to(tl.float32)
+        w2 = tl.load(w_ptr + HALF + d).to(tl.float32)
+    cos = tl.load(cos_ptr + t * stride_cos + d)
+    sin = tl.load(sin_ptr + t * stride_sin + d)
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     src = tl.where(is_q, q_ptr + t * stride_q + h * (2 * HALF), k_ptr + t * stride_k + (h - HQ) * (2 * HALF))
     x1 = tl.load(src + d)
     x2 = tl.load(src + HALF + d)
@@ -41,13 +48,10 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, q_weight_ptr, k_weight_ptr, cos_ptr, sin_
     if NORM:
         sum_sq = tl.reduce(n1 * n1 + n2 * n2, 0, tl.standard._sum_combine)
         rstd = tl.math.rsqrt(sum_sq / (2 * HALF) + eps)
-        w_ptr = tl.where(is_q, q_weight_ptr, k_weight_ptr)
-        w1 = tl.load(w_ptr + d).to(tl.float32)
-        w2 = tl.load(w_ptr + HALF + d).to(tl.float32)
         n1 = (w1 * (n1 * rstd).to(x1.dtype).to(tl.float32)).to(x1.dtype).to(tl.float32)
         n2 = (w2 * (n2 * rstd).to(x1.dtype).to(tl.float32)).to(x1.dtype).to(tl.float32)
-    cos = tl.load(cos_ptr + t * stride_cos + d).to(x1.dtype).to(tl.float32)
-    sin = tl.load(sin_ptr + t * stride_sin + d).to(x1.dtype).to(tl.float32)
+    cos = cos.to(x1.dtype).to(tl.float32)
+    sin = sin.to(x1.dtype).to(tl.float32)
     out1 = (n1 * cos).to(x1.dtype).to(tl.float32) - (n2 * sin).to(x1.dtype).to(tl.float32)
     out2 = (n2 * cos).to(x1.dtype).to(tl.float32) + (n1 * sin).to(x1.dtype).to(tl.float32)
     dst = tl.where(is_q, q_out_ptr + (t * HQ + h) * (2 * HALF), k_out_ptr + (t * HKV + h - HQ) * (2 * HALF))

@@ -53,17 +53,23 @@ def unified_attention_kernel(
     NEW_KV: tl.constexpr = False, PDL: tl.constexpr = False, ROPE: tl.constexpr = False,
     QK_NORM: tl.constexpr = False,
 ):
-    if PDL:   # launched as a programmatic dependent (ember.kernels.pdl)
-        gdc_wait()
-        gdc_launch_dependents()
+    # Launched as a programmatic dependent (PDL, ember.kernels.pdl), a program reads the step's metadata (query
+    # starts, lengths, slots: written before the step's first layer, so complete by the time this kernel starts)
+    # before it waits for the kernel before it, and only q and the new keys and values after. A program that
+    # leaves early waits first all the same: the kernel after this one must not start before the one before it
+    # has finished, which holds only if this kernel's completion implies that one's.
     kv_head = tl.program_id(1)
     seq, q_block, valid = locate_query_block(tl.program_id(0), query_start_loc_ptr, num_decodes_ptr, num_seqs,
                                              BLOCK_Q, MODE, LIMIT_DECODES)
     if not valid:
+        if PDL:
+            gdc_wait()
         return
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     if q_block * BLOCK_Q >= q_len:  # padding request, or a block past this request's queries
+        if PDL:
+            gdc_wait()
         return
     seq_len = tl.load(seq_lens_ptr + seq)
     context_len = seq_len - q_len
@@ -101,6 +107,8 @@ def unified_attention_kernel(
             tiles_per_segment = hi - lo
         seg_lo = lo + tl.program_id(2) * tiles_per_segment
         if seg_lo >= hi:  # segment past the sequence's end
+            if PDL:
+                gdc_wait()
             return
         seg_hi = tl.minimum(seg_lo + tiles_per_segment, hi)
     # the loops read cached keys [0, kv_len); segments keep the split above (the reduce recomputes it)
@@ -118,6 +126,9 @@ def unified_attention_kernel(
     else:
         hi_loop = hi
 
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     offs_d = tl.arange(0, HEAD_PAD)
     d_ok = offs_d < HEAD_SIZE
     # the queries, loaded once this program is known to have keys to attend (a 3D launch's programs past the
@@ -233,24 +244,32 @@ def reduce_segments_kernel(
     """Combine the 3D kernel's per-segment partials of one (decode request, query head) into its output row;
     num_segments (the 3D grid's third axis) <= NUM_SEGMENTS, the combine's tile. A request of at most
     `single_tiles` KV tiles was finished by the attention kernel."""
-    if PDL:   # launched as a programmatic dependent (ember.kernels.pdl)
-        gdc_wait()
-        gdc_launch_dependents()
+    # launched as a programmatic dependent (ember.kernels.pdl): the step's metadata before the wait, the partials
+    # after it; a program that leaves early waits first (see unified_attention_kernel)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     limit = num_seqs
     if LIMIT_DECODES:
         limit = tl.load(num_decodes_ptr)
     if seq >= limit:
+        if PDL:
+            gdc_wait()
         return
     q_start = tl.load(query_start_loc_ptr + seq)
     if tl.load(query_start_loc_ptr + seq + 1) == q_start:  # padding request
+        if PDL:
+            gdc_wait()
         return
     q_pos = tl.load(seq_lens_ptr + seq) - 1
     # the segments the attention kernel wrote: same split as there, so stale scratch is never read
     lo, a, b, hi = kv_tile_bounds(q_pos, q_pos, window, TILE_N, USE_WINDOW)
     if hi - lo <= single_tiles:
+        if PDL:
+            gdc_wait()
         return
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     tiles_per_segment = cdiv(hi - lo, num_segments)
     row0 = (seq.to(tl.int64) * tl.num_programs(1) + head) * num_segments
     combine_segments(out_ptr + q_start.to(tl.int64) * stride_ot + head * stride_oh, part_out_ptr, part_max_ptr,
