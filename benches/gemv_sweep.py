@@ -4,7 +4,7 @@ CUDA graph (benches/bench_decode_linears.py), against the measured copy bandwidt
     PYTHONPATH=. python benches/gemv_sweep.py tiles --configs qwen3-0.6b llama-3.2-1b
     PYTHONPATH=. python benches/gemv_sweep.py crossover --configs qwen3-0.6b llama-3.2-1b llama-3.1-8b --write
     PYTHONPATH=. python benches/gemv_sweep.py resident --configs qwen3-0.6b llama-3.2-1b llama-3.1-8b
-    PYTHONPATH=. python benches/gemv_sweep.py shapes --configs qwen3-0.6b llama-3.2-1b llama-3.1-8b
+    PYTHONPATH=. python benches/gemv_sweep.py shapes --configs qwen3-0.6b llama-3.2-1b llama-3.1-8b [--write]
 
 `tiles`: every (programs per SM, W tile bytes, warps) at one row, the current constants first.
 `resident`: each projection alone at one row, its weights read from HBM (rotated out of L2) and from L2 (the same
@@ -129,12 +129,20 @@ def resident(configs, bw) -> None:
               f"({100 * floor / hbm_us:.0f}% of copy bandwidth, floor {floor:.2f} us)  L2 {l2_us:.2f} us", flush=True)
 
 
-def shapes(configs, bw, rounds: int = 2) -> None:
+SHAPES_MARGIN = 0.03   # a weight shape's own launch shape is stored when it takes at least this much less time
+
+
+def shapes(configs, bw, rounds: int = 2, write: bool = False) -> None:
     """Each projection at one row under every (programs per SM, W tile bytes), `rounds` interleaved passes: its
-    own best launch shape, against the constants (the first candidate)."""
-    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    own best launch shape, against the constants (the first candidate). `write`: store the shapes whose best took
+    at least SHAPES_MARGIN less time for ember.kernels.gemv_routing.launch_shape."""
+    from ember.kernels import gemv_routing
+    props = torch.cuda.get_device_properties(0)
+    l2 = props.L2_cache_size
     default = (G.PROGRAMS_PER_SM, G.W_TILE_BYTES)
     grid = [default] + [c for c in itertools.product((2, 4, 8), (8192, 16384)) if c != default]
+    stored, table_lookup = [], G.launch_shape
+    G.launch_shape = lambda *args: None      # every candidate as the constants give it, not the stored table's
     try:
         for name, proj, op, weight in _projections(configs):
             floor = 1e6 * weight.numel() * weight.element_size() / bw
@@ -151,8 +159,18 @@ def shapes(configs, bw, rounds: int = 2) -> None:
             best = min(mean, key=mean.get)
             print(f"shapes {name} {proj}: best programs/SM {best[0]} tile {best[1]}, {mean[best]:.2f} against "
                   f"{mean[default]:.2f} us ({100 * (1 - mean[best] / mean[default]):.1f}%)", flush=True)
+            if mean[best] <= (1 - SHAPES_MARGIN) * mean[default]:
+                stored.append(dict(n=weight.shape[0], k=weight.shape[1], gated=op[0], programs_per_sm=best[0],
+                                   w_tile_bytes=best[1], us=round(mean[best], 2), constants_us=round(mean[default], 2)))
     finally:
         _set(PROGRAMS_PER_SM=default[0], W_TILE_BYTES=default[1])
+        G.launch_shape = table_lookup
+    if write:
+        table = dict(command="PYTHONPATH=. python benches/gemv_sweep.py shapes --configs "
+                             + " ".join(configs) + " --write",
+                     device=props.name, num_sms=props.multi_processor_count, element_size=2, shapes=stored)
+        gemv_routing.SHAPES_PATH.write_text(json.dumps(table, indent=1) + "\n")
+        print(f"wrote {len(stored)} launch shapes to {gemv_routing.SHAPES_PATH}", flush=True)
 
 
 def crossover(configs, bw, rows, write: bool) -> None:
@@ -187,7 +205,8 @@ def crossover(configs, bw, rows, write: bool) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("what", choices=("tiles", "crossover", "chain", "resident", "shapes"))
-    p.add_argument("--write", action="store_true", help="crossover: store the table for ember.kernels.gemv_routing")
+    p.add_argument("--write", action="store_true",
+                   help="crossover, shapes: store the table for ember.kernels.gemv_routing")
     p.add_argument("--configs", nargs="+", default=["qwen3-0.6b", "llama-3.2-1b"])
     p.add_argument("--rows", type=int, nargs="+", default=list(range(1, G.GEMV_MAX_M + 1)))
     args = p.parse_args()
@@ -197,7 +216,7 @@ def main() -> None:
     if args.what == "tiles":
         tiles(args.configs, bw)
     elif args.what == "shapes":
-        shapes(args.configs, bw)
+        shapes(args.configs, bw, write=args.write)
     elif args.what == "resident":
         resident(args.configs, bw)
     elif args.what == "chain":

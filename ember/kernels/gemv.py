@@ -27,7 +27,9 @@ zero-filled buffer, no atomics, so results are deterministic).
 
 Launch parameters come from `gemv_config`, a pure function of (M, N, K, SMs, element size), not from autotuning:
 nothing is timed at run time, so the first call for a shape (before CUDA-graph capture, as the engine does) only
-compiles, and every process picks the same kernels.
+compiles, and every process picks the same kernels. At one row, a weight shape measured faster under another
+(programs per SM, W tile bytes) on a GPU of the same SM count takes that pair from a stored table
+(`gemv_routing.launch_shape`, gemv_shapes.json); the others take the constants.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ember.kernels.gemv_routing import gemv_max_rows
+from ember.kernels.gemv_routing import gemv_max_rows, launch_shape
 from ember.kernels.library import define, register_fake
 from ember.kernels.launcher import launcher
 from ember.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_options
@@ -128,6 +130,11 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, residual_ptr, norm_weight_ptr, out_ptr,
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
+    out_mask = (rows < M)[:, None] & (cols < N)[None, :]
+    if HAS_RESIDUAL and not PARTIAL:
+        # loaded now, so its latency hides behind the K loop's instead of adding to the program's tail (after the
+        # PDL wait: the residual may come from the kernel before this one)
+        residual = tl.load(residual_ptr + rows[:, None] * stride_rm + cols[None, :], mask=out_mask, other=0.0)
 
     if NORM and not PARTIAL:
         # one pass: the norm is a per-row scale, so sum x^2 beside the products and scale the sums at the end
@@ -242,7 +249,6 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, residual_ptr, norm_weight_ptr, out_ptr,
         if GATED:
             acc_up = acc_up * rstd
 
-    out_mask = (rows < M)[:, None] & (cols < N)[None, :]
     if PARTIAL:
         partial_cols = 2 * N if GATED else N
         partial_ptrs = out_ptr + (split * M + rows[:, None]) * partial_cols + cols[None, :]
@@ -257,8 +263,7 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, residual_ptr, norm_weight_ptr, out_ptr,
         if GATED:
             acc = acc / (1.0 + tl.exp(-acc)) * acc_up
         if HAS_RESIDUAL:
-            acc += tl.load(residual_ptr + rows[:, None] * stride_rm + cols[None, :], mask=out_mask,
-                           other=0.0).to(tl.float32)
+            acc += residual.to(tl.float32)
         tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),
                  mask=out_mask)
 
@@ -300,6 +305,16 @@ def _prev_pow2(n: int) -> int:
     return 1 << (max(1, n).bit_length() - 1)
 
 
+def _launch_shape(M: int, N: int, K: int, num_sms: int, element_size: int, gated: bool) -> tuple[int, int]:
+    """(programs per SM, W tile bytes) for one row of this weight shape: the measured table's entry
+    (ember.kernels.gemv_routing.launch_shape) where it has one for this GPU's SM count, else the constants."""
+    if M == 1:
+        shape = launch_shape(N * (2 if gated else 1), K, gated, num_sms, element_size)
+        if shape is not None:
+            return shape
+    return PROGRAMS_PER_SM, W_TILE_BYTES
+
+
 def gemv_config(M: int, N: int, K: int, num_sms: int, element_size: int = 2,
                 use_dot: bool | None = None, gated: bool = False) -> dict | None:
     """Launch parameters for x[M, K] @ W[N, K]^T on `num_sms` SMs, or None when M is outside 1..GEMV_MAX_M.
@@ -312,8 +327,9 @@ def gemv_config(M: int, N: int, K: int, num_sms: int, element_size: int = 2,
     if not 1 <= M <= GEMV_MAX_M:
         return None
     use_dot = M >= DOT_MIN_M if use_dot is None else use_dot
+    programs_per_sm, tile_bytes = _launch_shape(M, N, K, num_sms, element_size, gated)
     vec = 16 // element_size                       # elements of one 16-byte load
-    tile = W_TILE_BYTES // element_size            # elements of W per program per K step
+    tile = tile_bytes // element_size              # elements of W per program per K step
     min_block_k = max(vec, MIN_BLOCK_K_BYTES // element_size)
     threads = 32 * NUM_WARPS
     if use_dot:
@@ -321,7 +337,7 @@ def gemv_config(M: int, N: int, K: int, num_sms: int, element_size: int = 2,
         block_k = tile // block_n
     else:
         block_m = _next_pow2(M)
-        block_n = min(MAX_BLOCK_N, _prev_pow2(N // (PROGRAMS_PER_SM * num_sms)))
+        block_n = min(MAX_BLOCK_N, _prev_pow2(N // (programs_per_sm * num_sms)))
         block_k = tile // block_n
         if block_m * block_n * block_k > ACC_3D_REGS * threads:
             # summed every step: the [BLOCK_M, BLOCK_N, BLOCK_K] products must fit; keep the K step long
@@ -340,7 +356,7 @@ def gemv_config(M: int, N: int, K: int, num_sms: int, element_size: int = 2,
     k_steps = -(-K // block_k)
     split_k = 1
     if programs_n < num_sms and k_steps > 1:
-        split_k = min(MAX_SPLIT_K, k_steps, -(-PROGRAMS_PER_SM * num_sms // programs_n))
+        split_k = min(MAX_SPLIT_K, k_steps, -(-programs_per_sm * num_sms // programs_n))
     steps_per_split = -(-k_steps // split_k)
     split_k = -(-k_steps // steps_per_split)       # no empty split
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,

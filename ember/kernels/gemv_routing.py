@@ -16,9 +16,10 @@ import math
 import warnings
 from pathlib import Path
 
-__all__ = ["TABLE_PATH", "gemv_max_rows", "load_table"]
+__all__ = ["SHAPES_PATH", "TABLE_PATH", "gemv_max_rows", "launch_shape", "load_shapes", "load_table"]
 
 TABLE_PATH = Path(__file__).with_name("gemv_crossover.json")
+SHAPES_PATH = Path(__file__).with_name("gemv_shapes.json")
 FALLBACK_MAX_ROWS = 1
 
 
@@ -52,3 +53,39 @@ def gemv_max_rows(n: int, k: int, gated: bool, table: tuple | None = None) -> in
     same = [key for key in entries if key[2] == gated] or list(entries)
     nearest = min(same, key=lambda key: (abs(math.log(key[0] * key[1]) - size), key))
     return entries[nearest]
+
+
+# ---- launch shapes ----------------------------------------------------------------------------------------------
+# One-row launch shapes that beat the GEMV's constants for a weight shape, written on an H100 by
+#
+#     PYTHONPATH=. python benches/gemv_sweep.py shapes --configs qwen3-0.6b llama-3.2-1b llama-3.1-8b --write
+#
+# (each projection alone, weights rotated out of L2, under every (programs per SM, W tile bytes); a shape is stored
+# where its best pair took at least `shapes`' margin less time than the constants). An entry holds for GPUs of the
+# SM count it was measured on; EMBER_GEMV_SHAPES=0 leaves every shape on the constants.
+
+def load_shapes(path: Path = SHAPES_PATH) -> dict[tuple[int, int, bool, int, int], tuple[int, int]]:
+    """{(weight rows, K, gated, SMs, element size): (programs per SM, W tile bytes)} from `path`; {} (with a warning
+    when unreadable) when it is missing or unreadable."""
+    try:
+        doc = json.loads(path.read_text())
+        sms, size = int(doc["num_sms"]), int(doc["element_size"])
+        return {(int(e["n"]), int(e["k"]), bool(e["gated"]), sms, size):
+                (int(e["programs_per_sm"]), int(e["w_tile_bytes"])) for e in doc["shapes"]}
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        warnings.warn(f"ignoring the GEMV launch-shape table {path}: {e!r}; every shape takes the constants")
+        return {}
+
+
+@functools.cache
+def _shapes() -> dict:
+    import os
+    return {} if os.environ.get("EMBER_GEMV_SHAPES", "1") == "0" else load_shapes()
+
+
+def launch_shape(n: int, k: int, gated: bool, num_sms: int, element_size: int) -> tuple[int, int] | None:
+    """The stored one-row (programs per SM, W tile bytes) for a weight of `n` rows (gate and up rows counted when
+    `gated`) and `k` columns on a GPU of `num_sms` SMs, or None."""
+    return _shapes().get((n, k, gated, num_sms, element_size))

@@ -58,3 +58,47 @@ def test_linear_op_follows_the_table(monkeypatch, rows, expect_gemv):
     x, w = torch.randn(rows, 32), torch.randn(24, 32)
     torch.testing.assert_close(torch.ops.ember.linear(x, w, None), F.linear(x, w))
     assert bool(calls) is expect_gemv
+
+
+def _shapes_file(tmp_path, num_sms=132, entries=((6144, 4096, False, 8, 16384),)):
+    path = tmp_path / "shapes.json"
+    path.write_text(json.dumps({"num_sms": num_sms, "element_size": 2, "shapes": [
+        dict(n=n, k=k, gated=g, programs_per_sm=p, w_tile_bytes=t) for n, k, g, p, t in entries]}))
+    return path
+
+
+def test_a_stored_launch_shape_changes_one_row_of_its_weight_shape_on_its_sm_count(tmp_path, monkeypatch):
+    """A one-row launch of a stored weight shape takes the stored (programs per SM, W tile bytes) on a GPU of the SM
+    count it was measured on; other rows, other SM counts and other shapes keep the constants."""
+    table = R.load_shapes(_shapes_file(tmp_path))
+    assert table == {(6144, 4096, False, 132, 2): (8, 16384)}
+
+    def configs(shapes):
+        monkeypatch.setattr(R, "_shapes", lambda: shapes)
+        G._cached_config.cache_clear()
+        return [G.gemv_config(m, n, 4096, sms, gated=gated)
+                for m, n, sms, gated in ((1, 6144, 132, False), (2, 6144, 132, False), (1, 6144, 114, False),
+                                         (1, 3072, 132, True), (1, 4096, 132, False))]
+
+    try:
+        stored, constants = configs(table), configs({})
+    finally:
+        G._cached_config.cache_clear()
+    # 8 programs per SM: 6144 // (8 * 132) columns rounded down to a power of two; a 16 KiB tile
+    assert stored[0]["BLOCK_N"] == 4 and stored[0]["BLOCK_N"] * stored[0]["BLOCK_K"] * 2 == 16384
+    assert constants[0]["BLOCK_N"] == 16 and constants[0]["BLOCK_N"] * constants[0]["BLOCK_K"] * 2 == G.W_TILE_BYTES
+    assert stored[1:] == constants[1:]
+
+
+def test_a_missing_shapes_table_is_empty_and_a_corrupt_one_warns(tmp_path):
+    assert R.load_shapes(tmp_path / "absent.json") == {}
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"num_sms": 132, "shapes": [{"n": 1')
+    with pytest.warns(UserWarning, match="launch-shape table"):
+        assert R.load_shapes(bad) == {}
+
+
+def test_the_stored_shapes_table_parses_when_present():
+    if R.SHAPES_PATH.exists():
+        table = R.load_shapes()
+        assert table and all(p in (1, 2, 4, 8) and t in (4096, 8192, 16384) for p, t in table.values())
