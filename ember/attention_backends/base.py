@@ -48,6 +48,7 @@ class BuilderContext:
     capture_sizes: tuple[int, ...] = ()
     num_sms: int = 0                        # the device's multiprocessor count (0 on CPU)
     backend_options: tuple[tuple[str, Any], ...] = ()   # backend-specific switches, e.g. ("split_launch", True)
+    num_queries_per_kv: int = 1             # query heads per KV head (the widest of the group's layers)
 
     def option(self, name: str, default: Any = None) -> Any:
         return dict(self.backend_options).get(name, default)

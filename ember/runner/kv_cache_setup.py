@@ -204,8 +204,13 @@ def make_builders(setup: AttentionSetup, dtype: torch.dtype, device: torch.devic
                   max_num_tokens: int, max_model_len: int, capture_sizes: tuple[int, ...],
                   backend_options: tuple = ()) -> list[MetadataBuilder]:
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
+
+    def group_width(g) -> int:
+        return max((setup.layers[n].options.num_heads // max(setup.layers[n].options.num_kv_heads, 1)
+                    for n in g.layer_names if n in setup.layers), default=1)
+
     return [backend.builder_cls(BuilderContext(g, gi, dtype, device, max_num_reqs, max_num_tokens, max_model_len,
-                                               capture_sizes, num_sms, backend_options))
+                                               capture_sizes, num_sms, backend_options, group_width(g)))
             for gi, (g, backend) in enumerate(zip(setup.groups, setup.backends))]
 
 

@@ -231,6 +231,10 @@ def test_fused_decode_rope_takes_on_off_or_auto(tiny_qwen3, monkeypatch):
     llm = LLM(path, device="cpu", attention_backend="triton_unified",
               attention_backend_options={"fused_decode_rope": "On"})
     assert {b.fused_decode_rope for b in llm.engine.runner.builders} == {True}
+    # builders see the query heads per KV head of their layers (a default of theirs depends on it)
+    config = llm.engine.runner.hf_config
+    widths = {b.ctx.num_queries_per_kv for b in llm.engine.runner.builders}
+    assert widths == {config.num_attention_heads // config.num_key_value_heads}
 
 
 def test_a_misspelt_attention_backend_option_is_refused():

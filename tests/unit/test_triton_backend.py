@@ -303,6 +303,22 @@ def test_short_decode_graphs_plan_the_2d_kernel():
     assert (out[:n] - ref_out[:n]).abs().max().item() <= tolerance(torch.float32)
 
 
+def test_short_decode_graphs_by_default_only_for_narrow_query_tiles():
+    """Unset, `short_decode_len` is SHORT_DECODE_LEN where query heads per KV head x head size is at most
+    SHORT_DECODE_MAX_WIDTH, and off for wider groups (split-KV measured faster there); a value given wins."""
+    from ember.attention_backends.triton_unified.plan import SHORT_DECODE_LEN, SHORT_DECODE_MAX_WIDTH
+    shape, _ = CASES["decode_3d"]
+    reqs = len(shape.query_lens) + shape.pad_reqs
+    widest = SHORT_DECODE_MAX_WIDTH // shape.head_size
+    assert widest >= 1
+    for group, expected in ((widest, SHORT_DECODE_LEN), (widest * 2, None)):
+        ctx = dataclasses.replace(_context(shape, torch.float32, 8), num_queries_per_kv=group)
+        assert Backend.builder_cls(ctx).short_context_len(reqs) == expected, group
+    wide = dataclasses.replace(_context(shape, torch.float32, 8, extra_options=(("short_decode_len", 64),)),
+                               num_queries_per_kv=widest * 2)
+    assert Backend.builder_cls(wide).short_context_len(reqs) == 64
+
+
 @pytest.mark.parametrize("bad", [-1, "long", 1.5, True])
 def test_short_decode_len_rejects_what_is_not_a_length(bad):
     shape, _ = CASES["decode_3d"]

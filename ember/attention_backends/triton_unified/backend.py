@@ -16,9 +16,10 @@ latency --batch-size 1 --input-len 32 --output-len 256`, Qwen3-0.6B config, runs
 critical path, yet the step got slower: one program a KV head walks up to 288 keys alone. So it stays off.
 `split_kv` (default on) lets small decode buckets take the split-KV (3D) kernel and its reduce; off, every decode
 bucket launches the 2D kernel (one launch a layer fewer at batch 1, for A/B runs and short contexts).
-`short_decode_len` (default `plan.SHORT_DECODE_LEN`; 0: off): a split-KV decode bucket also gets a short-context
-graph, for steps whose requests are all at most this many tokens long, which launches the 2D kernel (see
-`plan.py` for the measurement)."""
+`short_decode_len` (0: off; default `plan.SHORT_DECODE_LEN` where query heads per KV head x head size is at most
+`plan.SHORT_DECODE_MAX_WIDTH`, else off): a split-KV decode bucket also gets a short-context graph, for steps whose
+requests are all at most this many tokens long, which launches the 2D kernel (see `plan.py` for the
+measurements)."""
 
 from __future__ import annotations
 
@@ -34,8 +35,8 @@ from ember.kv_spec import KVCacheSpec
 
 from .kernels import (MODE_DECODES, segment_scratch_numel, unified_attention_2d, unified_attention_3d,
                       write_kv_cache)
-from .plan import (FUSED_COMBINE_MAX_GROUP, MAX_GROUP_3D, SHORT_DECODE_LEN, max_scratch_rows, num_split_segments,
-                   plan_launch)
+from .plan import (FUSED_COMBINE_MAX_GROUP, MAX_GROUP_3D, SHORT_DECODE_LEN, SHORT_DECODE_MAX_WIDTH, max_scratch_rows,
+                   num_split_segments, plan_launch)
 
 MIN_HEAD_SIZE, MAX_HEAD_SIZE = 16, 256
 MAX_QUERIES_PER_KV = 128   # the decode tile packs one token's query heads into at most 128 rows
@@ -100,9 +101,11 @@ class TritonUnifiedMetadataBuilder(MetadataBuilder):
         if isinstance(single, bool) or not isinstance(single, int) or single < 0:
             raise ValueError(f"single_segment_tiles {single!r} is not a non-negative number of KV tiles")
         self.single_segment_tiles = single
-        short = ctx.option("short_decode_len", SHORT_DECODE_LEN)
-        if isinstance(short, bool) or not isinstance(short, int) or short < 0:
+        short = ctx.option("short_decode_len", None)
+        if short is not None and (isinstance(short, bool) or not isinstance(short, int) or short < 0):
             raise ValueError(f"short_decode_len {short!r} is not a non-negative number of tokens (0: off)")
+        if short is None:   # the default: short-context graphs for query tiles narrow enough to gain from them
+            short = SHORT_DECODE_LEN if ctx.num_queries_per_kv * spec.head_size <= SHORT_DECODE_MAX_WIDTH else 0
         self.short_decode_len = short
         self.num_decodes = torch.zeros(1, dtype=torch.int32, device=ctx.device)   # [1]
         self._num_decodes_value = 0     # what num_decodes holds: a steady decode batch writes it once, not per step

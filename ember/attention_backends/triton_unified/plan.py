@@ -43,6 +43,12 @@ FUSED_COMBINE_MAX_GROUP = 0
 # 1,038.7 / 1,015.5. The crossover lies between; interpolating the per-step difference puts it near 280 tokens, so
 # the bound is 256 (not itself measured).
 SHORT_DECODE_LEN = 256
+# ...where a query tile is at most this wide (query heads per KV head x head size): wider groups keep split-KV. On
+# an H100 at batch 1, contexts of 32-288 tokens (one lease; `ember bench latency --batch-size 1 --input-len 32
+# --output-len 256`, decode tok/s), the 2D kernel against split-KV: Llama-3.1-8B config (4 x 128) 169.3 / 169.5
+# against 173.5 (the bucket-1 graph replayed at 160 tokens of context: 5.94 against 5.82 ms); Llama-3.2-1B (4 x 64)
+# 910.4 / 907.6 against 866.6; Qwen3-0.6B (2 x 128) 1,106.7 / 1,169.1 against 1,151.0.
+SHORT_DECODE_MAX_WIDTH = 256
 
 
 @dataclass(frozen=True)
