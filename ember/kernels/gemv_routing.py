@@ -23,16 +23,23 @@ SHAPES_PATH = Path(__file__).with_name("gemv_shapes.json")
 FALLBACK_MAX_ROWS = 1
 
 
-def load_table(path: Path = TABLE_PATH) -> dict[tuple[int, int, bool], int]:
-    """{(weight rows, K, gated): max rows} from `path`; {} (with a warning) when it is missing or unreadable."""
+def _read(path: Path, parse, what: str, otherwise: str) -> dict:
+    """parse(the JSON document at `path`); {} when the file is missing, and {} with a warning naming `what` and
+    what happens `otherwise` when it cannot be read or parsed."""
     try:
-        entries = json.loads(path.read_text())["shapes"]
-        return {(int(e["n"]), int(e["k"]), bool(e["gated"])): int(e["max_rows"]) for e in entries}
+        return parse(json.loads(path.read_text()))
     except FileNotFoundError:
         return {}
     except (OSError, ValueError, KeyError, TypeError) as e:
-        warnings.warn(f"ignoring the GEMV crossover table {path}: {e!r}; the GEMV takes {FALLBACK_MAX_ROWS} row")
+        warnings.warn(f"ignoring the GEMV {what} table {path}: {e!r}; {otherwise}")
         return {}
+
+
+def load_table(path: Path = TABLE_PATH) -> dict[tuple[int, int, bool], int]:
+    """{(weight rows, K, gated): max rows} from `path`; {} (with a warning) when it is missing or unreadable."""
+    return _read(path, lambda doc: {(int(e["n"]), int(e["k"]), bool(e["gated"])): int(e["max_rows"])
+                                    for e in doc["shapes"]},
+                 "crossover", f"the GEMV takes {FALLBACK_MAX_ROWS} row")
 
 
 @functools.cache
@@ -67,16 +74,12 @@ def gemv_max_rows(n: int, k: int, gated: bool, table: tuple | None = None) -> in
 def load_shapes(path: Path = SHAPES_PATH) -> dict[tuple[int, int, bool, int, int], tuple[int, int]]:
     """{(weight rows, K, gated, SMs, element size): (programs per SM, W tile bytes)} from `path`; {} (with a warning
     when unreadable) when it is missing or unreadable."""
-    try:
-        doc = json.loads(path.read_text())
+    def parse(doc):
         sms, size = int(doc["num_sms"]), int(doc["element_size"])
         return {(int(e["n"]), int(e["k"]), bool(e["gated"]), sms, size):
                 (int(e["programs_per_sm"]), int(e["w_tile_bytes"])) for e in doc["shapes"]}
-    except FileNotFoundError:
-        return {}
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        warnings.warn(f"ignoring the GEMV launch-shape table {path}: {e!r}; every shape takes the constants")
-        return {}
+
+    return _read(path, parse, "launch-shape", "every shape takes the constants")
 
 
 @functools.cache
