@@ -69,7 +69,7 @@ def _graph_ms(layers, q_dim, x) -> float:
 @pytest.mark.parametrize("M", ROWS)
 @pytest.mark.parametrize("name", CONFIGS)
 def test_decode_linears(benchmark, device_peaks, bench_table, name, M):
-    from ember.kernels import gemv as G
+    from ember.kernels.linear_op import set_gemv_enabled
     from ember.kernels import pdl
     import ember.kernels.fused_linear  # noqa: F401  (registers ember::fused_linear)
     layers, q_dim, weight_bytes = _layers(name, torch.device("cuda"))
@@ -81,10 +81,10 @@ def test_decode_linears(benchmark, device_peaks, bench_table, name, M):
         for variant in ("gemv_pdl", "gemv_no_pdl", "torch"):
             os.environ["EMBER_PDL"] = "0" if variant == "gemv_no_pdl" else "1"
             pdl.pdl_options.cache_clear()
-            G.set_gemv_enabled(variant != "torch")
+            set_gemv_enabled(variant != "torch")
             times[variant] = _graph_ms(layers, q_dim, x)
     finally:
-        G.set_gemv_enabled(True)
+        set_gemv_enabled(True)
         if saved is None:
             os.environ.pop("EMBER_PDL", None)
         else:

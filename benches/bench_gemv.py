@@ -61,6 +61,7 @@ def _row(table: BenchTable, peaks, name, M, ember_us, cublas_us, other_us, bytes
 @pytest.mark.parametrize("name", list(SHAPES))
 def test_linear(benchmark, device_peaks, bench_table, name, M):
     from ember.kernels import gemv as G
+    from ember.kernels import linear_op  # noqa: F401  (registers ember::linear)
     N, K = SHAPES[name]
     weight_bytes = N * K * DTYPE.itemsize
     copies = rotation_count(weight_bytes, device_peaks.l2_bytes)

@@ -28,6 +28,7 @@ import torch
 from benches.bench_decode_linears import _graph_ms, _layers
 from benches.decode_attention_sweep import copy_bandwidth
 from ember.kernels import gemv as G
+from ember.kernels import linear_op as LO
 
 
 def _set(**constants) -> None:
@@ -60,11 +61,11 @@ def chain(configs, bw, rows) -> None:
         floor = 1e3 * weight_bytes / bw
         for m in rows:
             x = torch.randn(m, layers[0]["qkv"].shape[1], device="cuda", dtype=torch.bfloat16)
-            G.set_gemv_enabled(True)
+            LO.set_gemv_enabled(True)
             gemv_ms = _graph_ms(layers, q_dim, x)
-            G.set_gemv_enabled(False)
+            LO.set_gemv_enabled(False)
             torch_ms = _graph_ms(layers, q_dim, x)
-            G.set_gemv_enabled(True)
+            LO.set_gemv_enabled(True)
             print(f"chain {name} M={m} routed {gemv_ms:.4f} ms ({100 * floor / gemv_ms:.1f}%)  torch "
                   f"{torch_ms:.4f} ms ({100 * floor / torch_ms:.1f}%)", flush=True)
         del layers
@@ -85,14 +86,14 @@ def _projection_us(op, weight, m: int, l2_bytes: int, use_gemv: bool, rotate: bo
     nw = torch.ones(k, device="cuda", dtype=weight.dtype) if norm else None
     res = torch.randn(m, n, device="cuda", dtype=weight.dtype) if residual else None
     fl = torch.ops.ember.fused_linear
-    G.set_gemv_enabled(use_gemv)
-    G.set_gemv_routing(False)          # the GEMV at every row count: this measures where it should stop
+    LO.set_gemv_enabled(use_gemv)
+    LO.set_gemv_routing(False)          # the GEMV at every row count: this measures where it should stop
     try:
         return graph_us_per_call([lambda w=w: fl(x, w, None, nw, 1e-6, gated, res) for w in weights],
                                  max(64, 2 * copies))
     finally:
-        G.set_gemv_enabled(True)
-        G.set_gemv_routing(True)
+        LO.set_gemv_enabled(True)
+        LO.set_gemv_routing(True)
 
 
 # (gated, RMSNorm prologue, residual epilogue) of each projection, as the passes fuse them

@@ -23,9 +23,10 @@ import torch
 
 def _cases():
     import ember.kernels.gemv as G
+    from ember.kernels.linear_op import set_gemv_routing
     from ember.kernels.qk_norm_rope import qk_norm_rope_triton
     from ember.kernels.rms_norm import rms_norm, silu_mul
-    G.set_gemv_routing(False)
+    set_gemv_routing(False)
     r = lambda *s, dtype=torch.bfloat16: torch.randn(*s, device="cuda", dtype=dtype)   # noqa: E731
     x1, x4, w, nw, res = r(1, 1024), r(4, 1024), r(3072, 1024), r(1024), r(4, 3072)
     q, k, qw, kw = r(1, 16 * 128), r(1, 8 * 128), r(128), r(128)
@@ -52,6 +53,7 @@ def _time(call, calls: int) -> float:
 def _floor(call, calls: int) -> float:
     """us per call of ember's C launcher alone for the kernel and arguments of one `call` (prepared once)."""
     import ember.kernels.gemv as G
+    from ember.kernels.linear_op import set_gemv_routing
     import ember.kernels.launcher as L
     from triton.runtime.driver import driver
     launch = L.launcher(G._gemv_kernel)

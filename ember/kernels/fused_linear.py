@@ -16,7 +16,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ember.kernels.gemv import gemv, gemv_applies, gemv_enabled, gemv_pays
+from ember.kernels.gemv import gemv
+from ember.kernels.linear_op import gemv_applies, gemv_enabled, gemv_pays
 from ember.kernels.library import define, register_fake
 from ember.kernels.rms_norm import rms_norm, silu_mul
 

@@ -1,5 +1,5 @@
 """Small-M linear layers: y[M, N] = x[M, K] @ W[N, K]^T (+ bias[N]) (+ residual[M, N]) for M <= 16, as a Triton
-kernel that streams W once, and the `ember::linear` custom op that picks it over cuBLAS when it applies.
+kernel that streams W once (`ember::linear`, in ember.kernels.linear_op, picks it over cuBLAS when it applies).
 
 Decode reads every weight once per step, so these layers are bound by memory bandwidth; cuBLAS's small-M tiles
 (64x8, split-K plus a reduce kernel) reach ~43% of it on an H100 for Qwen3-0.6B's projections at batch 1.
@@ -37,17 +37,14 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ember.kernels.gemv_routing import gemv_max_rows, launch_shape
-from ember.kernels.library import define, register_fake
+from ember.kernels.gemv_routing import launch_shape
 from ember.kernels.launcher import launcher
 from ember.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_options
 
-__all__ = ["GEMV_MAX_M", "gemv", "gemv_applies", "gemv_config", "gemv_enabled", "gemv_pays", "linear",
-           "set_gemv_enabled", "set_gemv_routing"]
+__all__ = ["DTYPES", "GEMV_MAX_M", "gemv", "gemv_config"]
 
 GEMV_MAX_M = 16          # rows handled by the kernel; more go to F.linear
 PROGRAMS_PER_SM = 2      # programs an SM gets a layer: 2 measured 5-10% faster than 4 or 8 over a decode step's
@@ -450,62 +447,3 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
             SPLIT_K=split_k, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, GATED=gated,
             BLOCK=REDUCE_BLOCK)
     return out
-
-
-_enabled = True
-
-
-def set_gemv_enabled(enabled: bool) -> None:
-    """Send `ember::linear` to the Triton kernel where it applies (True, the default) or always to F.linear
-    (False), e.g. to compare the two in one process."""
-    global _enabled
-    _enabled = bool(enabled)
-
-
-def gemv_enabled() -> bool:
-    """Whether `ember::linear` may use the Triton kernel (see set_gemv_enabled)."""
-    return _enabled
-
-
-def gemv_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether the Triton kernel is made for these tensors: CUDA, 1..GEMV_MAX_M rows, one supported dtype, K a
-    multiple of 8 and W contiguous along K."""
-    return (x.is_cuda and x.dim() == 2 and 1 <= x.shape[0] <= GEMV_MAX_M and x.dtype in DTYPES
-            and weight.dtype == x.dtype and weight.stride(1) == 1 and x.shape[1] % 8 == 0
-            and (bias is None or bias.dtype == x.dtype))
-
-
-_routed = True
-
-
-def set_gemv_routing(routed: bool) -> None:
-    """Follow the measured GEMV/cuBLAS crossover (True, the default), or send every row count the kernel applies to
-    through it (False: kernel tests, and the sweep that measures the crossover)."""
-    global _routed
-    _routed = bool(routed)
-
-
-def gemv_pays(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> bool:
-    """Whether the GEMV was measured faster than cuBLAS at x's row count for this weight shape
-    (ember.kernels.gemv_routing), or routing is off."""
-    return not _routed or x.shape[0] <= gemv_max_rows(weight.shape[0], weight.shape[1], gated)
-
-
-@define("linear")
-def _linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [M, K] @ weight [N, K]^T (+ bias [N]) -> a new [M, N]: the Triton kernel when it is enabled, applies and
-    was measured faster for this shape and row count, else F.linear."""
-    if gemv_enabled() and gemv_applies(x, weight, bias) and gemv_pays(x, weight):
-        return gemv(x, weight, bias)
-    return F.linear(x, weight, bias)
-
-
-@register_fake("linear")
-def _linear_fake(x, weight, bias):
-    return x.new_empty(x.shape[0], weight.shape[0])
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear through `ember::linear`: x [..., K] -> [..., N], leading dimensions flattened for the op."""
-    out = torch.ops.ember.linear(x.reshape(-1, x.shape[-1]), weight, bias)
-    return out.reshape(*x.shape[:-1], weight.shape[0])

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import os
 import warnings
 from pathlib import Path
 
@@ -84,7 +85,6 @@ def load_shapes(path: Path = SHAPES_PATH) -> dict[tuple[int, int, bool, int, int
 
 @functools.cache
 def _shapes() -> dict:
-    import os
     return {} if os.environ.get("EMBER_GEMV_SHAPES", "1") == "0" else load_shapes()
 
 

@@ -205,9 +205,8 @@ def make_builders(setup: AttentionSetup, dtype: torch.dtype, device: torch.devic
                   backend_options: tuple = ()) -> list[MetadataBuilder]:
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
 
-    def group_width(g) -> int:
-        return max((setup.layers[n].options.num_heads // max(setup.layers[n].options.num_kv_heads, 1)
-                    for n in g.layer_names if n in setup.layers), default=1)
+    def group_width(g) -> int:     # query heads per KV head, the widest of the group's layers
+        return max(setup.layers[n].options.num_heads // setup.layers[n].options.num_kv_heads for n in g.layer_names)
 
     return [backend.builder_cls(BuilderContext(g, gi, dtype, device, max_num_reqs, max_num_tokens, max_model_len,
                                                capture_sizes, num_sms, backend_options, group_width(g)))

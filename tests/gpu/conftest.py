@@ -9,7 +9,7 @@ import pytest
 def gemv_unrouted():
     """For tests of the GEMV kernel itself: the ops take it at every row count it applies to, whatever the
     measured GEMV/cuBLAS crossover (ember.kernels.gemv_routing) would send to cuBLAS."""
-    import ember.kernels.gemv as G
-    G.set_gemv_routing(False)
+    from ember.kernels.linear_op import set_gemv_routing
+    set_gemv_routing(False)
     yield
-    G.set_gemv_routing(True)
+    set_gemv_routing(True)

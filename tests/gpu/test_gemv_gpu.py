@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import ember.kernels.gemv as G
+import ember.kernels.linear_op as LO
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
               pytest.mark.usefixtures("gemv_unrouted")]   # the kernel at every row count
@@ -51,7 +52,7 @@ def _x(M, K, seed):
 def test_matches_reference_and_cublas(weights, name, M):
     weight, bias = weights[name]
     x = _x(M, weight.shape[1], seed=M)
-    assert G.gemv_applies(x, weight, bias)
+    assert LO.gemv_applies(x, weight, bias)
     out = torch.ops.ember.linear(x, weight, bias)
     reference = x.float() @ weight.float().T + bias.float()
     cublas = F.linear(x, weight, bias)
@@ -96,12 +97,12 @@ def test_other_dtypes(dtype):
 def test_switch_off_gives_cublas_bits(weights):
     weight, bias = weights["qwen3-0.6b qkv"]
     x = _x(4, weight.shape[1], seed=7)
-    G.set_gemv_enabled(False)
+    LO.set_gemv_enabled(False)
     try:
         assert torch.equal(torch.ops.ember.linear(x, weight, bias), F.linear(x, weight, bias))
     finally:
-        G.set_gemv_enabled(True)
-    assert not G.gemv_applies(_x(17, weight.shape[1], seed=7), weight, bias)   # prefill rows go to cuBLAS
+        LO.set_gemv_enabled(True)
+    assert not LO.gemv_applies(_x(17, weight.shape[1], seed=7), weight, bias)   # prefill rows go to cuBLAS
 
 
 @pytest.mark.parametrize("name,M", [("qwen3-0.6b qkv", 1), ("qwen3-0.6b o_proj", 16), ("lm_head", 8),

@@ -124,7 +124,8 @@ build._build = spy
 import ember.kernels.gemv as G
 from ember.kernels.rms_norm import rms_norm, silu_mul
 import ember.kernels.launcher as L
-G.set_gemv_routing(False)
+from ember.kernels.linear_op import set_gemv_routing
+set_gemv_routing(False)
 x = torch.randn(4, 1024, device="cuda", dtype=torch.bfloat16)
 w = torch.randn(3072, 1024, device="cuda", dtype=torch.bfloat16)
 for _ in range(2):

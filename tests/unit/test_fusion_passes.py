@@ -11,7 +11,7 @@ from torch import nn
 
 from ember.attention_backends.op import forward_context
 from ember.graphs.passes.pipeline import PASSES, FusionPipeline, check_pass_names
-from ember.kernels.gemv import linear
+from ember.kernels.linear_op import linear
 from ember.models.layers.activation import SiluAndMul
 from ember.models.layers.norm import RMSNorm
 from tests.helpers.model_harness import tiny_model_step

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 triton = pytest.importorskip("triton")
 
 import ember.kernels.gemv as G   # noqa: E402
+import ember.kernels.linear_op as LO   # noqa: E402
 
 SHAPES = [(40, 72), (96, 256)]             # (N, K): neither a multiple of the blocks; 72 leaves a masked K tail
 ROWS = [1, 3, 8, 16]
@@ -167,13 +168,13 @@ def test_op_on_cpu_is_f_linear():
     x, weight, bias, _ = _inputs(4, 24, 32, torch.float32)
     assert torch.equal(torch.ops.ember.linear(x, weight, bias), F.linear(x, weight, bias))
     assert torch.equal(torch.ops.ember.linear(x, weight, None), F.linear(x, weight))
-    assert not G.gemv_applies(x, weight, bias)       # the kernel is for CUDA tensors
+    assert not LO.gemv_applies(x, weight, bias)       # the kernel is for CUDA tensors
 
 
 def test_linear_flattens_leading_dimensions():
     x = torch.randn(2, 3, 32)
     weight = torch.randn(24, 32)
-    out = G.linear(x, weight)
+    out = LO.linear(x, weight)
     assert out.shape == (2, 3, 24)
     assert torch.equal(out, F.linear(x, weight))
 
@@ -193,7 +194,7 @@ def test_op_compiles_fullgraph_with_dynamic_rows(backend):
         return gm.forward
 
     def block(x, weight, bias):
-        return torch.relu(G.linear(x, weight, bias)) + 1.0
+        return torch.relu(LO.linear(x, weight, bias)) + 1.0
 
     compiled = torch.compile(block, backend=recording, fullgraph=True, dynamic=True)   # raises on a graph break
     weight, bias = torch.randn(24, 32), torch.randn(24)
@@ -214,9 +215,9 @@ def test_switch_routes_the_op(monkeypatch):
         calls.append(x.shape[0])
         return F.linear(x, weight, bias)
 
-    monkeypatch.setattr(G, "gemv_applies", lambda x, weight, bias: True)   # as for a CUDA tensor
-    monkeypatch.setattr(G, "gemv_pays", lambda x, weight, gated=False: True)
-    monkeypatch.setattr(G, "gemv", spy)
+    monkeypatch.setattr(LO, "gemv_applies", lambda x, weight, bias: True)   # as for a CUDA tensor
+    monkeypatch.setattr(LO, "gemv_pays", lambda x, weight, gated=False: True)
+    monkeypatch.setattr(LO, "gemv", spy)
     x, weight, bias, _ = _inputs(3, 24, 32, torch.float32)
 
     def run():
@@ -224,12 +225,12 @@ def test_switch_routes_the_op(monkeypatch):
         torch.testing.assert_close(torch.ops.ember.linear(x, weight, bias), F.linear(x, weight, bias))
         return len(calls) - before
 
-    assert G.gemv_enabled() and run() == 1
+    assert LO.gemv_enabled() and run() == 1
     try:
-        G.set_gemv_enabled(False)
-        assert not G.gemv_enabled() and run() == 0
+        LO.set_gemv_enabled(False)
+        assert not LO.gemv_enabled() and run() == 0
     finally:
-        G.set_gemv_enabled(True)
+        LO.set_gemv_enabled(True)
     assert run() == 1
 
 

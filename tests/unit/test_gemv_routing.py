@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from ember.kernels import gemv as G
+from ember.kernels import linear_op as LO
 from ember.kernels import gemv_routing as R
 
 TABLE = (((4096, 1024, False), 4), ((6144, 1024, True), 4), ((16384, 2048, True), 2), ((6144, 4096, False), 1))
@@ -52,9 +53,9 @@ def test_the_stored_table_parses_when_present():
 def test_linear_op_follows_the_table(monkeypatch, rows, expect_gemv):
     """ember::linear takes the GEMV up to the table's row count and F.linear above it."""
     calls = []
-    monkeypatch.setattr(G, "gemv_applies", lambda x, weight, bias: True)   # as for a CUDA tensor
-    monkeypatch.setattr(G, "gemv_max_rows", lambda n, k, gated: 2)
-    monkeypatch.setattr(G, "gemv", lambda x, w, b: calls.append(x.shape[0]) or F.linear(x, w, b))
+    monkeypatch.setattr(LO, "gemv_applies", lambda x, weight, bias: True)   # as for a CUDA tensor
+    monkeypatch.setattr(LO, "gemv_max_rows", lambda n, k, gated: 2)
+    monkeypatch.setattr(LO, "gemv", lambda x, w, b: calls.append(x.shape[0]) or F.linear(x, w, b))
     x, w = torch.randn(rows, 32), torch.randn(24, 32)
     torch.testing.assert_close(torch.ops.ember.linear(x, w, None), F.linear(x, w))
     assert bool(calls) is expect_gemv

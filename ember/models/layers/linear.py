@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ember.kernels.gemv import linear as gemv_linear
+from ember.kernels.linear_op import linear as gemv_linear
 from ember.models.layers.onednn import onednn_linear
 
 
