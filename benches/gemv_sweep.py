@@ -74,11 +74,12 @@ def chain(configs, bw, rows) -> None:
 
 def _projection_us(op, weight, m: int, l2_bytes: int, use_gemv: bool, rotate: bool = True) -> float:
     """Microseconds per call of one projection at m rows, many calls in one graph over weights rotated out of L2
-    (`rotate`), or over the same weights (read from L2 where they fit)."""
+    (`rotate`), or over the same weights (read from L2 where they fit). op None: the LM head (`ember::logits`,
+    float32 out; cuBLAS then a float32 copy without the GEMV)."""
     from benches.bench_gemv import graph_us_per_call
     from benches.conftest import rotation_count
     n_rows, k = weight.shape
-    gated, norm, residual = op
+    gated, norm, residual = op or (False, False, False)
     n = n_rows // 2 if gated else n_rows
     copies = rotation_count(weight.numel() * weight.element_size(), l2_bytes) if rotate else 1
     weights = [weight] + [torch.randn_like(weight) for _ in range(copies - 1)]
@@ -89,6 +90,8 @@ def _projection_us(op, weight, m: int, l2_bytes: int, use_gemv: bool, rotate: bo
     LO.set_gemv_enabled(use_gemv)
     LO.set_gemv_routing(False)          # the GEMV at every row count: this measures where it should stop
     try:
+        if op is None:
+            return graph_us_per_call([lambda w=w: torch.ops.ember.logits(x, w) for w in weights], max(64, 2 * copies))
         return graph_us_per_call([lambda w=w: fl(x, w, None, nw, 1e-6, gated, res) for w in weights],
                                  max(64, 2 * copies))
     finally:
@@ -96,20 +99,23 @@ def _projection_us(op, weight, m: int, l2_bytes: int, use_gemv: bool, rotate: bo
         LO.set_gemv_routing(True)
 
 
-# (gated, RMSNorm prologue, residual epilogue) of each projection, as the passes fuse them
+# (gated, RMSNorm prologue, residual epilogue) of each projection, as the passes fuse them; None: the LM head
 _OPS = {"qkv": (False, True, False), "o": (False, False, True), "gate_up": (True, True, False),
-        "down": (False, False, True)}
+        "down": (False, False, True), "lm_head": None}
 
 
 def _projections(configs):
     """(config name, projection, (gated, norm, residual), weight) for each distinct weight shape of the configs, one
     config's layers alive at a time."""
+    from ember.models.bundled import bundled_config
     seen: set[tuple[int, int, bool]] = set()
     for name in configs:
         layers, _, _ = _layers(name, torch.device("cuda"))
+        cfg = bundled_config(name)
+        layers[0]["lm_head"] = torch.randn(cfg.vocab_size, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
         for proj, op in _OPS.items():
             weight = layers[0][proj]
-            key = (weight.shape[0], weight.shape[1], op[0])
+            key = (weight.shape[0], weight.shape[1], bool(op and op[0]))
             if key not in seen:
                 seen.add(key)
                 yield name, proj, op, weight
@@ -161,7 +167,8 @@ def shapes(configs, bw, rounds: int = 2, write: bool = False) -> None:
             print(f"shapes {name} {proj}: best programs/SM {best[0]} tile {best[1]}, {mean[best]:.2f} against "
                   f"{mean[default]:.2f} us ({100 * (1 - mean[best] / mean[default]):.1f}%)", flush=True)
             if mean[best] <= (1 - SHAPES_MARGIN) * mean[default]:
-                stored.append(dict(n=weight.shape[0], k=weight.shape[1], gated=op[0], programs_per_sm=best[0],
+                stored.append(dict(n=weight.shape[0], k=weight.shape[1], gated=bool(op and op[0]),
+                                   programs_per_sm=best[0],
                                    w_tile_bytes=best[1], us=round(mean[best], 2), constants_us=round(mean[default], 2)))
     finally:
         _set(PROGRAMS_PER_SM=default[0], W_TILE_BYTES=default[1])
@@ -193,10 +200,11 @@ def crossover(configs, bw, rows, write: bool) -> None:
             losses += gemv_us >= torch_us
             if losses >= 2:
                 break
-        found[(weight.shape[0], weight.shape[1], op[0])] = best
+        found[(weight.shape[0], weight.shape[1], bool(op and op[0]))] = best
         print(f"crossover {name} {proj}: GEMV up to {best} rows")
     if write:
-        table = dict(command="PYTHONPATH=. python benches/gemv_sweep.py crossover --write",
+        table = dict(command="PYTHONPATH=. python benches/gemv_sweep.py crossover --configs " + " ".join(configs)
+                     + " --write",
                      device=torch.cuda.get_device_name(0), torch=torch.__version__,
                      shapes=[dict(n=n, k=k, gated=g, max_rows=r) for (n, k, g), r in sorted(found.items())])
         gemv_routing.TABLE_PATH.write_text(json.dumps(table, indent=1) + "\n")

@@ -261,8 +261,9 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, residual_ptr, norm_weight_ptr, out_ptr,
             acc = acc / (1.0 + tl.exp(-acc)) * acc_up
         if HAS_RESIDUAL:
             acc += residual.to(tl.float32)
-        tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),
-                 mask=out_mask)
+        # rounded to x's dtype first, as the layer in that dtype rounds: a float32 output (logits) holds those values
+        tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :],
+                 acc.to(x_ptr.dtype.element_ty).to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -387,9 +388,12 @@ def _kernel(kernel, device: torch.device):
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
          residual: torch.Tensor | None = None, config: dict | None = None, *,
-         norm_weight: torch.Tensor | None = None, eps: float = 1e-6, gated: bool = False) -> torch.Tensor:
+         norm_weight: torch.Tensor | None = None, eps: float = 1e-6, gated: bool = False,
+         out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x [M, K] @ weight[N, K]^T (+ bias [N]) (+ residual [M, N]) -> [M, N] in x's dtype, always with the Triton
-    kernel (interpreted for CPU tensors). `config` overrides `gemv_config`'s choice.
+    kernel (interpreted for CPU tensors). `config` overrides `gemv_config`'s choice. out_dtype float32: the same
+    values (rounded to x's dtype) stored as float32, as `F.linear(x, weight).float()` gives them, without a second
+    kernel or a copy in x's dtype (the LM head's logits).
 
     norm_weight [K]: x is first RMS-normed with it (Llama form, `eps`). gated: weight is [2N, K], gate rows then up
     rows (bias [2N]), and the output is silu(gate) * up [M, N], before the residual is added."""
@@ -409,6 +413,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         raise ValueError(f"residual must be [{M}, {N}], got {tuple(residual.shape)}")
     if norm_weight is not None and norm_weight.shape != (K,):
         raise ValueError(f"norm_weight must be [{K}], got {tuple(norm_weight.shape)}")
+    if out_dtype not in (None, x.dtype, torch.float32):
+        raise ValueError(f"out_dtype must be x's dtype ({x.dtype}) or torch.float32, got {out_dtype}")
     if config is None:
         config = _cached_config(M, N, K, _num_sms(x.device), x.element_size(), gated=gated)
         if config is None:
@@ -422,8 +428,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     bias = bias.contiguous() if bias is not None else None
     norm_weight = norm_weight.contiguous() if norm_weight is not None else None
 
-    out = torch.empty(M, N, dtype=x.dtype, device=x.device)       # [M, N]
     split_k = config["SPLIT_K"]
+    # the K split's reduce rounds to its output's dtype alone: it writes x's dtype, converted after
+    out = torch.empty(M, N, dtype=out_dtype if split_k == 1 and out_dtype else x.dtype, device=x.device)
     partial_cols = 2 * N if gated else N
     partial = out if split_k == 1 else torch.empty(split_k, M, partial_cols, dtype=torch.float32, device=x.device)
     cpu = x.device.type == "cpu"
@@ -446,4 +453,4 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
             M, N, residual.stride(0) if residual is not None else 0, out.stride(0),
             SPLIT_K=split_k, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, GATED=gated,
             BLOCK=REDUCE_BLOCK)
-    return out
+    return out if out_dtype is None else out.to(out_dtype)

@@ -1,7 +1,7 @@
 """`ember::linear`: a linear layer that decode-sized batches run on ember's GEMV (ember.kernels.gemv) and others on
 cuBLAS, by the measured per-shape crossover (ember.kernels.gemv_routing), with the switches that A/B runs and kernel
 tests turn: `set_gemv_enabled` (the GEMV at all) and `set_gemv_routing` (follow the crossover, or take the GEMV at
-every row count it applies to)."""
+every row count it applies to). `ember::logits` is the LM head's: the same routing, float32 out."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from ember.kernels.gemv import DTYPES, GEMV_MAX_M, gemv
 from ember.kernels.gemv_routing import gemv_max_rows
 from ember.kernels.library import define, register_fake
 
-__all__ = ["gemv_applies", "gemv_enabled", "gemv_pays", "linear", "set_gemv_enabled", "set_gemv_routing"]
+__all__ = ["LOGITS_ON_GEMV", "gemv_applies", "gemv_enabled", "gemv_pays", "linear", "logits", "set_gemv_enabled",
+           "set_gemv_routing"]
 
 _enabled = True
 
@@ -70,4 +71,32 @@ def _linear_fake(x, weight, bias):
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear through `ember::linear`: x [..., K] -> [..., N], leading dimensions flattened for the op."""
     out = torch.ops.ember.linear(x.reshape(-1, x.shape[-1]), weight, bias)
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+# The LM head's decode rows on the GEMV where the crossover says so (True), or always on cuBLAS and a float32 copy
+# (False, for A/B runs). On an H100 (`benches/gemv_sweep.py crossover`: weights out of L2, many calls in one CUDA
+# graph) one row took 100.8 against 116.0 us for Qwen3-0.6B's head (151936 x 1024), 170.1 against 191.1 us for
+# Llama-3.2-1B's (128256 x 2048) and 341.4 against 375.5 us for Llama-3.1-8B's (128256 x 4096), the GEMV at 102-103%
+# of copy bandwidth (it only reads); from 3 rows cuBLAS wins.
+LOGITS_ON_GEMV = True
+
+
+@define("logits")
+def _logits_op(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ weight [V, K]^T -> float32 [M, V], the product rounded to x's dtype first (as
+    `F.linear(x, weight).float()`): on the GEMV, which stores float32 itself, where `ember::linear` would take it."""
+    if LOGITS_ON_GEMV and gemv_enabled() and gemv_applies(x, weight, None) and gemv_pays(x, weight):
+        return gemv(x, weight, out_dtype=torch.float32)
+    return F.linear(x, weight).float()
+
+
+@register_fake("logits")
+def _logits_fake(x, weight):
+    return x.new_empty(x.shape[0], weight.shape[0], dtype=torch.float32)
+
+
+def logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`F.linear(x, weight).float()` through `ember::logits`: x [..., K] -> float32 [..., V]."""
+    out = torch.ops.ember.logits(x.reshape(-1, x.shape[-1]), weight)
     return out.reshape(*x.shape[:-1], weight.shape[0])

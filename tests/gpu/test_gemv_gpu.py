@@ -128,3 +128,18 @@ def test_cuda_graph_capture_and_replay(weights, name, M):
         reference = x.float() @ weight.float().T + bias.float()
         err = (static_out.float() - F.linear(x, weight, bias).float()).abs().max().item()
         assert err <= _tolerances(reference)[1], f"replay {seed}: {err:.3g} from F.linear"
+
+
+@pytest.mark.parametrize("M", [1, 2, 16])
+def test_logits_are_the_bf16_products_in_float32(weights, M):
+    """`ember::logits` (the LM head): float32 out, each value a bfloat16 (the product rounded once, as cuBLAS's
+    bfloat16 output then `.float()`), within the bounds above of the reference and of F.linear(x, w).float()."""
+    weight, _ = weights["lm_head"]
+    x = _x(M, weight.shape[1], seed=10 + M)
+    out = torch.ops.ember.logits(x, weight)
+    assert out.dtype == torch.float32 and out.shape == (M, weight.shape[0])
+    assert torch.equal(out, out.to(DTYPE).float()), "a logit is not a bfloat16 value"
+    reference = x.float() @ weight.float().T
+    to_reference, to_cublas = _tolerances(reference)
+    assert (out - reference).abs().max().item() <= to_reference
+    assert (out - F.linear(x, weight).float()).abs().max().item() <= to_cublas

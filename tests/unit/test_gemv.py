@@ -93,6 +93,51 @@ def test_strided_inputs_and_padding_columns_not_written():
     assert (out - reference).abs().max().item() <= _tolerance(torch.float32, reference)
 
 
+@pytest.mark.parametrize("split_k", [1, 3], ids=["no_split", "split3"])
+@pytest.mark.parametrize("M", [1, 3])
+def test_float32_out_holds_the_rounded_products(M, split_k):
+    """out_dtype float32 (the LM head's logits): the values of the bfloat16 output, stored as float32 by the kernel
+    (the K split's reduce writes bfloat16, then a copy)."""
+    x, weight, _, _ = _inputs(M, 40, 96, torch.bfloat16, seed=3)
+    config = _config("heuristic", M, 40, 96, 2, split_k)
+    out = G.gemv(x, weight, config=config, out_dtype=torch.float32)
+    assert out.dtype == torch.float32 and out.shape == (M, 40)
+    assert torch.equal(out, G.gemv(x, weight, config=config).float())
+    with pytest.raises(ValueError, match="torch.float16"):
+        G.gemv(x, weight, out_dtype=torch.float16)
+
+
+def test_logits_op_on_cpu_and_under_fake_tensors():
+    """`ember::logits` is `F.linear(x, w).float()` where the GEMV does not apply (CPU), and a float32 [M, V] for
+    the compiler."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    x, weight, _, _ = _inputs(3, 40, 32, torch.bfloat16)
+    out = LO.logits(x.unsqueeze(0), weight)
+    assert out.shape == (1, 3, 40) and torch.equal(out[0], F.linear(x, weight).float())
+    with FakeTensorMode() as mode:
+        fake = torch.ops.ember.logits(mode.from_tensor(x), mode.from_tensor(weight))
+    assert fake.shape == (3, 40) and fake.dtype == torch.float32
+
+
+def test_logits_op_routes_like_linear(monkeypatch):
+    """Where the GEMV applies and pays, `ember::logits` asks it for float32; LOGITS_ON_GEMV False or the GEMV
+    switched off sends it to cuBLAS and a float32 copy."""
+    calls = []
+
+    def spy(x, weight, bias=None, out_dtype=None):
+        calls.append(out_dtype)
+        return F.linear(x, weight).float()
+
+    monkeypatch.setattr(LO, "gemv_applies", lambda x, weight, bias: True)
+    monkeypatch.setattr(LO, "gemv_pays", lambda x, weight, gated=False: True)
+    monkeypatch.setattr(LO, "gemv", spy)
+    x, weight, _, _ = _inputs(1, 24, 32, torch.bfloat16)
+    assert torch.equal(torch.ops.ember.logits(x, weight), F.linear(x, weight).float()) and calls == [torch.float32]
+    monkeypatch.setattr(LO, "LOGITS_ON_GEMV", False)
+    torch.ops.ember.logits(x, weight)
+    assert calls == [torch.float32]
+
+
 def test_gemv_rejects_bad_inputs_with_the_values():
     x, weight, _, _ = _inputs(17, 8, 16, torch.float32)
     with pytest.raises(ValueError, match="got M=17"):

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ember.kernels.linear_op import logits
 from ember.models.layers.linear import make_param
 from ember.models.layers.onednn import onednn_linear
 
@@ -54,7 +55,10 @@ class LMHead(nn.Module):
         if self.packed_weight is not None:
             return onednn_linear(hidden, self.packed_weight).float()
         weight = self.weight_to_pack()
-        # matmul in the model dtype like the reference, then float32 for sampling
+        # matmul in the model dtype like the reference, then float32 for sampling; on a GPU one op for both
+        # (ember::logits: decode rows on the GEMV, which writes float32 itself)
+        if hidden.is_cuda:
+            return logits(hidden, weight)
         return F.linear(hidden, weight).float()
 
     def extra_repr(self) -> str:
