@@ -11,7 +11,8 @@ CUDA graph (benches/bench_decode_linears.py), against the measured copy bandwidt
 weights every call); the difference bounds what prefetching weights into L2 could save, and what is left is the
 launch's fixed cost.
 `shapes`: each projection alone at one row (weights from HBM) under every (programs per SM, W tile bytes), the
-current constants first: which launch shape each weight shape would pick on its own.
+current constants first, then on the TMA kernel (ember.kernels.gemv_tma) under each of TMA_CANDIDATES: which launch
+shape, and which kernel, each weight shape would pick on its own.
 `crossover`: each projection alone, ember's GEMV (with its fusions) against the same layer as separate kernels on
 cuBLAS, for 1..16 rows; the largest row count up to which the GEMV wins is what ember.kernels.gemv_routing stores
 (--write). `chain`: the whole step's projections at each row count, routed GEMV against torch's ops.
@@ -137,6 +138,10 @@ def resident(configs, bw) -> None:
 
 
 SHAPES_MARGIN = 0.03   # a weight shape's own launch shape is stored when it takes at least this much less time
+# ...and its TMA shape (ember.kernels.gemv_tma) when that takes this much less than the best register-streaming one:
+# a smaller margin, as two passes over one candidate differed by at most 0.1% on an H100
+TMA_MARGIN = 0.02
+TMA_CANDIDATES = [(block_n, 256, stages) for block_n in (8, 16, 32) for stages in (3, 4, 6)]
 
 
 def shapes(configs, bw, rounds: int = 2, write: bool = False) -> None:
@@ -148,8 +153,9 @@ def shapes(configs, bw, rounds: int = 2, write: bool = False) -> None:
     l2 = props.L2_cache_size
     default = (G.PROGRAMS_PER_SM, G.W_TILE_BYTES)
     grid = [default] + [c for c in itertools.product((2, 4, 8), (8192, 16384)) if c != default]
-    stored, table_lookup = [], G.launch_shape
+    stored, tma_stored, table_lookup, tma_lookup = [], [], G.launch_shape, G.tma_shape
     G.launch_shape = lambda *args: None      # every candidate as the constants give it, not the stored table's
+    G.tma_shape = lambda *args: None
     try:
         for name, proj, op, weight in _projections(configs):
             floor = 1e6 * weight.numel() * weight.element_size() / bw
@@ -166,19 +172,48 @@ def shapes(configs, bw, rounds: int = 2, write: bool = False) -> None:
             best = min(mean, key=mean.get)
             print(f"shapes {name} {proj}: best programs/SM {best[0]} tile {best[1]}, {mean[best]:.2f} against "
                   f"{mean[default]:.2f} us ({100 * (1 - mean[best] / mean[default]):.1f}%)", flush=True)
-            if mean[best] <= (1 - SHAPES_MARGIN) * mean[default]:
-                stored.append(dict(n=weight.shape[0], k=weight.shape[1], gated=bool(op and op[0]),
-                                   programs_per_sm=best[0],
+            gated = bool(op and op[0])
+            kept = mean[best] if mean[best] <= (1 - SHAPES_MARGIN) * mean[default] else mean[default]
+            if kept < mean[default]:
+                stored.append(dict(n=weight.shape[0], k=weight.shape[1], gated=gated, programs_per_sm=best[0],
                                    w_tile_bytes=best[1], us=round(mean[best], 2), constants_us=round(mean[default], 2)))
+            tma = _tma_candidates(op, weight, l2, floor, f"{name} {proj} {tuple(weight.shape)}")
+            if tma and tma[0] <= (1 - TMA_MARGIN) * kept:
+                block_n, block_k, stages = tma[1]
+                tma_stored.append(dict(n=weight.shape[0], k=weight.shape[1], gated=gated, block_n=block_n,
+                                       block_k=block_k, stages=stages, us=round(tma[0], 2), gemv_us=round(kept, 2)))
+                print(f"shapes {name} {proj}: TMA {tma[1]} {tma[0]:.2f} against {kept:.2f} us", flush=True)
     finally:
         _set(PROGRAMS_PER_SM=default[0], W_TILE_BYTES=default[1])
-        G.launch_shape = table_lookup
+        G.launch_shape, G.tma_shape = table_lookup, tma_lookup
     if write:
         table = dict(command="PYTHONPATH=. python benches/gemv_sweep.py shapes --configs "
                              + " ".join(configs) + " --write",
-                     device=props.name, num_sms=props.multi_processor_count, element_size=2, shapes=stored)
+                     device=props.name, num_sms=props.multi_processor_count, element_size=2, shapes=stored,
+                     tma_shapes=tma_stored)
         gemv_routing.SHAPES_PATH.write_text(json.dumps(table, indent=1) + "\n")
         print(f"wrote {len(stored)} launch shapes to {gemv_routing.SHAPES_PATH}", flush=True)
+
+
+def _tma_candidates(op, weight, l2: int, floor: float, label: str) -> tuple[float, tuple[int, int, int]] | None:
+    """(microseconds, shape) of the fastest TMA shape that applies to one row of this projection, or None."""
+    from ember.kernels.gemv_tma import tma_applies
+    rows, k = weight.shape
+    n = rows // 2 if op and op[0] else rows
+    x = torch.empty(1, k, device="cuda", dtype=weight.dtype)
+    best = None
+    try:
+        for shape in TMA_CANDIDATES:
+            if not tma_applies(x, weight, n, shape):
+                continue
+            G.tma_shape = lambda *args, shape=shape: shape
+            us = _projection_us(op, weight, 1, l2, True)
+            print(f"shapes {label} TMA {shape}: {us:.2f} us ({100 * floor / us:.0f}% of copy bandwidth)", flush=True)
+            if best is None or us < best[0]:
+                best = (us, shape)
+    finally:
+        G.tma_shape = lambda *args: None
+    return best
 
 
 def crossover(configs, bw, rows, write: bool) -> None:

@@ -40,7 +40,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ember.kernels.gemv_routing import launch_shape
+from ember.kernels.gemv_routing import launch_shape, tma_shape
+from ember.kernels.gemv_tma import gemv_tma, tma_applies
 from ember.kernels.launcher import launcher
 from ember.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_options
 
@@ -415,6 +416,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         raise ValueError(f"norm_weight must be [{K}], got {tuple(norm_weight.shape)}")
     if out_dtype not in (None, x.dtype, torch.float32):
         raise ValueError(f"out_dtype must be x's dtype ({x.dtype}) or torch.float32, got {out_dtype}")
+    forced = config is not None
     if config is None:
         config = _cached_config(M, N, K, _num_sms(x.device), x.element_size(), gated=gated)
         if config is None:
@@ -428,6 +430,12 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     bias = bias.contiguous() if bias is not None else None
     norm_weight = norm_weight.contiguous() if norm_weight is not None else None
 
+    if M == 1 and not forced:
+        shape = tma_shape(weight.shape[0], K, gated, _num_sms(x.device), x.element_size())
+        if shape is not None and tma_applies(x, weight, N, shape):
+            out = torch.empty(1, N, dtype=out_dtype or x.dtype, device=x.device)
+            return gemv_tma(x, weight, out, shape, bias=bias, residual=residual, norm_weight=norm_weight, eps=eps,
+                            gated=gated, kernel=_kernel)
     split_k = config["SPLIT_K"]
     # the K split's reduce rounds to its output's dtype alone: it writes x's dtype, converted after
     out = torch.empty(M, N, dtype=out_dtype if split_k == 1 and out_dtype else x.dtype, device=x.device)

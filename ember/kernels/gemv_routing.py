@@ -17,7 +17,7 @@ import os
 import warnings
 from pathlib import Path
 
-__all__ = ["SHAPES_PATH", "TABLE_PATH", "gemv_max_rows", "launch_shape", "load_shapes", "load_table"]
+__all__ = ["SHAPES_PATH", "TABLE_PATH", "gemv_max_rows", "launch_shape", "load_shapes", "load_table", "tma_shape"]
 
 TABLE_PATH = Path(__file__).with_name("gemv_crossover.json")
 SHAPES_PATH = Path(__file__).with_name("gemv_shapes.json")
@@ -83,12 +83,34 @@ def load_shapes(path: Path = SHAPES_PATH) -> dict[tuple[int, int, bool, int, int
     return _read(path, parse, "launch-shape", "every shape takes the constants")
 
 
+def load_tma_shapes(path: Path = SHAPES_PATH) -> dict[tuple[int, int, bool, int, int], tuple[int, int, int]]:
+    """{(weight rows, K, gated, SMs, element size): (BLOCK_N, BLOCK_K, stages)} of the shapes whose one row is
+    measured faster on the TMA kernel (ember.kernels.gemv_tma), from the same document's `tma_shapes`."""
+    def parse(doc):
+        sms, size = int(doc["num_sms"]), int(doc["element_size"])
+        return {(int(e["n"]), int(e["k"]), bool(e["gated"]), sms, size):
+                (int(e["block_n"]), int(e["block_k"]), int(e["stages"])) for e in doc.get("tma_shapes", [])}
+
+    return _read(path, parse, "launch-shape", "no shape takes the TMA kernel")
+
+
 @functools.cache
 def _shapes() -> dict:
     return {} if os.environ.get("EMBER_GEMV_SHAPES", "1") == "0" else load_shapes()
+
+
+@functools.cache
+def _tma_shapes() -> dict:
+    return {} if os.environ.get("EMBER_GEMV_SHAPES", "1") == "0" else load_tma_shapes()
 
 
 def launch_shape(n: int, k: int, gated: bool, num_sms: int, element_size: int) -> tuple[int, int] | None:
     """The stored one-row (programs per SM, W tile bytes) for a weight of `n` rows (gate and up rows counted when
     `gated`) and `k` columns on a GPU of `num_sms` SMs, or None."""
     return _shapes().get((n, k, gated, num_sms, element_size))
+
+
+def tma_shape(n: int, k: int, gated: bool, num_sms: int, element_size: int) -> tuple[int, int, int] | None:
+    """The stored (BLOCK_N, BLOCK_K, stages) of the TMA kernel for one row of a weight of `n` rows (gate and up rows
+    counted when `gated`) and `k` columns on a GPU of `num_sms` SMs, or None (the register-streaming kernel)."""
+    return _tma_shapes().get((n, k, gated, num_sms, element_size))

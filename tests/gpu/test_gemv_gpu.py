@@ -143,3 +143,25 @@ def test_logits_are_the_bf16_products_in_float32(weights, M):
     to_reference, to_cublas = _tolerances(reference)
     assert (out - reference).abs().max().item() <= to_reference
     assert (out - F.linear(x, weight).float()).abs().max().item() <= to_cublas
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["plain", "norm_gated"])
+def test_tma_kernel_matches_the_register_kernel(weights, monkeypatch, fused):
+    """The TMA kernel (ember.kernels.gemv_tma) at one row of Llama-3.1-8B's gate_up shape, plain and with the RMSNorm
+    prologue and SiLU·mul epilogue: within one bfloat16 ulp of the output scale of the register-streaming kernel
+    (both sum in float32, in different orders), and plain within the bound above of the reference."""
+    weight, _ = weights["llama-3.1-8b gate_up"]
+    x = _x(1, weight.shape[1], seed=21)
+    norm_weight = torch.rand(weight.shape[1], device="cuda", dtype=DTYPE) + 0.5 if fused else None
+    kwargs = dict(norm_weight=norm_weight, gated=fused)
+    monkeypatch.setattr(G, "tma_shape", lambda *args: None)
+    expected = G.gemv(x, weight, **kwargs)
+    used = []
+    monkeypatch.setattr(G, "tma_shape", lambda *args: used.append(args) or (16, 256, 3))
+    out = G.gemv(x, weight, **kwargs)
+    assert used, "the TMA shape was not asked for"
+    scale = expected.float().abs().max().item()
+    assert (out.float() - expected.float()).abs().max().item() <= 2.0 ** -7 * scale
+    if not fused:
+        reference = x.float() @ weight.float().T
+        assert (out.float() - reference).abs().max().item() <= _tolerances(reference)[0]
