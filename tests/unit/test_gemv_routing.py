@@ -43,6 +43,20 @@ def test_a_missing_table_is_empty_and_a_corrupt_one_warns(tmp_path):
     assert R.gemv_max_rows(4096, 1024, False, ()) == R.FALLBACK_MAX_ROWS
 
 
+def test_tma_shapes_round_trip_and_the_stored_ones_parse(tmp_path):
+    """`tma_shapes` of the launch-shape document, keyed like the launch shapes (SM count and element size from the
+    document); a document without them has none."""
+    path = tmp_path / "s.json"
+    doc = dict(num_sms=132, element_size=2, shapes=[],
+               tma_shapes=[dict(n=57344, k=4096, gated=True, block_n=16, block_k=256, stages=3, us=79.2, gemv_us=81.5)])
+    path.write_text(json.dumps(doc))
+    assert R.load_tma_shapes(path) == {(57344, 4096, True, 132, 2): (16, 256, 3)}
+    path.write_text(json.dumps(dict(doc, tma_shapes=[])))
+    assert R.load_tma_shapes(path) == {}
+    stored = R.load_tma_shapes()
+    assert all(n % b_n == 0 and k % b_k == 0 and stages >= 2 for (n, k, _, _, _), (b_n, b_k, stages) in stored.items())
+
+
 def test_the_stored_table_parses_when_present():
     if R.TABLE_PATH.exists():
         table = R.load_table()
