@@ -54,11 +54,13 @@ def _gemv_tma_kernel(x_ptr, w_desc, bias_ptr, residual_ptr, norm_weight_ptr, out
         if GATED:
             acc_up += w_up.to(tl.float32) * xf[None, :]
     y = tl.reduce(acc, 1, tl.standard._sum_combine)
-    up = tl.reduce(acc_up, 1, tl.standard._sum_combine)
+    if GATED:
+        up = tl.reduce(acc_up, 1, tl.standard._sum_combine)
     if NORM:
         rstd = tl.math.rsqrt(tl.reduce(sum_sq, 0, tl.standard._sum_combine) / K + eps)
         y = y * rstd
-        up = up * rstd
+        if GATED:
+            up = up * rstd
     if HAS_BIAS:
         y += tl.load(bias_ptr + cols).to(tl.float32)
         if GATED:
