@@ -146,8 +146,10 @@ TMA_CANDIDATES = [(block_n, 256, stages) for block_n in (8, 16, 32) for stages i
 
 def shapes(configs, bw, rounds: int = 2, write: bool = False) -> None:
     """Each projection at one row under every (programs per SM, W tile bytes), `rounds` interleaved passes: its
-    own best launch shape, against the constants (the first candidate). `write`: store the shapes whose best took
-    at least SHAPES_MARGIN less time for ember.kernels.gemv_routing.launch_shape."""
+    own best launch shape, against the constants (the first candidate), then each of TMA_CANDIDATES on the TMA
+    kernel. `write`: store the shapes whose best took at least SHAPES_MARGIN less time for
+    ember.kernels.gemv_routing.launch_shape, and the TMA shapes that took at least TMA_MARGIN less than what the
+    register kernel keeps for ember.kernels.gemv_routing.tma_shape."""
     from ember.kernels import gemv_routing
     props = torch.cuda.get_device_properties(0)
     l2 = props.L2_cache_size
@@ -173,8 +175,9 @@ def shapes(configs, bw, rounds: int = 2, write: bool = False) -> None:
             print(f"shapes {name} {proj}: best programs/SM {best[0]} tile {best[1]}, {mean[best]:.2f} against "
                   f"{mean[default]:.2f} us ({100 * (1 - mean[best] / mean[default]):.1f}%)", flush=True)
             gated = bool(op and op[0])
-            kept = mean[best] if mean[best] <= (1 - SHAPES_MARGIN) * mean[default] else mean[default]
-            if kept < mean[default]:
+            won = mean[best] <= (1 - SHAPES_MARGIN) * mean[default]
+            kept = mean[best] if won else mean[default]      # what the register kernel takes for this shape
+            if won:
                 stored.append(dict(n=weight.shape[0], k=weight.shape[1], gated=gated, programs_per_sm=best[0],
                                    w_tile_bytes=best[1], us=round(mean[best], 2), constants_us=round(mean[default], 2)))
             tma = _tma_candidates(op, weight, l2, floor, f"{name} {proj} {tuple(weight.shape)}")
