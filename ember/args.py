@@ -27,6 +27,11 @@ def backend_option(text: str) -> tuple[str, object]:
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Add the flags that configure an engine (`LLM(...)` arguments) to a parser."""
     p.add_argument("--model", default=None, help="HF model folder (default: SmolLM2-135M-Instruct, fetched once)")
+    p.add_argument("--tokenizer", default=None, metavar="FOLDER_OR_HUB_ID",
+                   help="the tokenizer to use, a folder or a hub id (default: the model's)")
+    p.add_argument("--tokenizer-mode", default="auto",
+                   help="how the tokenizer loads: 'auto' (transformers' AutoTokenizer) is the only mode")
+    p.add_argument("--tokenizer-revision", default=None, help="the hub revision of the tokenizer")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto")
     p.add_argument("--max-model-len", type=int, default=None)
@@ -72,4 +77,5 @@ def engine_kwargs(args) -> dict:
                 enforce_eager=args.enforce_eager, seed=args.seed, async_scheduling=args.async_scheduling,
                 disabled_fusions=tuple(args.disable_fusion), cudagraph_capture=args.cudagraph_capture,
                 jit_warmup=args.jit_warmup, triton_compile_workers=args.triton_compile_workers,
-                attention_backend_options=dict(args.attention_backend_options) or None)
+                attention_backend_options=dict(args.attention_backend_options) or None, tokenizer=args.tokenizer,
+                tokenizer_mode=args.tokenizer_mode, tokenizer_revision=args.tokenizer_revision)

@@ -74,7 +74,8 @@ class LLM:
                  enable_prefix_caching: bool = True, attention_backend: str = "auto", seed: int = 0,
                  compile_mode: str = "auto", cudagraph_mode: str = "auto",
                  cudagraph_capture_sizes: Sequence[int] | None = None, enforce_eager: bool = False,
-                 attention_backend_options: dict | None = None, load_format: str = "auto", tokenizer=None,
+                 attention_backend_options: dict | None = None, load_format: str = "auto",
+                 tokenizer: str | None = None, tokenizer_mode: str = "auto", tokenizer_revision: str | None = None,
                  async_scheduling: bool | None = None, disabled_fusions: Sequence[str] = (),
                  cudagraph_capture: str = "eager", jit_warmup: bool | None = None,
                  triton_compile_workers: int | None = None, tensor_parallel_size: int = 1,
@@ -89,6 +90,10 @@ class LLM:
             check_backend_options(dict(attention_backend_options), attention_backend)
         if load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format {load_format!r} is not supported; use 'auto' or 'dummy' (random weights)")
+        from ember.tokenizer_args import check_tokenizer_mode, tokenizer_folder
+        check_tokenizer_mode(tokenizer_mode)
+        # a tokenizer of its own resolves first: a wrong one fails before the model is fetched or built
+        tokenizer_path = tokenizer_folder(tokenizer, tokenizer_revision, model, None, download_dir)
         hf_config = None
         if load_format == "dummy" and model is not None and not Path(model).exists():
             # a bundled public config by name: random weights of the real shape, no download
@@ -110,9 +115,9 @@ class LLM:
             attention_backend_options=tuple(sorted(dict(attention_backend_options or {}).items())),
         ).resolve()
         self.config = config
-        if tokenizer is None and hf_config is None:
-            tokenizer = _load_tokenizer(path, trust_remote_code)
-        self.tokenizer = tokenizer
+        if tokenizer_path is None and hf_config is None:     # the model folder's own
+            tokenizer_path = path
+        self.tokenizer = _load_tokenizer(tokenizer_path, trust_remote_code) if tokenizer_path is not None else None
         self.engine = Engine(config, str(path), self.tokenizer, hf_config=hf_config, load_format=load_format)
         # requests a live generate() or stream waits for: the latest output of each (outputs are cumulative, so
         # the latest is all a waiter needs), and the error of each that a failed step aborted

@@ -9,6 +9,8 @@ from pathlib import Path
 
 # what ember reads from a model repository: config, safetensors weights, tokenizer files
 ALLOW_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "*.tiktoken", "*.txt", "*.jinja"]
+# a tokenizer on its own: the same files without the weights
+TOKENIZER_PATTERNS = [p for p in ALLOW_PATTERNS if p != "*.safetensors"]
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 
@@ -26,9 +28,11 @@ def _offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
 
 
-def resolve_repo_id(repo_id: str, revision: str | None = None, cache_dir: str | os.PathLike | None = None) -> Path:
-    """The local snapshot folder of `repo_id` at `revision`: from the hub cache if it is there, else downloaded
-    (with progress on stderr) unless HF_HUB_OFFLINE is set. Raises HubModelError saying how to fix it."""
+def resolve_repo_id(repo_id: str, revision: str | None = None, cache_dir: str | os.PathLike | None = None,
+                    allow_patterns: list[str] | None = None, what: str = "model") -> Path:
+    """The local snapshot folder of `repo_id` at `revision` (the files `allow_patterns` match, by default a model's):
+    from the hub cache if it is there, else downloaded (with progress on stderr) unless HF_HUB_OFFLINE is set.
+    Raises HubModelError saying how to fix it; `what` names the thing asked for ("model", "tokenizer")."""
     try:
         from huggingface_hub import snapshot_download
         from huggingface_hub.errors import LocalEntryNotFoundError
@@ -36,7 +40,8 @@ def resolve_repo_id(repo_id: str, revision: str | None = None, cache_dir: str | 
         raise HubModelError(f"resolving the hub id {repo_id!r} needs huggingface_hub: pip install huggingface_hub"
                             ) from exc
     where = f" at revision {revision!r}" if revision else ""
-    kwargs = dict(repo_id=repo_id, revision=revision, cache_dir=cache_dir, allow_patterns=ALLOW_PATTERNS)
+    kwargs = dict(repo_id=repo_id, revision=revision, cache_dir=cache_dir,
+                  allow_patterns=allow_patterns if allow_patterns is not None else ALLOW_PATTERNS)
     try:
         return Path(snapshot_download(local_files_only=True, **kwargs))
     except LocalEntryNotFoundError:
@@ -45,16 +50,16 @@ def resolve_repo_id(repo_id: str, revision: str | None = None, cache_dir: str | 
         raise HubModelError(f"the hub cache entry of {repo_id!r}{where} could not be read: {exc}") from exc
     if _offline():
         raise HubModelError(
-            f"model {repo_id!r}{where} is not in the Hugging Face cache ({_cache_root(cache_dir)}) and HF_HUB_OFFLINE "
+            f"{what} {repo_id!r}{where} is not in the Hugging Face cache ({_cache_root(cache_dir)}) and HF_HUB_OFFLINE "
             f"is set, so it cannot be downloaded; unset HF_HUB_OFFLINE, or fetch it where there is a network with "
-            f"`huggingface-cli download {repo_id}` and copy the cache, or pass a local model folder")
+            f"`huggingface-cli download {repo_id}` and copy the cache, or pass a local {what} folder")
     try:
         return Path(snapshot_download(**kwargs))
     except Exception as exc:   # noqa: BLE001 - network, auth and missing-repo errors all end here, named
         raise HubModelError(
-            f"could not download model {repo_id!r}{where} from the Hugging Face hub ({type(exc).__name__}: {exc}); "
+            f"could not download {what} {repo_id!r}{where} from the Hugging Face hub ({type(exc).__name__}: {exc}); "
             f"check the id and the network, log in with `huggingface-cli login` for gated models, or pass a local "
-            f"model folder") from exc
+            f"{what} folder") from exc
 
 
 def _cache_root(cache_dir) -> str:
