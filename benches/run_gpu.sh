@@ -1,22 +1,211 @@
 #!/usr/bin/env bash
-# The GPU benchmark pass in one go (each part bounded in time), logs under $OUT (default ./bench_out):
-#   bash benches/run_gpu.sh
+# ember's GPU benchmark passes, one part per call (each step bounded in time), logs under $OUT (default ./bench_out):
+#   bash benches/run_gpu.sh decode        # bitwise replay check, batch-1 latency (Qwen3-0.6B with a step profile,
+#                                         # Llama-3.1-8B), the GEMV and step benches
+#   bash benches/run_gpu.sh throughput    # the nano-vllm throughput workload, Qwen3-0.6B config
+#   bash benches/run_gpu.sh headline      # decode, then throughput: the pass behind the README's figures
+#   bash benches/run_gpu.sh serve         # the offline workload, then `ember serve` + `ember bench serve` at 8, 32, inf
+#   [PYC=1] [STAMP_AB=1] bash benches/run_gpu.sh startup [MODEL ...]   # cold then warm start-up, fresh processes
+#   bash benches/run_gpu.sh flash         # the flash backend's kernels, GPU tests and time to first token
+#   bash benches/run_gpu.sh fusion        # fusion passes on / off, batch-1 decode with a step profile
+#   [CONFIGS=..] [AB_OPTION=.. AB_VALUES=".."] bash benches/run_gpu.sh ab   # batch-1 A/B of a backend option
+# Each part's own switches are described above its function.
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
-OUT=${OUT:-bench_out}; mkdir -p "$OUT"
-run() { local name=$1 limit=$2; shift 2; echo "== $name"; timeout "$limit" "$@" 2>&1 | grep -v -i "deprecat\|_warn_once" | tee "$OUT/$name.log"; }
-run bitwise 90 python3 -m pytest -q -m gpu -p no:cacheprovider \
+OUT=${OUT:-bench_out}
+filter() { grep -v -i "deprecat\|_warn_once\|warnings.warn\|PytestBenchmarkWarning\|warner(\|warn("; }
+# run NAME LIMIT_S CMD...: the command's output, filtered, on the terminal and in $OUT/NAME.log
+run() { local name=$1 limit=$2; shift 2; echo "== $name"; timeout "$limit" "$@" 2>&1 | filter | tee "$OUT/$name.log"; }
+# quiet NAME LIMIT_S CMD...: the output only in $OUT/NAME.log, and the exit status
+quiet() { local name=$1 limit=$2; shift 2; timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; echo "== $name rc=$?"; }
+
+part_decode() {
+  run bitwise 90 python3 -m pytest -q -m gpu -p no:cacheprovider \
     "tests/gpu/test_graphs_engine_gpu.py::test_full_replay_bitwise_equals_compiled_without_graphs"
-run latency_qwen3 110 python3 -m ember bench latency --config qwen3-0.6b --batch-size 1 --input-len 32 \
+  run latency_qwen3 110 python3 -m ember bench latency --config qwen3-0.6b --batch-size 1 --input-len 32 \
     --output-len 256 --num-iters 3 --profile 20 --json "$OUT/latency_qwen3.json"
-run throughput_qwen3 100 python3 -m ember bench throughput --config qwen3-0.6b --json "$OUT/throughput_qwen3.json"
-run gemv 60 python3 -m pytest -q -p no:cacheprovider benches/bench_gemv.py --benchmark-only -s
-run step 130 python3 -m pytest -q -p no:cacheprovider --benchmark-only -s \
+  run gemv 60 python3 -m pytest -q -p no:cacheprovider benches/bench_gemv.py --benchmark-only -s
+  run step 130 python3 -m pytest -q -p no:cacheprovider --benchmark-only -s \
     "benches/bench_step.py::test_step[eager-1-decode]" "benches/bench_step.py::test_step[eager-8-decode]" \
     "benches/bench_step.py::test_step[full-1-decode]" "benches/bench_step.py::test_step[full-8-decode]"
-run latency_llama8b 90 python3 -m ember bench latency --config llama-3.1-8b --batch-size 1 --input-len 32 \
+  run latency_llama8b 90 python3 -m ember bench latency --config llama-3.1-8b --batch-size 1 --input-len 32 \
     --output-len 128 --num-iters 2 --json "$OUT/latency_llama8b.json"
-echo "== summary"
-grep -h "passed\|failed" "$OUT/bitwise.log" | tail -1
-grep -h "decode \|TPOT\|host \|output \|start-up" "$OUT"/latency_qwen3.log "$OUT"/throughput_qwen3.log "$OUT"/latency_llama8b.log
-grep -h "step " "$OUT/step.log"
+  echo "== summary"
+  grep -h "passed\|failed" "$OUT/bitwise.log" | tail -1
+  grep -h "decode \|TPOT\|host \|start-up" "$OUT"/latency_qwen3.log "$OUT"/latency_llama8b.log
+  grep -h "step " "$OUT/step.log"
+}
+
+part_throughput() {
+  run throughput_qwen3 100 python3 -m ember bench throughput --config qwen3-0.6b --json "$OUT/throughput_qwen3.json"
+  echo "== summary"
+  grep -h "output \|host \|start-up" "$OUT"/throughput_qwen3.log
+}
+
+# serve: PORT (default 8000), COUNTS (requests per rate, default 64,128,256; the inf run sends the same 256 requests
+# as the offline run). Writes offline.json, serve.json, serve.png, metrics.txt and server.log.
+part_serve() {
+  local port=${PORT:-8000} workload="--input-len 100:1024 --output-len 100:1024 --seed 0" server
+  python3 -m ember bench throughput --config qwen3-0.6b --num-prompts 256 $workload --json "$OUT/offline.json"
+  python3 -m ember serve --config qwen3-0.6b --port "$port" > "$OUT/server.log" 2>&1 &
+  server=$!
+  python3 - "$port" <<'PY'
+import sys, time, urllib.request
+deadline = time.time() + 300
+while time.time() < deadline:
+    try:
+        urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/health", timeout=1)
+        break
+    except OSError:
+        time.sleep(0.5)
+else:
+    sys.exit("the server did not start")
+PY
+  python3 -m ember bench serve --base-url "http://127.0.0.1:$port" --request-rate 8,32,inf \
+    --num-prompts "${COUNTS:-64,128,256}" $workload --compare-offline "$OUT/offline.json" --json "$OUT/serve.json" \
+    --plot "$OUT/serve.png"
+  python3 - "$port" > "$OUT/metrics.txt" <<'PY'
+import sys, urllib.request
+text = urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/metrics").read().decode()
+print("\n".join(l for l in text.splitlines() if l.startswith(("ember_num", "ember_kv", "ember_prompt",
+                                                             "ember_generation", "ember_request"))))
+PY
+  kill -TERM "$server"
+  wait "$server"
+  echo "server exited with $? after SIGTERM"
+  tail -3 "$OUT/server.log"
+}
+
+# startup [MODEL ...] (default: the Qwen3-0.6B and Llama-3.1-8B configs): each start in a fresh process; cold starts
+# from empty ember and Triton caches, warm from the ones the cold start filled. Prints benches/startup.py's JSON
+# line per start (with --step-times: each run's time before its first launch, its steps, its full collections).
+# PYC=1 lets Python cache bytecode (under a prefix of its own) as an installed Python does; an image that sets
+# PYTHONDONTWRITEBYTECODE compiles every imported module in every process. With it a first start ("bytecode")
+# writes the bytecode, so that the cold start after it finds bytecode and empty ember/Triton caches, and a second
+# warm start ("warm2") follows. STAMP_AB=1 adds, per model, a cold start that traces every decoder layer
+# (EMBER_STAMP_LAYERS=0) beside the default one that traces three and stamps the rest (JSON "traced_layers").
+part_startup() {
+  local models=${*:-qwen3-0.6b llama-3.1-8b} labels="cold warm" cache model label
+  if [ "${PYC:-0}" = 1 ]; then
+    unset PYTHONDONTWRITEBYTECODE
+    export PYTHONPYCACHEPREFIX=${PYTHONPYCACHEPREFIX:-$(mktemp -d)}
+    labels="cold warm warm2"
+    cache=$(mktemp -d)
+    echo "== bytecode (writes it: not a start-up figure)"
+    EMBER_CACHE=$cache/ember TRITON_CACHE_DIR=$cache/triton timeout 280 python3 benches/startup.py \
+      --model "${1:-qwen3-0.6b}" --label bytecode > "$OUT/startup_bytecode.log" 2>&1
+    grep -h "STARTUP" "$OUT/startup_bytecode.log" | cut -c1-200
+    rm -rf "$cache"
+  fi
+  for model in $models; do
+    cache=$(mktemp -d)
+    for label in $labels; do
+      echo "== $model $label"
+      EMBER_CACHE=$cache/ember TRITON_CACHE_DIR=$cache/triton timeout 280 python3 benches/startup.py \
+        --model "$model" --label "$label" --step-times > "$OUT/startup_${model}_$label.log" 2>&1
+      grep -h "start-up\|captured\|STARTUP" "$OUT/startup_${model}_$label.log" | cut -c1-600
+    done
+    rm -rf "$cache"
+    if [ "${STAMP_AB:-0}" = 1 ]; then
+      cache=$(mktemp -d)
+      echo "== $model cold_whole_trace"
+      EMBER_CACHE=$cache/ember TRITON_CACHE_DIR=$cache/triton EMBER_STAMP_LAYERS=0 timeout 280 \
+        python3 benches/startup.py --model "$model" --label cold_whole_trace \
+        > "$OUT/startup_${model}_cold_whole_trace.log" 2>&1
+      grep -h "start-up\|captured\|STARTUP" "$OUT/startup_${model}_cold_whole_trace.log" | cut -c1-600
+      rm -rf "$cache"
+    fi
+  done
+}
+
+# flash: BENCH_S, TESTS_S, E2E_S bound the bench, each test file and each time-to-first-token run.
+part_flash() {
+  echo "== bench"
+  timeout "${BENCH_S:-300}" python3 -m pytest -q -p no:cacheprovider benches/bench_flash.py --benchmark-only -s 2>&1 \
+    | filter > "$OUT/flash_bench.log"
+  grep -B2 -A80 "ember benchmark summary" "$OUT/flash_bench.log" \
+    | grep -v "^test_\|^Name\|^---\|^Legend\|OPS:\|Outliers" || tail -40 "$OUT/flash_bench.log"
+  echo "== gpu tests"
+  # kernel tests in 4 processes (compiling in parallel); the engine tests alone (each engine takes half the memory)
+  timeout "${TESTS_S:-200}" python3 -m pytest -q -m gpu -p no:cacheprovider -n 4 tests/gpu/test_flash_gpu.py 2>&1 \
+    | filter | tee "$OUT/flash_tests.log" | grep -v "^\.*$" | tail -25
+  timeout "${TESTS_S:-200}" python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_flash_engine_gpu.py 2>&1 \
+    | filter | tee "$OUT/flash_engine_tests.log" | tail -15
+  echo "== time to first token, 16k prompt, Qwen3-0.6B config (eager)"
+  local backend
+  for backend in "flash 64" "triton_unified 16"; do
+    set -- $backend
+    timeout "${E2E_S:-100}" python3 -m ember bench latency --config qwen3-0.6b --batch-size 1 --input-len 16384 \
+      --output-len 2 --num-iters 3 --max-model-len 16448 --max-num-batched-tokens 16384 --enforce-eager \
+      --attention-backend "$1" --block-size "$2" 2>&1 | filter > "$OUT/ttft_$1.log"
+    echo "$1 block $2: $(grep -i "ttft\|first" "$OUT/ttft_$1.log" | head -3 | tr '\n' ' ')"
+  done
+}
+
+# fusion: SKIP_OP_CHECK=1 skips the fused op's bf16 checks, SKIP_LLAMA=1 the Llama-3.2-1B runs.
+part_fusion() {
+  local latency="python3 -m ember bench latency --batch-size 1 --input-len 32 --output-len 256 --num-iters 3 \
+    --profile 10 -v" f
+  [ -n "${SKIP_OP_CHECK:-}" ] || run fused_op 150 python3 -m pytest -q -m gpu -p no:cacheprovider \
+    tests/gpu/test_fused_linear_gpu.py tests/gpu/test_fusion_model_gpu.py
+  run qwen3_fused 130 $latency --config qwen3-0.6b --json "$OUT/qwen3_fused.json"
+  run qwen3_unfused 130 $latency --config qwen3-0.6b --disable-fusion all --json "$OUT/qwen3_unfused.json"
+  [ -n "${SKIP_LLAMA:-}" ] || run llama1b_fused 120 $latency --config llama-3.2-1b --json "$OUT/llama1b_fused.json"
+  [ -n "${SKIP_LLAMA:-}" ] || run llama1b_unfused 120 $latency --config llama-3.2-1b --disable-fusion all \
+    --json "$OUT/llama1b_unfused.json"
+  echo "== summary"
+  [ -f "$OUT/fused_op.log" ] && grep -h "passed\|failed" "$OUT/fused_op.log" | tail -1
+  for f in qwen3_fused qwen3_unfused llama1b_fused llama1b_unfused; do
+    echo "-- $f"
+    [ -f "$OUT/$f.log" ] && grep -h "fusion passes\|decode \|TPOT\|roofline\|launches/step" "$OUT/$f.log" | head -8
+  done
+}
+
+# ab: batch-1 decode of each config in CONFIGS (default "qwen3-0.6b llama-3.2-1b") with the triton_unified option
+# AB_OPTION at each of AB_VALUES, interleaved twice, each with a step profile; first the kernel checks
+# (SKIP_KERNEL_CHECK=1 skips them). Default: `single_segment_tiles` 0 against ON_TILES (8). BATCH_SIZE, INPUT_LEN,
+# OUTPUT_LEN (default 1, 32, 256) set the workload; JSON=1 adds each run's JSON. For example:
+#   CONFIGS="llama-3.1-8b" AB_OPTION=short_decode_len AB_VALUES="256 0" bash benches/run_gpu.sh ab
+#   AB_OPTION=split_kv AB_VALUES="on off" SKIP_KERNEL_CHECK=1 bash benches/run_gpu.sh ab          # 3D vs 2D decode
+#   INPUT_LEN=256 OUTPUT_LEN=64 AB_OPTION=short_decode_len AB_VALUES="320 0" SKIP_KERNEL_CHECK=1 \
+#     bash benches/run_gpu.sh ab        # contexts of 256-320 tokens: where the short-context bound should lie
+part_ab() {
+  local option=${AB_OPTION:-single_segment_tiles} values=${AB_VALUES:-"0 ${ON_TILES:-8}"} config round value name f
+  local latency="python3 -m ember bench latency --batch-size ${BATCH_SIZE:-1} --input-len ${INPUT_LEN:-32} \
+    --output-len ${OUTPUT_LEN:-256} --num-iters 3 --profile 20"
+  [ -n "${SKIP_KERNEL_CHECK:-}" ] || quiet kernels 200 python3 -m pytest -q -m gpu -p no:cacheprovider \
+    tests/gpu/test_triton_unified_gpu.py -k "single_segment or 2d_and_3d"
+  for config in ${CONFIGS:-qwen3-0.6b llama-3.2-1b}; do
+    for round in 1 2; do
+      for value in $values; do
+        name="${config}_${option}-${value}_r${round}"
+        quiet "$name" 150 $latency --config "$config" --attention-backend-option "$option=$value" \
+          ${JSON:+--json "$OUT/$name.json"}
+      done
+    done
+  done
+  echo "== summary"
+  [ -f "$OUT/kernels.log" ] && grep -h "passed\|failed" "$OUT/kernels.log" | tail -1
+  for f in "$OUT"/*_"$option"-*_r*.log; do
+    echo "-- $(basename "$f" .log): $(grep -h 'decode  ' "$f" | head -1 | cut -c1-60)"
+    grep -h "host  .*busy\|profile over\|unified_attention\|reduce_segments" "$f" | cut -c1-120
+  done
+}
+
+part=${1:-}
+[ $# -gt 0 ] && shift
+case "$part" in
+  decode|throughput|headline|serve|startup|flash|fusion|ab) mkdir -p "$OUT" ;;
+esac
+case "$part" in
+  decode) part_decode ;;
+  throughput) part_throughput ;;
+  headline) part_decode; part_throughput ;;
+  serve) part_serve ;;
+  startup) part_startup "$@" ;;
+  flash) part_flash ;;
+  fusion) part_fusion ;;
+  ab) part_ab ;;
+  *) echo "usage: bash benches/run_gpu.sh decode|throughput|headline|serve|startup [MODEL ...]|flash|fusion|ab" >&2
+     exit 2 ;;
+esac
