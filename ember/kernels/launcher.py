@@ -1,10 +1,10 @@
 """Launching ember's own Triton kernels through one C launcher of ember's, instead of Triton's per-signature ones.
 
 Triton 3.6 generates a C launcher for each kernel signature and builds it with the system's C compiler the first time
-a kernel runs: on an H100 host a cold start of the Qwen3-0.6B config built 12 of them for ember's kernels, 0.22-0.57 s
-each, 4.2 s in all (`benches/startup_phases.py`). ember's launcher (`csrc/launch.c`) takes the argument types as a
-string with each call, so it is built once per machine (cached by Triton's build cache, like Triton's own modules) and
-serves every kernel.
+a kernel runs: on an H100 host a cold start of the Qwen3-0.6B config built 12 of them for ember's kernels, 0.22-0.57
+s each, 4.2 s in all (`benches/experiments/startup_phases.py`). ember's launcher (`csrc/launch.c`) takes the argument
+types as a string with each call, so it is built once per machine (cached by Triton's build cache, like Triton's own
+modules) and serves every kernel.
 
 `launcher(fn)` returns a `KernelLauncher`: `launcher[grid](*args, **kwargs)` as `fn[grid](...)`. A launch computes a
 key from its arguments that is at least as fine as Triton's specialization: for a tensor its dtype, whether its

@@ -6,10 +6,11 @@ tracing.
     @register_fake("name", library=LIBRARY)               its fake (shapes and dtypes of the outputs, no data)
 
 `torch.library.custom_op` would do the same, but its calls pass through Python wrappers (its autograd, in-place
-view and backend kernels) before the body; these ops are inference-only and run from compiled code on every
-layer, so the dispatcher calls the body directly. Host time a call under inference_mode (`benches/op_dispatch.py`,
-medians of 5 rounds): on an H100 host an empty body 9.4 us as a custom_op, 5.0 us here, 1.9 us as a plain call;
-the gate_up projection of 512 rows 140 / 127 / 111 us. On a 2-core CPU, the empty body 14.3 / 7.0 / 2.2 us.
+view and backend kernels) before the body; these ops are inference-only and run from compiled code on every layer,
+so the dispatcher calls the body directly. Host time a call under inference_mode
+(`benches/experiments/op_dispatch.py`, medians of 5 rounds): on an H100 host an empty body 9.4 us as a custom_op,
+5.0 us here, 1.9 us as a plain call; the gate_up projection of 512 rows 140 / 127 / 111 us. On a 2-core CPU, the
+empty body 14.3 / 7.0 / 2.2 us.
 """
 
 from __future__ import annotations

@@ -71,9 +71,9 @@ def decode_tile(num_queries_per_kv: int, head_size: int, split: bool = True) -> 
     96.9% (GQA 2) and 96.1% (GQA 4) of copy bandwidth, against 93.4% and 92.5% for 64-key tiles with 3 stages.
 
     Split (3D), a segment's range is a few tiles at most, and shorter tiles give more segments work: on an H100
-    (benches/decode_tiles_chained.py), heads 16/8 of 128, 16-token pages, 28 launches chained in a CUDA graph as a
-    decode step chains them, with the planner's segment counts (64, 32, 8, 4 at 1, 4, 16, 32 requests) and the
-    reduce, 32-key tiles with 2 stages took less time than 64-key tiles with 3 stages at each of 1, 4, 16 and 32
+    (benches/experiments/decode_tiles_chained.py), heads 16/8 of 128, 16-token pages, 28 launches chained in a CUDA
+    graph as a decode step chains them, with the planner's segment counts (64, 32, 8, 4 at 1, 4, 16, 32 requests)
+    and the reduce, 32-key tiles with 2 stages took less time than 64-key tiles with 3 stages at each of 1, 4, 16 and 32
     requests and contexts of 288, 512, 1024, 2048 and 4096 tokens: per layer, 1 request 6.62 / 7.73 / 13.08 us
     against 7.41 / 9.25 / 14.60 us at 288 / 1024 / 4096 tokens, 16 requests 14.89 / 33.41 / 100.77 against 18.28 /
     34.70 / 108.65. Over those 20 shapes the time was 0.92x of the 64-key tiles' (geometric mean); with four query

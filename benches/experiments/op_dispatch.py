@@ -1,7 +1,7 @@
 """Host time of a call of an ember op, registered as `torch.library.custom_op` against `torch.library.Library` with
 the body on CompositeExplicitAutograd (ember.kernels.library), under inference_mode as the runner calls them.
 
-    PYTHONPATH=. python benches/op_dispatch.py [--rounds 5] [--calls 2000]
+    PYTHONPATH=. python benches/experiments/op_dispatch.py [--rounds 5] [--calls 2000]
 
 Two bodies, each registered both ways under a namespace of its own: an empty one (`x.new_empty(0)`: the dispatch
 alone) and, on CUDA, ember's fused_linear of a decode-sized gate_up (512 rows, RMSNorm prologue, SiLU·mul

@@ -2,7 +2,8 @@
 with the prefill skip on (those layers run on each request's last token only) and off (every token): random
 weights of a bundled config, prefix caching off.
 
-    PYTHONPATH=. python benches/prefill_skip.py --config llama-3.2-1b --prompt-len 8000 --runs 3 [--mode compiled]
+    PYTHONPATH=. python benches/experiments/prefill_skip.py --config llama-3.2-1b --prompt-len 8000 --runs 3 \
+        [--mode compiled]
 
 `--mode eager` (default) switches the skip on and off in one engine, in interleaved rounds. `--mode compiled`
 builds two engines in turn, torch.compile with CUDA graphs (the default modes): one with the skip, and one whose

@@ -1,7 +1,7 @@
 """What cuBLAS's first GEMM of each shape costs in a fresh process, and whether a thread making those GEMMs overlaps
 Python work in the main thread (an import of Inductor): the start-up question of whether to warm cuBLAS.
 
-    PYTHONPATH=. python benches/cublas_first_use.py serial | thread | import-only | shapes
+    PYTHONPATH=. python benches/experiments/cublas_first_use.py serial | thread | import-only | shapes
 
 The shapes are the Qwen3-0.6B config's projections (qkv, o, gate_up, down) at its capture sizes and the profile
 run's 8192 rows, in bfloat16. Run each mode in a fresh process: the costs are first-use costs. `shapes` tells a new

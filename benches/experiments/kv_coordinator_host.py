@@ -2,7 +2,7 @@
 calls a scheduler makes for N running requests, gated as `Scheduler.schedule` and `update` gate them (a request
 reaches the coordinator only when it needs a block or fills one), with no model.
 
-    PYTHONPATH=. python benches/kv_coordinator_host.py --requests 256 --steps 256
+    PYTHONPATH=. python benches/experiments/kv_coordinator_host.py --requests 256 --steps 256
 
 Layouts: one full-attention group; one sliding-window group; a Gemma-3-shaped 6 sliding (window 512) + 1 global.
 """

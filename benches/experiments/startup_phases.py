@@ -4,7 +4,7 @@ loads, the capture's begin / end / replay and the dummy steps' staging, each cou
 also the compiles of ember's @triton.jit kernels (per kernel, last) and the C launchers Triton builds for them with
 the system's C compiler; then the profile run again, in the same process, for its cost without first uses.
 
-    PYTHONPATH=. python benches/startup_phases.py qwen3-0.6b
+    PYTHONPATH=. python benches/experiments/startup_phases.py qwen3-0.6b
 
 Random weights of a bundled config, on CUDA. Cold or warm is the caller's: point EMBER_CACHE and TRITON_CACHE_DIR
 at empty or filled folders. The wrappers cost a few microseconds a call; compare phases, not totals, with other

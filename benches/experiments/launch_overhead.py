@@ -1,7 +1,7 @@
 """Host time of a launch of ember's Triton kernels through `ember.kernels.launcher` (ember's C launcher) against
 Triton's own `JITFunction.run` (EMBER_FAST_LAUNCH=0), on a GPU.
 
-    PYTHONPATH=. python benches/launch_overhead.py [--rounds 5] [--calls 2000]
+    PYTHONPATH=. python benches/experiments/launch_overhead.py [--rounds 5] [--calls 2000]
 
 Per kernel call site (the GEMV at 1 and 4 rows, its K split and reduce, RMSNorm, SiLU·mul, q/k norm + RoPE): the
 wrapper's whole host time per call (its checks, output allocation and launches), both ways, beside the floor: the

@@ -3,9 +3,9 @@ packed upload, batch staging, sampling plan, output processing) with the device 
 remains is the Python and numpy a step costs before any kernel launch. The model's forward returns fixed hidden
 states and sampled tokens (as a uniform-decode FULL graph that samples inside would), and the prepare-inputs kernel
 does nothing. A GPU step's host time beyond this figure is launches, copies and CUDA calls
-(`benches/host_profile.py` profiles those on the GPU).
+(`benches/experiments/host_profile.py` profiles those on the GPU).
 
-    PYTHONPATH=. python benches/host_bookkeeping.py --batch-sizes 1 32 256 --steps 3000 [--profile 30]
+    PYTHONPATH=. python benches/experiments/host_bookkeeping.py --batch-sizes 1 32 256 --steps 3000 [--profile 30]
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 their window's blocks) and forced to full attention (every layer global, `layer_types` rewritten): random weights
 of a bundled config, the nano-vllm throughput workload, the same memory budget for both, one process.
 
-    PYTHONPATH=. python benches/kv_groups_throughput.py --config gemma-3-1b [--scaled]
+    PYTHONPATH=. python benches/experiments/kv_groups_throughput.py --config gemma-3-1b [--scaled]
 
 Forcing full attention also gives the local layers the global rope base: the model computes something else, at the
 same cost per token apart from attention's span, which is what this compares.

@@ -2,8 +2,8 @@
 own KV cache, all chained in one CUDA graph (so launch gaps and programmatic dependent launch count as in a step).
 The new token's K/V go in with the launch (the fused cache write of a uniform-decode step).
 
-    PYTHONPATH=. python benches/decode_tiles_chained.py                      # Qwen3-0.6B heads: 16/8 of 128
-    PYTHONPATH=. python benches/decode_tiles_chained.py --heads 32 8 --head-size 64 --what split
+    PYTHONPATH=. python benches/experiments/decode_tiles_chained.py                      # Qwen3-0.6B heads: 16/8 of 128
+    PYTHONPATH=. python benches/experiments/decode_tiles_chained.py --heads 32 8 --head-size 64 --what split
 
 `split`: the 3D split-KV kernel and its reduce at the planner's segment count for each batch, per (tile, warps,
 stages); `short`: the 2D kernel at contexts up to the short-context graph's bound. Prints microseconds per layer.

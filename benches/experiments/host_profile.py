@@ -1,7 +1,7 @@
 """Where the host's time goes in a decode step: cProfile over steady decode steps at a given batch size, on random
 weights of a bundled config. Speed figures come from `ember bench`; this finds the functions behind them.
 
-    PYTHONPATH=. python benches/host_profile.py --config qwen3-0.6b --batch-sizes 1 256 --steps 50
+    PYTHONPATH=. python benches/experiments/host_profile.py --config qwen3-0.6b --batch-sizes 1 256 --steps 50
 """
 
 from __future__ import annotations
