@@ -16,12 +16,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ember.engine.request import RequestOutput
+from ember.engine.request import CompletionOutput, RequestOutput
 from ember.sampling_params import SamplingParams
 from ember.serve.async_engine import AsyncEngine, EngineFailed, RequestStream, ServerBusy
 from ember.serve.metrics import ServerMetrics
 from ember.serve.protocol import ApiError, ChatCompletionRequest, CompletionRequest, validation_error
-from ember.serve.render import DONE, ChoiceCursor, Renderer, TokenText, error_event, usage
+from ember.serve.render import DONE, ChoiceCursor, EchoedPrompt, Renderer, TokenText, error_event, usage
 
 logger = logging.getLogger("ember.serve")
 
@@ -98,9 +98,13 @@ def build_app(llm, model_name: str, max_waiting: int = 512) -> FastAPI:
         _check_model(state, body.model)
         params = body.sampling_params(default_max_tokens=16)
         prompts = [_tokenize(state.llm, p) for p in body.prompts()]
+        echo = None
+        if body.echo:
+            _validate(state, prompts, params, "prompt")
+            echo = await _echoed(state, prompts, params.logprobs)
         renderer = Renderer(False, state.model_name, state.token_text, params.logprobs, _hold_back(params),
-                            params.n)
-        return await _serve(state, request, prompts, params, renderer, body)
+                            params.n, echo)
+        return await _serve(state, request, prompts, params, renderer, body, generate=not body.echo_only)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -146,9 +150,47 @@ def _hold_back(params: SamplingParams) -> int:
     return max((len(s) for s in params.stop), default=1) - 1
 
 
-def _admit(state: ServerState, prompts: list[tuple[list[int], str | None]], params: SamplingParams, param: str
-           ) -> list[RequestStream]:
-    """Check every prompt, then queue them all, or none."""
+async def _echoed(state: ServerState, prompts: list[tuple[list[int], str | None]], num_logprobs: int | None
+                  ) -> list[EchoedPrompt]:
+    """What `echo` puts before each prompt's completions: its text and, with logprobs, its prompt logprobs."""
+    scores: list = [None] * len(prompts)
+    if num_logprobs is not None:
+        limit = state.llm.config.scheduler.max_num_batched_tokens
+        for i, (ids, _) in enumerate(prompts):
+            if len(ids) > limit:
+                raise ApiError(f"echo with logprobs scores each prompt in one step, and prompt {i} has {len(ids)} "
+                               f"tokens, more than max_num_batched_tokens {limit}; shorten the prompt or start the "
+                               f"server with a larger --max-num-batched-tokens", param="prompt")
+        try:
+            futures = [state.front.score(ids, num_logprobs) for ids, _ in prompts]
+            scores = await asyncio.gather(*futures)
+        except ServerBusy as exc:
+            raise ApiError(str(exc), 503, "server_overloaded", code="server_busy",
+                           headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        except EngineFailed as exc:
+            raise ApiError(str(exc), 503, "server_error", code="engine_stopped") from None
+        except (ValueError, TypeError) as exc:
+            raise ApiError(str(exc), param="prompt") from None
+    tokenizer = state.llm.tokenizer
+    return [EchoedPrompt(text if text is not None else (tokenizer.decode(ids) if tokenizer is not None else ""),
+                         ids, entries) for (ids, text), entries in zip(prompts, scores)]
+
+
+def _echo_only(prompts: list[tuple[list[int], str | None]], params: SamplingParams) -> list[RequestStream]:
+    """Finished streams of prompts that `echo` with max_tokens 0 answers with no completion."""
+    streams = []
+    for i, (ids, text) in enumerate(prompts):
+        stream = RequestStream(f"echo-{i}", len(ids))
+        completions = [CompletionOutput(j, "", [], None, [] if params.logprobs is not None else None, "length")
+                       for j in range(params.n)]
+        stream._put(RequestOutput(stream.request_id, text, ids, completions, finished=True))
+        streams.append(stream)
+    return streams
+
+
+def _validate(state: ServerState, prompts: list[tuple[list[int], str | None]], params: SamplingParams,
+              param: str) -> None:
+    """Refuse the request if the engine cannot serve one of its prompts."""
     front = state.front
     for ids, _ in prompts:
         try:
@@ -159,6 +201,13 @@ def _admit(state: ServerState, prompts: list[tuple[list[int], str | None]], para
             raise ApiError(f"the prompt has {len(ids)} tokens and max_tokens is {params.max_tokens}: together they "
                            f"exceed max_model_len {front.max_model_len}; lower max_tokens or shorten the prompt",
                            param="max_tokens")
+
+
+def _admit(state: ServerState, prompts: list[tuple[list[int], str | None]], params: SamplingParams, param: str
+           ) -> list[RequestStream]:
+    """Check every prompt, then queue them all, or none."""
+    _validate(state, prompts, params, param)
+    front = state.front
     streams: list[RequestStream] = []
     try:
         for ids, text in prompts:
@@ -173,8 +222,12 @@ def _admit(state: ServerState, prompts: list[tuple[list[int], str | None]], para
     return streams
 
 
-async def _serve(state: ServerState, request: Request, prompts, params: SamplingParams, renderer: Renderer, body):
-    streams = _admit(state, prompts, params, "messages" if renderer.chat else "prompt")
+async def _serve(state: ServerState, request: Request, prompts, params: SamplingParams, renderer: Renderer, body,
+                 generate: bool = True):
+    if generate:
+        streams = _admit(state, prompts, params, "messages" if renderer.chat else "prompt")
+    else:
+        streams = _echo_only(prompts, params)
 
     def abort_all():
         for stream in streams:

@@ -144,6 +144,19 @@ class AsyncEngine:
         self._wake.set()
         return stream
 
+    def score(self, prompt_token_ids: list[int], num_logprobs: int) -> asyncio.Future:
+        """A future of the prompt logprobs of `prompt_token_ids`, as `SamplingParams(prompt_logprobs=num_logprobs)`
+        gives them offline. Scoring is a pass of its own, which the engine thread runs once no request is in
+        flight; requests queued after it wait for it."""
+        if self.draining:
+            raise ServerBusy("the server is shutting down")
+        if self.error is not None or not self.alive:
+            raise EngineFailed(f"the engine has stopped: {self.error}")
+        future = self._loop.create_future()
+        self._commands.append(("score", future, list(prompt_token_ids), num_logprobs))
+        self._wake.set()
+        return future
+
     def abort(self, request_id: str) -> None:
         """Abort a request that has not finished (a no-op otherwise); the engine frees its blocks."""
         stream = self._streams.pop(request_id, None)
@@ -253,10 +266,18 @@ class AsyncEngine:
             logger.exception("the engine thread stopped")
             self.error = exc
             self._call(self._fail, list(live), EngineFailed(f"the engine stopped: {exc}"))
+            for command in self._commands:
+                if command[0] == "score":
+                    self._call(_settle, command[1], None, EngineFailed(f"the engine stopped: {exc}"))
             raise
 
     def _apply_commands(self, live: set[str]) -> None:
         while self._commands:
+            if self._commands[0][0] == "score":
+                if self.engine.has_unfinished():   # it waits for the engine to be idle, and so does what follows it
+                    return
+                self._score(*self._commands.popleft()[1:])
+                continue
             command = self._commands.popleft()
             if command[0] == "add":
                 _, request_id, prompt_token_ids, params, prompt = command
@@ -271,6 +292,15 @@ class AsyncEngine:
                 if request_id in live:
                     live.discard(request_id)
                     self._abort_in_engine(request_id)
+
+    def _score(self, future: asyncio.Future, prompt_token_ids: list[int], num_logprobs: int) -> None:
+        from ember.prompt_logprobs import prompt_logprobs
+        try:
+            entries = prompt_logprobs(self.engine, prompt_token_ids, num_logprobs, self.engine.tokenizer)
+        except Exception as exc:   # noqa: BLE001 - a prompt the engine cannot score fails its request only
+            self._call(_settle, future, None, exc)
+        else:
+            self._call(_settle, future, entries, None)
 
     def _abort_in_engine(self, request_id: str) -> None:
         try:
@@ -287,3 +317,13 @@ class AsyncEngine:
         total = self._num_blocks_total()
         return EngineLoad(len(scheduler.running), len(scheduler.waiting), total - self.engine.kv.num_free_blocks,
                           total)
+
+
+def _settle(future: asyncio.Future, result, error: BaseException | None) -> None:
+    """On the loop: complete a future unless its waiter has gone (cancelled it)."""
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)

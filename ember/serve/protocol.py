@@ -12,7 +12,7 @@ from ember.sampling_params import MAX_LOGPROBS, SamplingParams
 # OpenAI fields ember does not implement, with the values that mean "not used": a request that sets one of them to
 # anything else is refused by name rather than silently served without it
 NEUTRAL_VALUES: dict[str, tuple] = {
-    "best_of": (None, 1), "logit_bias": (None, {}), "suffix": (None, ""), "echo": (None, False),
+    "best_of": (None, 1), "logit_bias": (None, {}), "suffix": (None, ""),
     "response_format": (None, {"type": "text"}), "tools": (None, []), "tool_choice": (None, "none"),
     "functions": (None, []), "function_call": (None, "none"), "parallel_tool_calls": (None, True, False),
     "store": (None, False), "metadata": (None, {}), "service_tier": (None, "auto", "default"),
@@ -136,9 +136,16 @@ class _Request(BaseModel):
 
 
 class CompletionRequest(_Request):
-    """`POST /v1/completions`: a prompt (text or token ids, or a list of either) to continue."""
+    """`POST /v1/completions`: a prompt (text or token ids, or a list of either) to continue. With `echo` each choice
+    starts with its prompt (and its logprobs with the prompt's); `echo` with `max_tokens` 0 generates nothing."""
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = None
+    echo: bool | None = False
+
+    @property
+    def echo_only(self) -> bool:
+        """`echo` with `max_tokens` 0: the prompt (and its logprobs) and no completion."""
+        return bool(self.echo) and self.max_tokens == 0
 
     def check_fields(self) -> None:
         super().check_fields()
@@ -155,6 +162,10 @@ class CompletionRequest(_Request):
 
     def _logprobs(self) -> int | None:
         return self.logprobs
+
+    def _max_tokens(self) -> int | None:
+        # nothing is generated for echo with max_tokens 0; the parameters of the one token it stands for are checked
+        return 1 if self.echo_only else self.max_tokens
 
 
 class ChatMessage(BaseModel):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from dataclasses import dataclass
 
 from ember.engine.request import CompletionOutput, Logprob, RequestOutput
 
@@ -37,18 +38,37 @@ def _top(entry: dict[int, Logprob], num: int) -> list[tuple[int, Logprob]]:
     return sorted(ranked, key=lambda item: item[1].rank)[:num]
 
 
-def completion_logprobs(entries: list[dict[int, Logprob]], token_ids: list[int], num: int, text: TokenText,
+def completion_logprobs(entries: list[dict[int, Logprob] | None], token_ids: list[int], num: int, text: TokenText,
                         offset: int) -> dict:
-    """The legacy completions `logprobs` object for these positions; `offset` is where their text starts."""
+    """The legacy completions `logprobs` object for these positions; `offset` is where their text starts. A position
+    without an entry (a prompt's first token) has null logprobs."""
     tokens, token_logprobs, tops, offsets = [], [], [], []
     for token_id, entry in zip(token_ids, entries):
         piece = text(token_id)
         tokens.append(piece)
-        token_logprobs.append(entry[token_id].logprob)
-        tops.append({text(t): lp.logprob for t, lp in _top(entry, num)})
+        token_logprobs.append(entry[token_id].logprob if entry is not None else None)
+        tops.append({text(t): lp.logprob for t, lp in _top(entry, num)} if entry is not None else None)
         offsets.append(offset)
         offset += len(piece)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+
+@dataclass(frozen=True)
+class EchoedPrompt:
+    """A prompt that `echo` puts before each of its completions: its text, its tokens and (with `logprobs`) the
+    prompt logprobs of each token (None for the first), as `SamplingParams(prompt_logprobs=...)` gives them."""
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, Logprob] | None] | None
+
+
+def _joined(head: dict, tail: dict) -> dict:
+    return {key: head[key] + tail[key] for key in head}
+
+
+def _text_end(logprobs: dict) -> int:
+    """Where the text of these positions ends, by their offsets."""
+    return logprobs["text_offset"][-1] + len(logprobs["tokens"][-1]) if logprobs["tokens"] else 0
 
 
 def chat_logprobs(entries: list[dict[int, Logprob]], token_ids: list[int], num: int, text: TokenText) -> dict:
@@ -71,19 +91,21 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
 
 class ChoiceCursor:
     """How much of one choice's text, tokens and logprobs a stream has sent."""
-    __slots__ = ("text_len", "num_tokens", "num_logprobs", "finished")
+    __slots__ = ("text_len", "num_tokens", "num_logprobs", "finished", "echoed", "echo_end")
 
     def __init__(self):
         self.text_len = self.num_tokens = self.num_logprobs = 0
-        self.finished = False
+        self.finished = self.echoed = False
+        self.echo_end = 0   # with echo and logprobs: where the prompt's text ends, by its token offsets
 
 
 class Renderer:
     """Builds the bodies of one response (one id, model and creation time), for completions or chat."""
 
     def __init__(self, chat: bool, model: str, text: TokenText, num_logprobs: int | None, hold_back: int,
-                 n: int = 1):
+                 n: int = 1, echo: list[EchoedPrompt] | None = None):
         self.chat, self.model, self.text, self.num_logprobs = chat, model, text, num_logprobs
+        self.echo = echo   # completions with `echo`: per prompt, what goes before its completions
         self.id = new_id("chatcmpl" if chat else "cmpl")
         self.created = int(time.time())
         self.hold_back = hold_back   # characters a stop string could still claim
@@ -99,21 +121,31 @@ class Renderer:
             cached += out.num_cached_tokens
             for c in out.outputs:
                 completion_tokens += len(c.token_ids)
-                choices.append(self._choice(p * self.n + c.index, c))
+                choices.append(self._choice(p * self.n + c.index, c, self.echo[p] if self.echo else None))
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": choices,
                 "usage": usage(prompt_tokens, completion_tokens, cached)}
 
-    def _choice(self, index: int, c: CompletionOutput) -> dict:
+    def _choice(self, index: int, c: CompletionOutput, echo: EchoedPrompt | None) -> dict:
         logprobs = None
-        if self.num_logprobs is not None and c.logprobs is not None:
-            logprobs = (chat_logprobs(c.logprobs, c.token_ids, self.num_logprobs, self.text) if self.chat else
-                        completion_logprobs(c.logprobs, c.token_ids, self.num_logprobs, self.text, 0))
         if self.chat:
+            if self.num_logprobs is not None and c.logprobs is not None:
+                logprobs = chat_logprobs(c.logprobs, c.token_ids, self.num_logprobs, self.text)
             return {"index": index, "message": {"role": "assistant", "content": c.text}, "logprobs": logprobs,
                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-        return {"index": index, "text": c.text, "logprobs": logprobs, "finish_reason": c.finish_reason,
-                "stop_reason": c.stop_reason}
+        head = self._echo_logprobs(echo)
+        if self.num_logprobs is not None and c.logprobs is not None:
+            logprobs = completion_logprobs(c.logprobs, c.token_ids, self.num_logprobs, self.text,
+                                           _text_end(head) if head is not None else 0)
+            logprobs = _joined(head, logprobs) if head is not None else logprobs
+        return {"index": index, "text": echo.text + c.text if echo is not None else c.text, "logprobs": logprobs,
+                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+
+    def _echo_logprobs(self, echo: EchoedPrompt | None) -> dict | None:
+        """The `logprobs` of an echoed prompt's tokens (None without echo or without logprobs)."""
+        if echo is None or self.num_logprobs is None or echo.logprobs is None:
+            return None
+        return completion_logprobs(echo.logprobs, echo.token_ids, self.num_logprobs, self.text, 0)
 
     # ---- stream chunks ----------------------------------------------------------------------------------------
     def chunk_choices(self, prompt_index: int, output: RequestOutput, cursors: list[ChoiceCursor]) -> list[dict]:
@@ -129,18 +161,29 @@ class Renderer:
             num_tokens = len(c.token_ids)
             if not delta_text and num_tokens == cursor.num_tokens and not done:
                 continue
+            # with echo, a choice's first chunk carries its prompt, and its completion's offsets follow the prompt's
+            echo = self.echo[prompt_index] if self.echo else None
+            head = self._echo_logprobs(echo) if echo is not None and not cursor.echoed else None
+            if head is not None:
+                cursor.echo_end = _text_end(head)
             logprobs = None
             if self.num_logprobs is not None and c.logprobs is not None:
                 entries = c.logprobs[cursor.num_logprobs:]
                 ids = c.token_ids[cursor.num_logprobs:len(c.logprobs)]
                 logprobs = (chat_logprobs(entries, ids, self.num_logprobs, self.text) if self.chat else
-                            completion_logprobs(entries, ids, self.num_logprobs, self.text, cursor.text_len))
+                            completion_logprobs(entries, ids, self.num_logprobs, self.text,
+                                                cursor.echo_end + cursor.text_len))
                 cursor.num_logprobs = len(c.logprobs)
             index = prompt_index * self.n + c.index
             if self.chat:
                 choices.append({"index": index, "delta": {"content": delta_text}, "logprobs": logprobs,
                                 "finish_reason": c.finish_reason})
             else:
+                if echo is not None and not cursor.echoed:
+                    delta_text = echo.text + delta_text
+                    if head is not None:
+                        logprobs = _joined(head, logprobs) if logprobs is not None else head
+                    cursor.echoed = True
                 choices.append({"index": index, "text": delta_text, "logprobs": logprobs,
                                 "finish_reason": c.finish_reason})
             if done:
