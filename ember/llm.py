@@ -103,6 +103,11 @@ class LLM:
             from ember.models.default_model import resolve_model_path
             path = resolve_model_path(model, revision, download_dir)
             check_architecture(path, trust_remote_code)
+        from ember.models.checkpoint_origin import checkpoint_origin
+        self.checkpoint = checkpoint_origin(model, path, load_format)   # which weights these are, said once
+        if self.checkpoint.warning:
+            logger.warning("%s", self.checkpoint.warning)
+        logger.info("weights: %s", self.checkpoint.describe())
         config = EngineConfig(
             model=ModelConfig(str(path), dtype, max_model_len, seed),
             cache=CacheConfig(block_size, num_kv_blocks, gpu_memory_utilization, enable_prefix_caching),

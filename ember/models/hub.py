@@ -43,11 +43,13 @@ def resolve_repo_id(repo_id: str, revision: str | None = None, cache_dir: str | 
     kwargs = dict(repo_id=repo_id, revision=revision, cache_dir=cache_dir,
                   allow_patterns=allow_patterns if allow_patterns is not None else ALLOW_PATTERNS)
     try:
-        return Path(snapshot_download(local_files_only=True, **kwargs))
+        cached = Path(snapshot_download(local_files_only=True, **kwargs))
     except LocalEntryNotFoundError:
-        pass
+        cached = None
     except Exception as exc:   # noqa: BLE001 - a corrupt cache entry is reported, not hidden
         raise HubModelError(f"the hub cache entry of {repo_id!r}{where} could not be read: {exc}") from exc
+    if cached is not None and (allow_patterns is not None or has_weights(cached)):
+        return cached        # a snapshot that a tokenizer's download left holds no weights: the model's downloads
     if _offline():
         raise HubModelError(
             f"{what} {repo_id!r}{where} is not in the Hugging Face cache ({_cache_root(cache_dir)}) and HF_HUB_OFFLINE "
@@ -60,6 +62,27 @@ def resolve_repo_id(repo_id: str, revision: str | None = None, cache_dir: str | 
             f"could not download {what} {repo_id!r}{where} from the Hugging Face hub ({type(exc).__name__}: {exc}); "
             f"check the id and the network, log in with `huggingface-cli login` for gated models, or pass a local "
             f"{what} folder") from exc
+
+
+def cached_snapshot(repo_id: str, revision: str | None = None, cache_dir: str | os.PathLike | None = None
+                    ) -> Path | None:
+    """The snapshot folder of a model `repo_id` at `revision` if the hub cache holds its weights, else None; never
+    downloads."""
+    try:
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import LocalEntryNotFoundError
+    except ImportError:
+        return None
+    try:
+        path = Path(snapshot_download(repo_id=repo_id, revision=revision, cache_dir=cache_dir,
+                                      allow_patterns=ALLOW_PATTERNS, local_files_only=True))
+    except LocalEntryNotFoundError:
+        return None
+    return path if has_weights(path) else None
+
+
+def has_weights(folder: Path) -> bool:
+    return (folder / "config.json").is_file() and any(folder.glob("*.safetensors"))
 
 
 def _cache_root(cache_dir) -> str:

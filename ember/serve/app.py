@@ -42,6 +42,7 @@ class ServerState:
         self.front = AsyncEngine(llm.engine, max_waiting, self.metrics.on_tokens, self.metrics.on_finish)
         self.token_text = TokenText(llm.tokenizer)
         self.created = int(time.time())
+        self.checkpoint = llm.checkpoint
 
 
 def build_app(llm, model_name: str, max_waiting: int = 512) -> FastAPI:
@@ -85,8 +86,11 @@ def build_app(llm, model_name: str, max_waiting: int = 512) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
+        # root: the weights' folder, as vLLM's card has it; checkpoint: their origin and format
         return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": state.created,
-                                            "owned_by": "ember", "max_model_len": state.front.max_model_len}]}
+                                            "owned_by": "ember", "root": state.checkpoint.path,
+                                            "max_model_len": state.front.max_model_len,
+                                            "checkpoint": state.checkpoint.card()}]}
 
     @app.get("/metrics")
     async def metrics():

@@ -27,6 +27,11 @@ def served_model_name(args) -> str:
     return DEFAULT_MODEL_NAME
 
 
+def startup_message(name: str, checkpoint, host: str, port: int) -> str:
+    """The lines `ember serve` prints once it serves: which weights, and where."""
+    return f"ember serve: weights: {checkpoint.describe()}\nember serve: {name} on http://{host}:{port}/v1"
+
+
 def make_server(app, host: str, port: int, drain_timeout: float, log_level: str = "warning"):
     """A uvicorn server for `app` that marks the engine front as draining as soon as it is told to exit."""
     import uvicorn
@@ -96,6 +101,6 @@ def main(args) -> int:
     name = served_model_name(args)
     app = build_app(llm, name, max_waiting=args.max_waiting)
     server = make_server(app, args.host, args.port, args.drain_timeout, "info" if args.verbose else "warning")
-    print(f"ember serve: {name} on http://{args.host}:{args.port}/v1", flush=True)
+    print(startup_message(name, llm.checkpoint, args.host, args.port), flush=True)
     server.run()
     return 0

