@@ -9,8 +9,15 @@ from __future__ import annotations
 import difflib
 from typing import Iterable, Mapping
 
+# what every structured-output argument of vLLM's (and field of the OpenAI API's) is told
+STRUCTURED_OUTPUT_UNSUPPORTED = (
+    "structured output (guided decoding by JSON schema, regex, choice or grammar) is not supported yet; drop it, "
+    "describe the format in the prompt and check the reply yourself (for JSON: parse it, and retry if it fails)")
+
 # vLLM's LLM(...) arguments that ember does not take, with what to do instead
 LLM_HINTS: dict[str, str] = {
+    "guided_decoding_backend": STRUCTURED_OUTPUT_UNSUPPORTED,
+    "structured_outputs_config": STRUCTURED_OUTPUT_UNSUPPORTED,
     "quantization": "ember runs unquantised weights; pass a float16/bfloat16/float32 checkpoint",
     "kv_cache_dtype": "the KV cache takes the model's dtype; choose it with dtype=",
     "swap_space": "ember preempts by recomputation and keeps no CPU swap space; drop swap_space",
@@ -48,7 +55,8 @@ SAMPLING_HINTS: dict[str, str] = {
     "logit_bias": "not supported; drop logit_bias",
     "allowed_token_ids": "not supported; drop allowed_token_ids",
     "logits_processors": "not supported; drop logits_processors",
-    "guided_decoding": "structured output is not supported; drop guided_decoding",
+    "guided_decoding": STRUCTURED_OUTPUT_UNSUPPORTED,
+    "structured_outputs": STRUCTURED_OUTPUT_UNSUPPORTED,
     "truncate_prompt_tokens": "truncate the prompt's token ids before passing them",
     "detokenize": "outputs are always detokenized when the model folder has a tokenizer; drop detokenize",
     "spaces_between_special_tokens": "not supported; drop it (special tokens are skipped by default)",
@@ -61,7 +69,7 @@ GENERATE_HINTS: dict[str, str] = {
     "prompt_token_ids": "pass the ids as the prompt: TokensPrompt(prompt_token_ids=[...]) or a list of int",
     "lora_request": "LoRA adapters are not supported; merge the adapter into the weights first",
     "prompt_adapter_request": "prompt adapters are not supported; drop it",
-    "guided_options_request": "structured output is not supported; drop it",
+    "guided_options_request": STRUCTURED_OUTPUT_UNSUPPORTED,
     "priority": "requests are served first come, first served; drop priority",
     "truncate_prompt_tokens": "truncate the prompt's token ids before passing them",
 }

@@ -7,6 +7,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+from ember.compat import STRUCTURED_OUTPUT_UNSUPPORTED
 from ember.sampling_params import MAX_LOGPROBS, SamplingParams
 
 # OpenAI fields ember does not implement, with the values that mean "not used": a request that sets one of them to
@@ -19,6 +20,9 @@ NEUTRAL_VALUES: dict[str, tuple] = {
     "modalities": (None, ["text"]), "prediction": (None,), "audio": (None,), "reasoning_effort": (None,),
     "web_search_options": (None,), "user": None,   # user: any value, it only labels the caller
 }
+# fields that ask for structured output (OpenAI's and vLLM's extra ones), refused with one message where set
+STRUCTURED_OUTPUT_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                            "guided_decoding_backend", "guided_whitespace_pattern", "structured_outputs")
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 
 
@@ -101,6 +105,10 @@ class _Request(BaseModel):
     def check_fields(self) -> None:
         """Refuse fields ember does not know, or knows but does not implement, by name."""
         for name, value in (self.model_extra or {}).items():
+            if name in STRUCTURED_OUTPUT_FIELDS:
+                if value not in NEUTRAL_VALUES.get(name, (None,)):
+                    raise ApiError(f"'{name}': {STRUCTURED_OUTPUT_UNSUPPORTED}", param=name, code="unsupported_field")
+                continue
             if name not in NEUTRAL_VALUES:
                 raise ApiError(f"unknown field '{name}'", param=name, code="unsupported_field")
             neutral = NEUTRAL_VALUES[name]

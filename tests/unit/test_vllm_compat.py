@@ -124,3 +124,43 @@ def test_prompt_logprobs_match_transformers(llm, folder):
 def test_prompt_logprobs_out_of_range_is_refused():
     with pytest.raises(ValueError, match=r"prompt_logprobs 21 must be in \[0, 20\]"):
         SamplingParams(prompt_logprobs=21)
+
+
+STRUCTURED = ("structured output (guided decoding by JSON schema, regex, choice or grammar) is not supported yet; drop "
+              "it, describe the format in the prompt and check the reply yourself (for JSON: parse it, and retry if it "
+              "fails)")
+
+
+@pytest.mark.parametrize("owner, name", [("SamplingParams()", "structured_outputs"),
+                                         ("SamplingParams()", "guided_decoding")])
+def test_structured_output_in_sampling_params_gets_the_one_message(owner, name):
+    with pytest.raises(TypeError) as info:
+        SamplingParams(**{name: {"json": {"type": "object"}}})
+    assert str(info.value) == f"{owner} got an unexpected keyword argument {name!r}: {STRUCTURED}"
+
+
+@pytest.mark.parametrize("name", ["guided_decoding_backend", "structured_outputs_config"])
+def test_structured_output_in_llm_gets_the_one_message(folder, monkeypatch, name):
+    monkeypatch.setattr("ember.llm.Engine", lambda *a, **k: pytest.fail("the model was loaded"))
+    with pytest.raises(TypeError) as info:
+        LLM(str(folder), device="cpu", **{name: "xgrammar"})
+    assert str(info.value) == f"LLM() got an unexpected keyword argument {name!r}: {STRUCTURED}"
+
+
+def test_structured_output_in_generate_and_in_requests_gets_the_one_message(llm):
+    with pytest.raises(TypeError) as info:
+        llm.generate("hello", GREEDY, guided_options_request={"guided_json": {}})
+    assert str(info.value) == (f"LLM.generate() got an unexpected keyword argument 'guided_options_request': "
+                               f"{STRUCTURED}")
+    from ember.serve.protocol import ApiError, ChatCompletionRequest, CompletionRequest
+    for model, body in [(CompletionRequest, {"prompt": "x", "guided_json": {"type": "object"}}),
+                        (CompletionRequest, {"prompt": "x", "structured_outputs": {"regex": "a+"}}),
+                        (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}],
+                                                 "response_format": {"type": "json_object"}})]:
+        name = [k for k in body if k not in ("prompt", "messages")][0]
+        with pytest.raises(ApiError) as info:
+            model.model_validate(body).check_fields()
+        assert (info.value.message, info.value.param, info.value.status) == (f"'{name}': {STRUCTURED}", name, 400)
+    # the values that ask for nothing pass
+    CompletionRequest.model_validate({"prompt": "x", "guided_json": None, "response_format": {"type": "text"}}
+                                     ).check_fields()
