@@ -36,6 +36,20 @@ class AttentionLayerOptions:
 
 
 @dataclass(frozen=True)
+class StepBounds:
+    """The largest step an engine may run: at most `num_tokens` query tokens over at most `num_reqs` requests, no
+    request longer than `context_len` tokens (its new tokens included). Backends declare their workspace for it."""
+    num_tokens: int
+    num_reqs: int
+    context_len: int
+
+    @property
+    def longest_query(self) -> int:
+        """The most query tokens one request may bring to a step."""
+        return min(self.num_tokens, self.context_len)
+
+
+@dataclass(frozen=True)
 class BuilderContext:
     """The frozen pieces a metadata builder needs; it never sees the runner or the engine config."""
     group: KVCacheGroup
@@ -142,6 +156,15 @@ class AttentionBackend:
                  options: AttentionLayerOptions | None = None) -> list[str]:
         """Reasons this backend cannot serve the given layers; an empty list means it can."""
         return []
+
+    @classmethod
+    def workspace_bytes(cls, bounds: StepBounds, spec: KVCacheSpec, options: AttentionLayerOptions,
+                        dtype: torch.dtype) -> int:
+        """The most memory one layer's attention call may allocate for itself (beyond its arguments, its cache
+        and its builder's buffers, which exist before the KV cache is sized) in any step within `bounds`, for
+        `options`' heads and activations of `dtype`; an upper bound, which the KV-cache sizing sets aside
+        (docs/memory.md). 0, the default: the backend writes only into its arguments and its builder's buffers."""
+        return 0
 
     @classmethod
     def describe(cls) -> str:

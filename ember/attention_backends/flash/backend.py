@@ -90,7 +90,8 @@ class FlashImpl(AttentionImpl):
 class FlashBackend(AttentionBackend):
     """Separate FlashAttention-2-style prefill and balanced split-KV decode kernels over a
     [2, num_blocks, num_kv_heads, block_size, head_size] cache; pages hold whole KV tiles, read as TMA boxes
-    (block_size 64 or more). CUDA, or CPU under TRITON_INTERPRET=1."""
+    (block_size 64 or more). CUDA, or CPU under TRITON_INTERPRET=1. No workspace (`workspace_bytes` 0): the kernels
+    write into the step's arguments and the decode workspace the builder allocates once, before the cache is sized."""
     name = "flash"
     # Above triton_unified (10) wherever it can serve (block_size >= 64): on an H100, bf16, GQA 32/8, head 128
     # (benches/bench_flash.py, CUDA-graph replays) causal prefill ran at 280 / 395 / 407 TFLOP/s at 1k / 4k / 16k

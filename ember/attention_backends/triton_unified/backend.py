@@ -215,7 +215,8 @@ class TritonUnifiedImpl(AttentionImpl):
 
 class TritonUnifiedBackend(AttentionBackend):
     """Triton kernels over a [2, num_blocks, num_kv_heads, block_size, head_size] cache; every option, every
-    CUDA-graph mode. CUDA, or CPU under TRITON_INTERPRET=1."""
+    CUDA-graph mode. CUDA, or CPU under TRITON_INTERPRET=1. No workspace (`workspace_bytes` 0): the kernels write
+    into the step's arguments and the split-KV scratch the builder allocates once, before the cache is sized."""
     name = "triton_unified"
     priority = 10
     cudagraph_support = CudaGraphSupport.ALWAYS
