@@ -12,12 +12,13 @@ import numpy as np
 import torch
 from torch import nn
 
-from ember.attention_backends.base import AttentionBackend, AttentionLayerOptions, BuilderContext, MetadataBuilder
+from ember.attention_backends.base import (AttentionBackend, AttentionLayerOptions, BuilderContext, MetadataBuilder,
+                                           StepBounds)
 from ember.attention_backends.op import AttentionLayerState
 from ember.attention_backends.registry import BackendSelectionError, select_backend
 from ember.models.layers.attention import Attention
 from ember.kv_spec import KVCacheGroup, KVCacheSpec, blocks_per_request
-from ember.runner.cpu_memory import cpu_kv_cache_bytes
+from ember.runner.cpu_memory import available_memory_bytes, cpu_kv_cache_bytes
 
 logger = logging.getLogger("ember")
 
@@ -216,6 +217,36 @@ def make_builders(setup: AttentionSetup, dtype: torch.dtype, device: torch.devic
 GRAPH_RESERVE_BYTES = 512 << 20  # left free for CUDA-graph pools and allocator slack
 
 
+@dataclass(frozen=True)
+class AttentionWorkspace:
+    """The most memory one attention call may allocate for itself in the largest step (`bounds`), the largest any
+    layer's backend declares, and whose it is. Layers attend one after another, so it is set aside once."""
+    nbytes: int
+    backend: str
+    bounds: StepBounds
+
+    def describe(self) -> str:
+        b = self.bounds
+        return (f"attention backend {self.backend} needs {_gib(self.nbytes)} GiB of workspace for its largest step "
+                f"({b.num_tokens} tokens over up to {b.num_reqs} requests, against {b.context_len} tokens of "
+                f"context)")
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f}"
+
+
+def attention_workspace(attn: AttentionSetup, dtype: torch.dtype, bounds: StepBounds) -> AttentionWorkspace:
+    """The largest workspace any layer's backend declares for `bounds` (`AttentionBackend.workspace_bytes`)."""
+    best = AttentionWorkspace(0, attn.backends[0].name, bounds)
+    for g, backend in zip(attn.groups, attn.backends):
+        for options in {attn.layers[n].options for n in g.layer_names}:
+            nbytes = backend.workspace_bytes(bounds, g.spec, options, dtype)
+            if nbytes > best.nbytes:
+                best = AttentionWorkspace(nbytes, backend.name, bounds)
+    return best
+
+
 def free_dropped_engines(device: torch.device) -> None:
     """Before a CUDA engine loads its weights: when this process already holds device memory, which may be an
     engine dropped but not yet freed (engines sit in reference cycles, and the start-up pauses the collector), run
@@ -228,21 +259,34 @@ def free_dropped_engines(device: torch.device) -> None:
 
 
 def num_kv_blocks(attn: AttentionSetup, cache_config, model: nn.Module, device: torch.device, wanted_len: int,
-                  max_num_reqs: int, max_num_tokens: int, activation_peak: int) -> int:
+                  max_num_reqs: int, max_num_tokens: int, activation_peak: int,
+                  workspace: AttentionWorkspace | None = None) -> int:
     """Blocks of the shared pool, the reserved null block 0 included: `num_kv_blocks` when asked; on the CPU
-    enough for `max_num_reqs` requests of `wanted_len` tokens within the CPU budget; on CUDA what
-    `gpu_memory_utilization` leaves after the weights, a full-size step's activations and the graphs' reserve."""
+    enough for `max_num_reqs` requests of `wanted_len` tokens within the CPU budget, taken from the memory the
+    attention's `workspace` leaves; on CUDA what `gpu_memory_utilization` leaves after the weights, a full-size
+    step's activations, the attention's workspace and the graphs' reserve. Refuses (ValueError) a workspace that
+    leaves no room for a cache of one full-size step, with both figures."""
     cc = cache_config
     per_block = attn.bytes_per_block()
+    reserved = 0 if workspace is None else workspace.nbytes
     if cc.num_kv_blocks is not None:
         return cc.num_kv_blocks + 1
+    # a useful cache holds at least one request of a full-size step
+    useful = (blocks_per_request(attn.groups, min(wanted_len, max_num_tokens)) + 1) * per_block if reserved else 0
     if device.type == "cpu":
+        available = available_memory_bytes()
+        if available is not None and available - reserved < useful:
+            raise ValueError(f"{workspace.describe()}, and {_gib(available)} GiB of host memory is available: no "
+                             f"room is left for a KV cache of one full-size step ({_gib(useful)} GiB); lower "
+                             f"max_num_batched_tokens or max_model_len, or choose another attention backend")
         cap = blocks_per_request(attn.groups, wanted_len) * max_num_reqs + 1
-        budget = cpu_kv_cache_bytes()
+        budget = cpu_kv_cache_bytes(None if available is None else available - reserved)
+        if available is not None and reserved:
+            budget = min(budget, available - reserved)      # the budget's floor never eats into the workspace
         blocks = max(2, min(cap, budget // per_block))
-        logger.info("KV cache on the CPU: %.2f GiB, %d blocks of %d tokens (budget %.2f GiB: a quarter of "
-                    "available memory, at most 2 GiB)", blocks * per_block / 2**30, blocks, cc.block_size,
-                    budget / 2**30)
+        logger.info("KV cache on the CPU: %.2f GiB, %d blocks of %d tokens (budget %.2f GiB: a quarter of the "
+                    "available memory the attention's %.2f GiB of workspace leaves, at most 2 GiB)",
+                    blocks * per_block / 2**30, blocks, cc.block_size, budget / 2**30, reserved / 2**30)
         return blocks
     # this engine may use gpu_memory_utilization of the device for weights, activations and KV cache, and never
     # more than is actually free (other engines or processes may hold the rest)
@@ -256,13 +300,22 @@ def num_kv_blocks(attn: AttentionSetup, cache_config, model: nn.Module, device: 
         gc.collect()
         torch.cuda.empty_cache()
         free_now = torch.cuda.mem_get_info(device)[0]
-    free = min(allowed, free_now) - activation_peak - GRAPH_RESERVE_BYTES
+    left = min(allowed, free_now) - activation_peak - GRAPH_RESERVE_BYTES
+    free = left - reserved
+    hint = (f"raise gpu_memory_utilization ({cc.gpu_memory_utilization}) or lower max_num_batched_tokens "
+            f"({max_num_tokens})")
+    if free < useful <= left:       # the workspace is what leaves no useful cache
+        raise ValueError(f"{workspace.describe()}, and {_gib(left)} GiB of GPU memory is left after the weights "
+                         f"({_gib(weights)} GiB), a full-size step's activations ({_gib(activation_peak)} GiB) and "
+                         f"the CUDA graphs' reserve: no room is left for a KV cache of one full-size step "
+                         f"({_gib(useful)} GiB); {hint}, lower max_model_len, or choose another attention backend")
     if free < 2 * per_block:
         raise ValueError(f"only {max(free, 0) / 2**30:.2f} GiB of GPU memory is left for the KV cache after the "
-                         f"weights ({weights / 2**30:.2f} GiB) and a full-size step ({activation_peak / 2**30:.2f} "
-                         f"GiB) with {free_now / 2**30:.2f} GiB free; raise gpu_memory_utilization "
-                         f"({cc.gpu_memory_utilization}) or lower max_num_batched_tokens ({max_num_tokens})")
-    logger.info("KV cache: %.2f GiB, %d blocks of %d tokens", free / 2**30, free // per_block, cc.block_size)
+                         f"weights ({weights / 2**30:.2f} GiB), a full-size step ({activation_peak / 2**30:.2f} "
+                         f"GiB) and the attention's workspace ({reserved / 2**30:.2f} GiB) with "
+                         f"{free_now / 2**30:.2f} GiB free; {hint}")
+    logger.info("KV cache: %.2f GiB, %d blocks of %d tokens (%.2f GiB set aside for the attention's workspace)",
+                free / 2**30, free // per_block, cc.block_size, reserved / 2**30)
     return int(free // per_block)
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ember.attention_backends.base import StepBounds
 from ember.attention_backends.op import ForwardContext, forward_context
 from ember.config import EngineConfig, cache_dir, resolve_dtype
 from ember.graphs.buckets import resolve_capture_sizes
@@ -29,8 +30,8 @@ from ember.models.loader import load_config, load_model, random_model
 from ember.runner.cpu_memory import available_memory_bytes
 from ember.runner.decode_tail import DecodeTail, with_decode_tail
 from ember.runner.input_batch import BatchLayout, InputBatch, PreparedBatch
-from ember.runner.kv_cache_setup import (allocate_kv_caches, free_dropped_engines, make_builders, num_kv_blocks,
-                                        resolve_max_model_len, select_backends)
+from ember.runner.kv_cache_setup import (allocate_kv_caches, attention_workspace, free_dropped_engines,
+                                        make_builders, num_kv_blocks, resolve_max_model_len, select_backends)
 from ember.runner.output import AsyncModelRunnerOutput, HostRing, ModelRunnerOutput, StartupTimes
 from ember.runner.request_table import RequestTable
 from ember.runner.sampler import Sampler, SamplerOutput, SamplingMetadata
@@ -120,10 +121,14 @@ class ModelRunner:
         tail_offset = len(self.builders) if self.tail_builders else 0   # where KV-sharing layers read metadata
         self.layer_states = allocate_kv_caches(self.attn, 2, self.device, tail_offset)
         self.times.precompile_s = precompile(self)     # CUDA: the start-up's Triton kernels, in worker processes
-        peak = self._profile_run() if self.device.type == "cuda" or self.modes.compile_mode != "none" else 0
-        self.num_blocks = num_kv_blocks(self.attn, config.cache, self.model, self.device,
-                                        config.model.max_model_len or self.model_max_len(), self.max_num_reqs,
-                                        self.max_num_tokens, peak)
+        self.activation_peak = (self._profile_run() if self.device.type == "cuda" or self.modes.compile_mode != "none"
+                                else 0)
+        # the attention's worst case: the largest step against the longest context (docs/memory.md)
+        self.attention_workspace = attention_workspace(self.attn, self.dtype, StepBounds(
+            self.max_num_tokens, self.max_num_reqs, upper_len))
+        self.num_blocks = num_kv_blocks(self.attn, config.cache, self.model, self.device, upper_len,
+                                        self.max_num_reqs, self.max_num_tokens, self.activation_peak,
+                                        self.attention_workspace)
         self.max_model_len = resolve_max_model_len(self.attn, config.model.max_model_len, self.model_max_len(),
                                                    self.num_blocks, self.max_num_tokens)
         self._log_capacity()
