@@ -5,7 +5,7 @@ the noise in registers, instead of ~15 eager passes over an [N, V] int64 tensor.
 `sampler.random_bits`; the float steps are the same IEEE operations as the torch code. Every vocabulary row is
 split over several programs (so one request still fills the GPU), each writing a partial (max, index) that a
 second, tiny kernel reduces. CPU tensors run an interpreted copy of the kernels (for tests), as
-`attention_backends/triton_unified/kernels/device_kernels.py` does.
+`attention_backends/triton_common/interpreted.py` does.
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def _gumbel_noise_kernel(seed_ptr, counter_ptr, out_ptr, vocab_size, BLOCK: tl.c
 
 
 # tl.reduce with Triton's own combine functions, not tl.max/tl.min: those are @triton.jit library functions that the
-# interpreted copy cannot call (see attention_backends/triton_unified/kernels/attention_core.py)
+# interpreted copy cannot call (see attention_backends/triton_common/tiles.py)
 @triton.jit
 def _reduce_max(x):
     return tl.reduce(x, 0, tl.standard._elementwise_max)

@@ -57,7 +57,7 @@ def _num_sms() -> int:
 def _batch(shape, dtype):
     K, _ = _kernels()
     batch = make_paged_batch(shape, dtype, "cuda")
-    K.write_kv_cache(batch.key, batch.value, batch.kv_cache[0], batch.kv_cache[1], batch.slot_mapping)
+    K.write_kv(batch.key, batch.value, batch.kv_cache[0], batch.kv_cache[1], batch.slot_mapping)
     torch.testing.assert_close(batch.kv_cache, batch.expected_cache, atol=0, rtol=0, equal_nan=True)
     return batch
 

@@ -1,6 +1,7 @@
 """Imports point down the layers: ground floor (config, sampling_params, kv_spec, args, kernels) -> attention_backends,
 graphs -> models -> runner -> engine -> llm, serve, bench, cli. A module may import its own layer and those below,
-never one above; kernels import nothing from ember. The package root (the public API) sits with llm; only its
+never one above; kernels import nothing from ember, and attention_backends.triton_common nothing but itself and
+kernels. The package root (the public API) sits with llm; only its
 `__version__` may be read from below. Every import counts, lazy ones inside functions included."""
 
 import ast
@@ -21,6 +22,12 @@ LAYERS = {
     "": 5, "__main__": 5,                    # the package root (the public API) and `python -m ember`
 }
 SELF_CONTAINED = {"kernels"}             # may import nothing from ember outside themselves
+# packages that may import nothing from ember outside themselves but the packages named
+CONFINED = {"ember.attention_backends.triton_common": ("ember.kernels",)}
+
+
+def _within(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
 
 
 def _part(module: str) -> str:
@@ -68,6 +75,11 @@ def upward_imports(root: Path) -> list[str]:
                                 f"(layer {LAYERS[to]})")
             elif part in SELF_CONTAINED and to != part:
                 problems.append(f"{path}:{line}: {module} must import nothing from ember, but imports {target}")
+            else:
+                for package, allowed in CONFINED.items():
+                    if _within(module, package) and not any(_within(target, p) for p in (package, *allowed)):
+                        problems.append(f"{path}:{line}: {module} may import only {package} and {allowed}, but "
+                                        f"imports {target}")
     return problems
 
 
@@ -90,7 +102,9 @@ def _write(root: Path, files: dict[str, str]) -> Path:
     ({"kernels/k.py": "from ember.config import EngineConfig\n"}, "kernels/k.py:1"),                 # self-contained
     ({"graphs/g.py": "from ember import LLM\n"}, "graphs/g.py:1"),                                    # package root
     ({"newthing.py": "x = 1\n"}, "newthing.py"),                                                      # no layer
-], ids=["upward", "lazy", "relative", "kernels", "root", "unlayered"])
+    ({"attention_backends/triton_common/t.py": "from ..base import AttentionBackend\n"},
+     "attention_backends/triton_common/t.py:1"),                                                    # confined
+], ids=["upward", "lazy", "relative", "kernels", "root", "unlayered", "confined"])
 def test_an_upward_import_is_reported(tmp_path, files, culprit):
     root = _write(tmp_path, {"__init__.py": "", "engine/__init__.py": "", "config.py": "", **files})
     problems = upward_imports(root)
@@ -101,5 +115,6 @@ def test_downward_and_sideways_imports_pass(tmp_path):
     root = _write(tmp_path, {"__init__.py": "from ember.llm import LLM\n",
                              "engine/e.py": "from ember.runner.step_input import StepInput\nfrom . import f\n",
                              "graphs/g.py": "from ember.attention_backends.op import x\n",
-                             "kernels/k.py": "from ember.kernels.other import y\n"})
+                             "kernels/k.py": "from ember.kernels.other import y\n",
+                             "attention_backends/triton_common/t.py": "from ember.kernels.pdl import x\nfrom . import u\n"})
     assert upward_imports(root) == []

@@ -292,19 +292,18 @@ def test_equal_keys_mean_equal_triton_specializations():
 def test_every_ember_kernel_is_launched_through_the_launcher_on_a_gpu_device():
     """The launch sites hand GPU tensors' launches to `launcher` and CPU tensors' to the interpreted copies."""
     from ember.attention_backends.flash.kernels import decode
-    from ember.attention_backends.flash.kernels.interpreted import kernel_for as flash_kernel_for
+    from ember.attention_backends.triton_common.interpreted import kernel_for
+    from ember.attention_backends.triton_common.kv_write import kv_write_kernel
     from ember.attention_backends.triton_unified.kernels import unified_attention as unified
-    from ember.attention_backends.triton_unified.kernels.device_kernels import kernel_for
     from ember.kernels import gemv, prepare, sampling
     gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
     picks = [
         (gemv._kernel(gemv._gemv_kernel, gpu), gemv._kernel(gemv._gemv_kernel, cpu)),
         (sampling._kernel("_sample_reduce_kernel", gpu), sampling._kernel("_sample_reduce_kernel", cpu)),
         (prepare._kernel(False), prepare._kernel(True)),
-        (kernel_for(gpu, "unified_attention", "unified_attention_kernel", unified.unified_attention_kernel),
-         kernel_for(cpu, "unified_attention", "unified_attention_kernel", unified.unified_attention_kernel)),
-        (flash_kernel_for(gpu, "decode", "flash_decode_kernel", decode.flash_decode_kernel),
-         flash_kernel_for(cpu, "decode", "flash_decode_kernel", decode.flash_decode_kernel)),
+        (kernel_for(gpu, unified.unified_attention_kernel), kernel_for(cpu, unified.unified_attention_kernel)),
+        (kernel_for(gpu, decode.flash_decode_kernel), kernel_for(cpu, decode.flash_decode_kernel)),
+        (kernel_for(gpu, kv_write_kernel), kernel_for(cpu, kv_write_kernel)),
     ]
     for on_gpu, on_cpu in picks:
         assert isinstance(on_gpu, L.KernelLauncher) and isinstance(on_gpu.fn, jit.JITFunction)

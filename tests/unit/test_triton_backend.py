@@ -114,7 +114,7 @@ def test_uniform_decode_writes_kv_in_the_attention_launch_or_not_alike(case, dty
 def test_write_kernel_launches_only_where_the_attention_launch_does_not_write(monkeypatch, shape, uniform,
                                                                              fused_write, share, writes):
     calls = []
-    monkeypatch.setattr(B, "write_kv_cache", lambda *args: calls.append(args))
+    monkeypatch.setattr(B, "write_kv", lambda *args, **kwargs: calls.append(args))
     batch = make_paged_batch(shape, torch.float32, "cpu")
     options = shape.options()
     if share:

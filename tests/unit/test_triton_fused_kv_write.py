@@ -46,7 +46,7 @@ def _attend(batch, cache, segments, new_kv, tile=TILE, query=None, rope=None):
 def _both(batch, segments, tile=TILE):
     """(fused output, fused cache, unfused output, unfused cache), each from a copy of the batch's stale cache."""
     unfused_cache = batch.kv_cache.clone()
-    K.write_kv_cache(batch.key, batch.value, unfused_cache[0], unfused_cache[1], batch.slot_mapping)
+    K.write_kv(batch.key, batch.value, unfused_cache[0], unfused_cache[1], batch.slot_mapping)
     unfused = _attend(batch, unfused_cache, segments, None, tile)
     fused_cache = batch.kv_cache.clone()
     fused = _attend(batch, fused_cache, segments, (batch.key, batch.value, batch.slot_mapping), tile)

@@ -49,7 +49,7 @@ def _dtype_for(shape: BatchShape) -> torch.dtype:
 
 def _batch(shape: BatchShape, dtype: torch.dtype):
     batch = make_paged_batch(shape, dtype, "cpu")
-    K.write_kv_cache(batch.key, batch.value, batch.kv_cache[0], batch.kv_cache[1], batch.slot_mapping)
+    K.write_kv(batch.key, batch.value, batch.kv_cache[0], batch.kv_cache[1], batch.slot_mapping)
     return batch
 
 
@@ -72,7 +72,7 @@ def test_kv_cache_write_matches_slots_and_skips_padding(dtype):
     shape = BatchShape("write", (1, 7, 20), (9, 7, 40), pad_tokens=4)
     batch = make_paged_batch(shape, dtype, "cpu")
     assert not torch.equal(batch.kv_cache[:, 1:], batch.expected_cache[:, 1:])
-    K.write_kv_cache(batch.key, batch.value, batch.kv_cache[0], batch.kv_cache[1], batch.slot_mapping)
+    K.write_kv(batch.key, batch.value, batch.kv_cache[0], batch.kv_cache[1], batch.slot_mapping)
     # exact: every slot written once, padding (-1) nowhere, the NaN null block untouched
     torch.testing.assert_close(batch.kv_cache, batch.expected_cache, atol=0, rtol=0, equal_nan=True)
 
@@ -81,7 +81,7 @@ def test_kv_cache_write_casts_to_cache_dtype():
     shape = BatchShape("write_cast", (3,), (5,))
     batch = make_paged_batch(shape, torch.float32, "cpu")
     cache = batch.kv_cache.to(torch.float16)
-    K.write_kv_cache(batch.key, batch.value, cache[0], cache[1], batch.slot_mapping)
+    K.write_kv(batch.key, batch.value, cache[0], cache[1], batch.slot_mapping)
     torch.testing.assert_close(cache[:, 1:], batch.expected_cache[:, 1:].half(), atol=0, rtol=0)
 
 

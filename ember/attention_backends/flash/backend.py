@@ -13,7 +13,7 @@ import torch
 from ember.attention_backends.base import (AttentionBackend, AttentionImpl, AttentionLayerOptions, BuilderContext,
                                            CudaGraphSupport, MetadataBuilder)
 from ember.attention_backends.common import CommonAttentionMetadata
-from ember.attention_backends.triton_support import triton_device_reasons
+from ember.attention_backends.triton_common.device import head_major_cache_shape, triton_layer_reasons
 from ember.kv_spec import KVCacheSpec
 
 from .kernels import DecodeWorkspace, flash_decode, flash_prefill, write_kv
@@ -103,34 +103,18 @@ class FlashBackend(AttentionBackend):
     builder_cls = FlashMetadataBuilder
     impl_cls = FlashImpl
 
-    @staticmethod
-    def kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size):
-        # heads outside the token axis: a tile of keys in one page is one contiguous box (see kernels/kv_write.py)
-        return (2, num_blocks, num_kv_heads, block_size, head_size)
+    kv_cache_shape = staticmethod(head_major_cache_shape)
 
     @classmethod
     def supports(cls, spec: KVCacheSpec, dtype: torch.dtype, device: torch.device,
                  options: AttentionLayerOptions | None = None) -> list[str]:
-        reasons = triton_device_reasons(device, dtype, spec.dtype)
+        reasons = triton_layer_reasons(spec, dtype, device, options, MIN_HEAD_SIZE, MAX_HEAD_SIZE, MAX_QUERIES_PER_KV)
         if spec.block_size < MIN_BLOCK_SIZE or spec.block_size & (spec.block_size - 1):
             reasons.append(f"block_size {spec.block_size} is not supported: a power of two of at least "
                            f"{MIN_BLOCK_SIZE}, so that a page holds a whole KV tile (one TMA box); use "
                            f"block_size {MIN_BLOCK_SIZE} or 128")
-        head_size = spec.head_size if options is None else options.head_size
-        if not (MIN_HEAD_SIZE <= head_size <= MAX_HEAD_SIZE and head_size % 8 == 0):
-            reasons.append(f"head_size {head_size} is not supported (a multiple of 8 from {MIN_HEAD_SIZE} to "
-                           f"{MAX_HEAD_SIZE})")
-        if options is not None:
-            if options.num_heads % max(options.num_kv_heads, 1):
-                reasons.append(f"num_heads {options.num_heads} is not a multiple of num_kv_heads "
-                               f"{options.num_kv_heads}")
-            elif options.num_heads // options.num_kv_heads > MAX_QUERIES_PER_KV:
-                reasons.append(f"{options.num_heads // options.num_kv_heads} query heads per KV head exceed the "
-                               f"supported {MAX_QUERIES_PER_KV}")
-            if options.use_alibi:
-                reasons.append("ALiBi is not implemented in the flash kernels (triton_unified has it)")
-            if options.sliding_window is not None and options.sliding_window < 1:
-                reasons.append(f"sliding_window {options.sliding_window} must be at least 1")
+        if options is not None and options.use_alibi:
+            reasons.append("ALiBi is not implemented in the flash kernels (triton_unified has it)")
         return reasons
 
 

@@ -30,11 +30,10 @@ import torch
 from ember.attention_backends.base import (AttentionBackend, AttentionImpl, AttentionLayerOptions, BuilderContext,
                                            CudaGraphSupport, MetadataBuilder)
 from ember.attention_backends.common import CommonAttentionMetadata
-from ember.attention_backends.triton_support import triton_device_reasons
+from ember.attention_backends.triton_common.device import head_major_cache_shape, triton_layer_reasons
 from ember.kv_spec import KVCacheSpec
 
-from .kernels import (MODE_DECODES, segment_scratch_numel, unified_attention_2d, unified_attention_3d,
-                      write_kv_cache)
+from .kernels import MODE_DECODES, segment_scratch_numel, unified_attention_2d, unified_attention_3d, write_kv
 from .plan import (FUSED_COMBINE_MAX_GROUP, MAX_GROUP_3D, SHORT_DECODE_LEN, SHORT_DECODE_MAX_WIDTH, max_scratch_rows,
                    num_split_segments, plan_launch)
 
@@ -186,7 +185,7 @@ class TritonUnifiedImpl(AttentionImpl):
         writes = o.kv_sharing_target is None
         fused = self._fused_write(plan, metadata)
         if writes and not fused:
-            write_kv_cache(key, value, key_cache, value_cache, metadata.slot_mapping)
+            write_kv(key, value, key_cache, value_cache, metadata.slot_mapping, pdl=True)
         new_kv = (key, value, metadata.slot_mapping) if fused else None
         sinks = None if self.sinks is None else self.sinks.float().contiguous()
         slopes = None if self.alibi_slopes is None else self.alibi_slopes.float().contiguous()
@@ -226,29 +225,12 @@ class TritonUnifiedBackend(AttentionBackend):
                     "short_decode_len")
     takes_rope = True
 
-    @staticmethod
-    def kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size):
-        # heads outside the token axis: one (block, head) is a contiguous run (see kernels/kv_cache_write.py)
-        return (2, num_blocks, num_kv_heads, block_size, head_size)
+    kv_cache_shape = staticmethod(head_major_cache_shape)
 
     @classmethod
     def supports(cls, spec: KVCacheSpec, dtype: torch.dtype, device: torch.device,
                  options: AttentionLayerOptions | None = None) -> list[str]:
-        reasons = triton_device_reasons(device, dtype, spec.dtype)
-        head_size = spec.head_size if options is None else options.head_size
-        if not (MIN_HEAD_SIZE <= head_size <= MAX_HEAD_SIZE and head_size % 8 == 0):
-            reasons.append(f"head_size {head_size} is not supported (a multiple of 8 from {MIN_HEAD_SIZE} to "
-                           f"{MAX_HEAD_SIZE})")
-        if options is not None:
-            group = options.num_heads // max(options.num_kv_heads, 1)
-            if options.num_heads % max(options.num_kv_heads, 1):
-                reasons.append(f"num_heads {options.num_heads} is not a multiple of num_kv_heads "
-                               f"{options.num_kv_heads}")
-            elif group > MAX_QUERIES_PER_KV:
-                reasons.append(f"{group} query heads per KV head exceed the supported {MAX_QUERIES_PER_KV}")
-            if options.sliding_window is not None and options.sliding_window < 1:
-                reasons.append(f"sliding_window {options.sliding_window} must be at least 1")
-        return reasons
+        return triton_layer_reasons(spec, dtype, device, options, MIN_HEAD_SIZE, MAX_HEAD_SIZE, MAX_QUERIES_PER_KV)
 
 
 __all__ = ["TritonUnifiedBackend", "TritonUnifiedMetadataBuilder", "TritonUnifiedImpl", "TritonUnifiedMetadata",

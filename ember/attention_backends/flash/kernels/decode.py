@@ -20,7 +20,8 @@ import triton.language as tl
 
 from ember.kernels.precompile import launch_always
 
-from .tiles import LOG2E, cdiv, load_kv_tile, reduce_max, reduce_sum, softmax_step
+from ...triton_common.tiles import LOG2E, cdiv, reduce_max, reduce_sum
+from .tiles import attend_ranges
 
 
 @triton.jit
@@ -154,24 +155,10 @@ def flash_decode_kernel(
     if USE_WINDOW:
         u0 = tl.where(t0 == lo, t0 + 1, t0)
         u0 = tl.minimum(u0, t1)
-        for t in range(t0, u0):
-            k, v = load_kv_tile(k_base, v_base, k_desc, v_desc, block_table_row, t, seq_len, kv_head, stride_cb,
-                                stride_ct, NUM_KV_HEADS, HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, TILE_N, True, USE_TMA,
-                                OFFSET_64)
-            acc, m_i, l_i = softmax_step(acc, m_i, l_i, q, k, v, t, q_pos, window, qk_scale, softcap_log2, TILE_N,
-                                         True, USE_WINDOW, USE_SOFTCAP, IEEE)
-    for t in range(u0, u1):
-        k, v = load_kv_tile(k_base, v_base, k_desc, v_desc, block_table_row, t, seq_len, kv_head, stride_cb,
-                            stride_ct, NUM_KV_HEADS, HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, TILE_N, False, USE_TMA,
-                            OFFSET_64)
-        acc, m_i, l_i = softmax_step(acc, m_i, l_i, q, k, v, t, q_pos, window, qk_scale, softcap_log2, TILE_N,
-                                     False, USE_WINDOW, USE_SOFTCAP, IEEE)
-    for t in range(tl.maximum(u0, u1), t1):
-        k, v = load_kv_tile(k_base, v_base, k_desc, v_desc, block_table_row, t, seq_len, kv_head, stride_cb,
-                            stride_ct, NUM_KV_HEADS, HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, TILE_N, True, USE_TMA,
-                            OFFSET_64)
-        acc, m_i, l_i = softmax_step(acc, m_i, l_i, q, k, v, t, q_pos, window, qk_scale, softcap_log2, TILE_N,
-                                     True, USE_WINDOW, USE_SOFTCAP, IEEE)
+    acc, m_i, l_i = attend_ranges(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, block_table_row, t0, u0, u1,
+                                  tl.maximum(u0, u1), t1, seq_len, kv_head, q_pos, window, qk_scale, softcap_log2,
+                                  stride_cb, stride_ct, NUM_KV_HEADS, HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, TILE_N, USE_TMA,
+                                  OFFSET_64, USE_WINDOW, USE_SOFTCAP, IEEE)
 
     if part < 0:
         o = acc / l_i[:, None]

@@ -8,8 +8,9 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from ember.attention_backends.triton_common.interpreted import kernel_for
+
 from .decode import decode_combine_kernel, decode_plan_kernel, flash_decode_kernel
-from .interpreted import kernel_for
 from .prefill import flash_prefill_kernel
 
 MAX_SPLIT_GROUP = 8   # decode splits only layers with at most this many query heads per KV head (sizes the scratch)
@@ -103,7 +104,7 @@ def flash_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     k_desc, v_desc, use_tma, offset_64 = _cache_args(key_cache, value_cache, tiles.tile_n, use_tma)
     qk_scale, softcap_log2 = _scales(scale, soft_cap)
     dummy = query_start_loc
-    kernel = kernel_for(query.device, "prefill", "flash_prefill_kernel", flash_prefill_kernel)
+    kernel = kernel_for(query.device, flash_prefill_kernel)
     kernel[(programs,)](
         out, lse if lse is not None else out, query, key_cache, value_cache, k_desc, v_desc, block_table,
         query_start_loc, seq_lens, num_decodes if num_decodes is not None else dummy,
@@ -149,7 +150,7 @@ class DecodeWorkspace:
         if not 0 <= num_decodes <= self.max_rows:
             raise ValueError(f"num_decodes {num_decodes} is outside [0, {self.max_rows}]")
         rows = min(self.max_rows, seq_lens.shape[0])
-        kernel = kernel_for(seq_lens.device, "decode", "decode_plan_kernel", decode_plan_kernel)
+        kernel = kernel_for(seq_lens.device, decode_plan_kernel)
         # the row tile is sized for the workspace, not the bucket, so one compiled kernel serves every batch size
         kernel[(1,)](
             seq_lens, self.work_start, self.split_start, self.item_seq, self.item_chunk, self.item_part, self.params,
@@ -184,7 +185,7 @@ def flash_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
     qk_scale, softcap_log2 = _scales(scale, soft_cap)
     head_pad = max(16, triton.next_power_of_2(head_size))
     ws = workspace
-    kernel = kernel_for(query.device, "decode", "flash_decode_kernel", flash_decode_kernel)
+    kernel = kernel_for(query.device, flash_decode_kernel)
     grid = (ws.target_items + num_rows if split else num_rows, num_kv_heads)
     kernel[grid](
         out, ws.part_out, ws.part_ml, query, key_cache, value_cache, k_desc, v_desc, block_table, query_start_loc,
@@ -199,7 +200,7 @@ def flash_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
         USE_SINKS=sinks is not None, IEEE=query.dtype == torch.float32,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     if split:
-        combine = kernel_for(query.device, "decode", "decode_combine_kernel", decode_combine_kernel)
+        combine = kernel_for(query.device, decode_combine_kernel)
         combine[(num_rows, num_heads)](
             out, ws.part_out, ws.part_ml, query_start_loc, ws.work_start, ws.split_start, ws.params,
             out.stride(0), out.stride(1),

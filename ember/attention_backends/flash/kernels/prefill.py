@@ -17,7 +17,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .tiles import LOG2E, kv_tile_range, load_kv_tile, softmax_step
+from ...triton_common.tiles import LOG2E, kv_tile_bounds, query_block_rows
+from .tiles import attend_ranges
 
 
 @triton.jit
@@ -67,13 +68,9 @@ def flash_prefill_kernel(
     seq_len = tl.load(seq_lens_ptr + seq)
     context_len = seq_len - q_len
 
-    rows = tl.arange(0, BLOCK_M)
-    token_in_seq = q_block * BLOCK_Q + rows // NUM_QUERIES_PER_KV                 # [BLOCK_M]
-    head = kv_head * NUM_QUERIES_PER_KV + rows % NUM_QUERIES_PER_KV               # [BLOCK_M]
-    row_ok = (rows < BLOCK_Q * NUM_QUERIES_PER_KV) & (token_in_seq < q_len)
-    q_pos = context_len + token_in_seq
-    min_q_pos = context_len + q_block * BLOCK_Q
-    max_q_pos = context_len + tl.minimum(q_block * BLOCK_Q + BLOCK_Q, q_len) - 1
+    # [BLOCK_M] each: the rows' tokens, query heads, validity and positions; the block's first and last position
+    token_in_seq, head, row_ok, q_pos, min_q_pos, max_q_pos = query_block_rows(
+        q_block, kv_head, q_len, context_len, BLOCK_M, BLOCK_Q, NUM_QUERIES_PER_KV)
 
     offs_d = tl.arange(0, HEAD_PAD)
     d_ok = offs_d < HEAD_SIZE
@@ -92,34 +89,11 @@ def flash_prefill_kernel(
     block_table_row = block_table_ptr + seq.to(tl.int64) * stride_bt
     k_base = k_cache_ptr + kv_head * stride_ch
     v_base = v_cache_ptr + kv_head * stride_ch
-    lo, a, b, hi = kv_tile_range(min_q_pos, max_q_pos, window, TILE_N, USE_WINDOW)
-    if USE_WINDOW:
-        for t in range(lo, a):
-            k, vv = load_kv_tile(k_base, v_base, k_desc, v_desc, block_table_row, t, seq_len, kv_head, stride_cb,
-                                 stride_ct, NUM_KV_HEADS, HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, TILE_N, True, USE_TMA,
-                                 OFFSET_64)
-            acc, m_i, l_i = softmax_step(acc, m_i, l_i, q, k, vv, t, q_pos, window, qk_scale, softcap_log2, TILE_N,
-                                         True, USE_WINDOW, USE_SOFTCAP, IEEE)
-    if WARP_SPECIALIZE:   # producer/consumer warps for the unmasked bulk (only compiled when asked for)
-        for t in tl.range(a, b, warp_specialize=True):
-            k, vv = load_kv_tile(k_base, v_base, k_desc, v_desc, block_table_row, t, seq_len, kv_head, stride_cb,
-                                 stride_ct, NUM_KV_HEADS, HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, TILE_N, False, USE_TMA,
-                                 OFFSET_64)
-            acc, m_i, l_i = softmax_step(acc, m_i, l_i, q, k, vv, t, q_pos, window, qk_scale, softcap_log2, TILE_N,
-                                         False, USE_WINDOW, USE_SOFTCAP, IEEE)
-    else:
-        for t in range(a, b):
-            k, vv = load_kv_tile(k_base, v_base, k_desc, v_desc, block_table_row, t, seq_len, kv_head, stride_cb,
-                                 stride_ct, NUM_KV_HEADS, HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, TILE_N, False, USE_TMA,
-                                 OFFSET_64)
-            acc, m_i, l_i = softmax_step(acc, m_i, l_i, q, k, vv, t, q_pos, window, qk_scale, softcap_log2, TILE_N,
-                                         False, USE_WINDOW, USE_SOFTCAP, IEEE)
-    for t in range(b, hi):
-        k, vv = load_kv_tile(k_base, v_base, k_desc, v_desc, block_table_row, t, seq_len, kv_head, stride_cb,
-                             stride_ct, NUM_KV_HEADS, HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, TILE_N, True, USE_TMA,
-                             OFFSET_64)
-        acc, m_i, l_i = softmax_step(acc, m_i, l_i, q, k, vv, t, q_pos, window, qk_scale, softcap_log2, TILE_N,
-                                     True, USE_WINDOW, USE_SOFTCAP, IEEE)
+    lo, a, b, hi = kv_tile_bounds(min_q_pos, max_q_pos, window, TILE_N, USE_WINDOW)
+    acc, m_i, l_i = attend_ranges(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, block_table_row, lo, a, b, b,
+                                  hi, seq_len, kv_head, q_pos, window, qk_scale, softcap_log2, stride_cb, stride_ct,
+                                  NUM_KV_HEADS, HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, TILE_N, USE_TMA, OFFSET_64,
+                                  USE_WINDOW, USE_SOFTCAP, IEEE, WARP_SPECIALIZE)
 
     o = acc / l_i[:, None]
     tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],

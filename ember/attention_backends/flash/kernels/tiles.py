@@ -5,8 +5,7 @@ The running max and sum live in log2 units (scores scaled by log2(e)) so the sof
 become NEG_BIG rather than -inf: their exp2 underflows to exactly 0 once any visible key has raised the running
 max, and no `-inf - -inf` NaN can arise, so masked tiles need no extra guard.
 
-Not tl.cdiv, tl.max, tl.sum, tl.zeros: those are @triton.jit library functions that only run in the interpreter
-when it was on before `import triton`; tl.reduce with Triton's combine functions compiles to the same code.
+The helpers both Triton backends share (cdiv, reductions, tanh, tile bounds) come from `triton_common.tiles`.
 """
 
 from __future__ import annotations
@@ -14,29 +13,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-LOG2E = tl.constexpr(1.4426950408889634)
+from ...triton_common.tiles import reduce_max, reduce_sum, tanh
+
 NEG_BIG = tl.constexpr(-1.0e6)
-
-
-@triton.jit
-def cdiv(a, b):
-    return (a + b - 1) // b
-
-
-@triton.jit
-def reduce_max(x, axis: tl.constexpr):
-    return tl.reduce(x, axis, tl.standard._elementwise_max)
-
-
-@triton.jit
-def reduce_sum(x, axis: tl.constexpr):
-    return tl.reduce(x, axis, tl.standard._sum_combine)
-
-
-@triton.jit
-def _tanh(x):
-    # 1 - 2 / (e^{2x} + 1): saturates cleanly at +-1 and needs only exp (which the interpreter has)
-    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
 
 
 @triton.jit
@@ -86,7 +65,7 @@ def softmax_step(acc, m_i, l_i, q, k, v, t, q_pos, window, qk_scale, softcap_log
     else:
         s = tl.dot(q, tl.trans(k))                                          # [M, TILE_N] fp32
     if USE_SOFTCAP:
-        s = softcap_log2 * _tanh(s * qk_scale)
+        s = softcap_log2 * tanh(s * qk_scale)
         scale = 1.0
     else:
         scale = qk_scale
@@ -109,17 +88,58 @@ def softmax_step(acc, m_i, l_i, q, k, v, t, q_pos, window, qk_scale, softcap_log
 
 
 @triton.jit
-def kv_tile_range(min_q_pos, max_q_pos, window, TILE_N: tl.constexpr, USE_WINDOW: tl.constexpr):
-    """Tiles (lo, a, b, hi) a block of queries at positions [min_q_pos, max_q_pos] reads: [lo, a) masked by the
-    window, [a, b) visible to every query (unmasked), [b, hi) masked by causality.
-
-    hi stops at the last tile the latest query can see; with a window (HF semantics: key j visible to query i iff
-    i - window < j <= i) lo starts at the first tile the earliest query can see."""
-    hi = cdiv(max_q_pos + 1, TILE_N)
-    lo = min_q_pos * 0
-    a = lo
+def attend_ranges(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, block_table_row, lo, a, b, c, hi, seq_len,
+                  kv_head, q_pos, window, qk_scale, softcap_log2, stride_cb, stride_ct,
+                  NUM_KV_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
+                  BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, USE_TMA: tl.constexpr, OFFSET_64: tl.constexpr,
+                  USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
+                  WARP_SPECIALIZE: tl.constexpr = False):
+    """Fold KV tiles into (acc, m_i, l_i) in three loops: [lo, a) masked (the window's edge, only with a window),
+    [a, b) unmasked (on producer/consumer warps with WARP_SPECIALIZE), [c, hi) masked (the causal diagonal)."""
     if USE_WINDOW:
-        lo = tl.maximum(min_q_pos - window + 1, 0) // TILE_N
-        a = tl.minimum(tl.maximum(cdiv(tl.maximum(max_q_pos - window + 1, 0), TILE_N), lo), hi)
-    b = tl.minimum(tl.maximum((min_q_pos + 1) // TILE_N, a), hi)
-    return lo, a, b, hi
+        acc, m_i, l_i = _attend_loop(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, block_table_row, lo, a,
+                                     seq_len, kv_head, q_pos, window, qk_scale, softcap_log2, stride_cb, stride_ct,
+                                     NUM_KV_HEADS, HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, TILE_N, True, USE_TMA, OFFSET_64,
+                                     USE_WINDOW, USE_SOFTCAP, IEEE)
+    acc, m_i, l_i = _attend_loop(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, block_table_row, a, b, seq_len,
+                                 kv_head, q_pos, window, qk_scale, softcap_log2, stride_cb, stride_ct, NUM_KV_HEADS,
+                                 HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, TILE_N, False, USE_TMA, OFFSET_64, USE_WINDOW,
+                                 USE_SOFTCAP, IEEE, WARP_SPECIALIZE)
+    return _attend_loop(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, block_table_row, c, hi, seq_len, kv_head,
+                        q_pos, window, qk_scale, softcap_log2, stride_cb, stride_ct, NUM_KV_HEADS, HEAD_SIZE, HEAD_PAD,
+                        BLOCK_SIZE, TILE_N, True, USE_TMA, OFFSET_64, USE_WINDOW, USE_SOFTCAP, IEEE)
+
+
+@triton.jit
+def _attend_loop(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, block_table_row, t_lo, t_hi, seq_len, kv_head,
+                 q_pos, window, qk_scale, softcap_log2, stride_cb, stride_ct,
+                 NUM_KV_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
+                 BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, MASKED: tl.constexpr, USE_TMA: tl.constexpr,
+                 OFFSET_64: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
+                 WARP_SPECIALIZE: tl.constexpr = False):
+    """Fold KV tiles [t_lo, t_hi), each loaded by `load_kv_tile` and folded by `softmax_step`."""
+    if WARP_SPECIALIZE:
+        for t in tl.range(t_lo, t_hi, warp_specialize=True):
+            acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, block_table_row, t,
+                                         seq_len, kv_head, q_pos, window, qk_scale, softcap_log2, stride_cb,
+                                         stride_ct, NUM_KV_HEADS, HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, TILE_N, MASKED,
+                                         USE_TMA, OFFSET_64, USE_WINDOW, USE_SOFTCAP, IEEE)
+    else:
+        for t in range(t_lo, t_hi):
+            acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, block_table_row, t,
+                                         seq_len, kv_head, q_pos, window, qk_scale, softcap_log2, stride_cb,
+                                         stride_ct, NUM_KV_HEADS, HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, TILE_N, MASKED,
+                                         USE_TMA, OFFSET_64, USE_WINDOW, USE_SOFTCAP, IEEE)
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _attend_tile(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, block_table_row, t, seq_len, kv_head, q_pos,
+                 window, qk_scale, softcap_log2, stride_cb, stride_ct,
+                 NUM_KV_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
+                 BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, MASKED: tl.constexpr, USE_TMA: tl.constexpr,
+                 OFFSET_64: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, IEEE: tl.constexpr):
+    k, v = load_kv_tile(k_base, v_base, k_desc, v_desc, block_table_row, t, seq_len, kv_head, stride_cb, stride_ct,
+                        NUM_KV_HEADS, HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, TILE_N, MASKED, USE_TMA, OFFSET_64)
+    return softmax_step(acc, m_i, l_i, q, k, v, t, q_pos, window, qk_scale, softcap_log2, TILE_N, MASKED,
+                        USE_WINDOW, USE_SOFTCAP, IEEE)

@@ -3,7 +3,8 @@
 Scores live in log2 units (multiplied by log2(e)) so the online softmax can use exp2. Masks are applied only on
 the tiles that need them: the KV range of a query block is split into a masked front (sliding-window edge), an
 unmasked middle (every key visible to every query of the block) and a masked back (the causal diagonal and the
-sequence end).
+sequence end). The helpers both Triton backends share (cdiv, reductions, tanh, tile bounds) are in
+`triton_common.tiles`.
 """
 
 from __future__ import annotations
@@ -11,36 +12,12 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-LOG2E = tl.constexpr(1.4426950408889634)
+from ...triton_common.tiles import LOG2E, reduce_max, reduce_sum, tanh
 
 # How programs map to sequences (a kernel's MODE).
 MODE_ALL = 0        # every request; programs are query blocks found by binary search over query_start_loc
 MODE_DECODES = 1    # the leading single-token requests only; program i is request i
 MODE_PREFILLS = 2   # the requests after the leading decodes; like MODE_ALL but starting at the first prefill
-
-
-# Not tl.cdiv, tl.zeros, tl.max or tl.sum: those are @triton.jit library functions, compiled-only unless
-# TRITON_INTERPRET was set before `import triton`, and the CPU path must work whatever the import order. tl.reduce
-# with Triton's own combine functions compiles to the same code and the interpreter runs it with numpy.
-@triton.jit
-def cdiv(a, b):
-    return (a + b - 1) // b
-
-
-@triton.jit
-def reduce_max(x, axis: tl.constexpr):
-    return tl.reduce(x, axis, tl.standard._elementwise_max)
-
-
-@triton.jit
-def reduce_sum(x, axis: tl.constexpr):
-    return tl.reduce(x, axis, tl.standard._sum_combine)
-
-
-@triton.jit
-def _tanh(x):
-    # 1 - 2 / (e^{2x} + 1): overflow gives 1, underflow -1, and it only needs exp (portable to the interpreter).
-    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
 
 
 @triton.jit
@@ -100,24 +77,6 @@ def locate_query_block(pid, query_start_loc_ptr, num_decodes_ptr, num_seqs,
 
 
 @triton.jit
-def kv_tile_bounds(min_q_pos, max_q_pos, window, TILE_N: tl.constexpr, USE_WINDOW: tl.constexpr):
-    """Tile indices (lo, a, b, hi) of a query block's KV range: [lo, a) masked, [a, b) unmasked, [b, hi) masked.
-
-    hi stops at the last tile the latest query can see, so fully masked tails are never loaded; with a sliding
-    window lo starts at the first tile the earliest query can see (HF semantics: key j visible to query i iff
-    i - window < j <= i)."""
-    hi = cdiv(max_q_pos + 1, TILE_N)
-    lo = min_q_pos * 0
-    a = lo
-    if USE_WINDOW:
-        lo = tl.maximum(min_q_pos - window + 1, 0) // TILE_N
-        all_see_from = tl.maximum(max_q_pos - window + 1, 0)  # first key inside every query's window
-        a = tl.minimum(tl.maximum(cdiv(all_see_from, TILE_N), lo), hi)
-    b = tl.minimum(tl.maximum((min_q_pos + 1) // TILE_N, a), hi)
-    return lo, a, b, hi
-
-
-@triton.jit
 def attend_tiles(acc, m_i, l_i, q, k_base, v_base, block_table_row, tile_lo, tile_hi, q_pos, seq_len,
                  slopes, qk_scale, softcap, window, stride_cb, stride_ct,
                  HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
@@ -156,7 +115,7 @@ def attend_tiles(acc, m_i, l_i, q, k_base, v_base, block_table_row, tile_lo, til
         else:
             s = tl.dot(q, k)                                                        # [M, TILE_N] fp32
         if USE_SOFTCAP:
-            s = softcap * _tanh(s * (qk_scale / softcap)) * LOG2E
+            s = softcap * tanh(s * (qk_scale / softcap)) * LOG2E
         else:
             s = s * (qk_scale * LOG2E)
         if USE_ALIBI:
@@ -190,7 +149,7 @@ def attend_new_key(acc, m_i, l_i, q, k_new, v_new, qk_scale, softcap, USE_SOFTCA
     mask can hide a token's own key, so it needs no mask."""
     s = reduce_sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1)            # [M]
     if USE_SOFTCAP:
-        s = softcap * _tanh(s * (qk_scale / softcap)) * LOG2E
+        s = softcap * tanh(s * (qk_scale / softcap)) * LOG2E
     else:
         s = s * (qk_scale * LOG2E)
     m_new = tl.maximum(m_i, s)

@@ -8,10 +8,11 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from .attention_core import MODE_ALL, MODE_DECODES, MODE_PREFILLS
+from ember.attention_backends.triton_common.interpreted import kernel_for
 from ember.kernels.pdl import pdl_options
 
-from .device_kernels import kernel_for
+from .attention_core import MODE_ALL, MODE_DECODES, MODE_PREFILLS
+
 from .unified_attention import reduce_segments_kernel, unified_attention_kernel
 
 __all__ = ["TileConfig", "MODE_ALL", "MODE_DECODES", "MODE_PREFILLS", "unified_attention_2d",
@@ -123,7 +124,7 @@ def unified_attention_2d(query: torch.Tensor, key_cache: torch.Tensor, value_cac
 
     new_kv: (key, value [T, Hkv, D], slot_mapping [T] int64), MODE_DECODES only: the cache does not hold the
     decodes' new tokens yet; the kernel attends them from key/value and writes them at their slots, the work of
-    `write_kv_cache` for these tokens (slot -1: nothing written, the cache's entry is attended).
+    `write_kv` for these tokens (slot -1: nothing written, the cache's entry is attended).
 
     rope: (cos, sin [T, D/2] float32, q_weight, k_weight [D] or both None, eps), with new_kv only: query and the new
     keys are as the qkv projection wrote them, and the kernel applies the model's per-head RMSNorm (when weights
@@ -146,7 +147,7 @@ def unified_attention_2d(query: torch.Tensor, key_cache: torch.Tensor, value_cac
     args, flags = _common_args(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, num_decodes,
                                sinks, alibi_slopes, num_seqs, scale, sliding_window, soft_cap,
                                (out.stride(0), out.stride(1)), new_kv, rope)
-    kernel = kernel_for(query.device, "unified_attention", "unified_attention_kernel", unified_attention_kernel)
+    kernel = kernel_for(query.device, unified_attention_kernel)
     kernel[(programs, num_kv_heads)](
         out, out, out, out, out, *args,
         NUM_QUERIES_PER_KV=group, HEAD_SIZE=head_size, HEAD_PAD=max(16, triton.next_power_of_2(head_size)),
@@ -209,7 +210,7 @@ def unified_attention_3d(query: torch.Tensor, key_cache: torch.Tensor, value_cac
                                (out.stride(0), out.stride(1)), new_kv, rope, single_segment_tiles)
     head_pad = max(16, triton.next_power_of_2(head_size))
     limit = num_decodes is not None
-    kernel = kernel_for(query.device, "unified_attention", "unified_attention_kernel", unified_attention_kernel)
+    kernel = kernel_for(query.device, unified_attention_kernel)
     kernel[(num_seqs, num_kv_heads, num_segments)](
         out, scratch_out, scratch_max, scratch_sum, counters if counters is not None else out, *args,
         NUM_QUERIES_PER_KV=group, HEAD_SIZE=head_size, HEAD_PAD=head_pad, BLOCK_M=config.block_m, BLOCK_Q=1,
@@ -218,7 +219,7 @@ def unified_attention_3d(query: torch.Tensor, key_cache: torch.Tensor, value_cac
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl_options(query.device))
     if counters is not None:
         return
-    reduce = kernel_for(query.device, "unified_attention", "reduce_segments_kernel", reduce_segments_kernel)
+    reduce = kernel_for(query.device, reduce_segments_kernel)
     reduce[(num_seqs, num_heads)](
         out, scratch_out, scratch_max, scratch_sum, query_start_loc, seq_lens,
         num_decodes if limit else query_start_loc, sinks if sinks is not None else query_start_loc,

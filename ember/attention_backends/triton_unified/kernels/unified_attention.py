@@ -30,8 +30,8 @@ import triton.language as tl
 
 from ember.kernels.pdl import gdc_launch_dependents, gdc_wait
 
-from .attention_core import (LOG2E, attend_new_key, attend_tiles, cdiv, combine_segments, kv_tile_bounds,
-                             locate_query_block, norm_rope)
+from ...triton_common.tiles import LOG2E, cdiv, kv_tile_bounds, query_block_rows
+from .attention_core import attend_new_key, attend_tiles, combine_segments, locate_query_block, norm_rope
 
 
 # num_seqs, the step's (padded) request count, varies per step: out of the specialization key (Triton would compile
@@ -74,13 +74,9 @@ def unified_attention_kernel(
     seq_len = tl.load(seq_lens_ptr + seq)
     context_len = seq_len - q_len
 
-    rows = tl.arange(0, BLOCK_M)
-    token_in_seq = q_block * BLOCK_Q + rows // NUM_QUERIES_PER_KV                # [BLOCK_M]
-    head = kv_head * NUM_QUERIES_PER_KV + rows % NUM_QUERIES_PER_KV             # [BLOCK_M]
-    row_ok = (rows < BLOCK_Q * NUM_QUERIES_PER_KV) & (token_in_seq < q_len)
-    q_pos = context_len + token_in_seq
-    min_q_pos = context_len + q_block * BLOCK_Q
-    max_q_pos = context_len + tl.minimum(q_block * BLOCK_Q + BLOCK_Q, q_len) - 1
+    # [BLOCK_M] each: the rows' tokens, query heads, validity and positions; the block's first and last position
+    token_in_seq, head, row_ok, q_pos, min_q_pos, max_q_pos = query_block_rows(
+        q_block, kv_head, q_len, context_len, BLOCK_M, BLOCK_Q, NUM_QUERIES_PER_KV)
 
     if USE_ALIBI:
         slopes = tl.load(alibi_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * LOG2E
