@@ -152,12 +152,9 @@ class Engine:
             group.samples.append(t)
         bs = self.kv.block_size
         num_shared = (len(prompt_token_ids) - 1) // bs * bs    # whole blocks, leaving a token to compute
-        if num_shared:
-            fork = PromptFork(group.samples[0].request, num_shared, params.n)
-            for t in group.samples:
-                t.request.prompt_fork = fork
+        fork = PromptFork(group.samples[0].request, num_shared, params.n) if num_shared else None
         for t in group.samples:          # nothing here can fail: every id was checked above
-            self.scheduler.add_request(t.request)
+            self.scheduler.add_request(t.request, fork)
             self._tracked[t.request.request_id] = t
         self._groups[request_id] = group
         return request_id

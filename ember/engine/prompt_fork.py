@@ -14,12 +14,10 @@ fork's own reference keeps the blocks alive while any sample is unfinished, even
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
+from ember.engine.kv_manager import KVCacheCoordinator
 from ember.engine.request import Request, RequestStatus
-
-if TYPE_CHECKING:
-    from ember.engine.kv_manager import KVCacheCoordinator
 
 
 class PromptFork:
@@ -36,7 +34,7 @@ class PromptFork:
         # own prompt (the prefix cache may still help)
         self.unshared = False
 
-    def admission_prefix(self, req: Request, kv: "KVCacheCoordinator", step_index: int,
+    def admission_prefix(self, req: Request, kv: KVCacheCoordinator, step_index: int,
                          scheduled: Sequence) -> list[list[int]] | None:
         """The blocks `req` (a sample) starts from, per KV-cache group, when it is admitted in step `step_index`;
         None when it must wait for the leader. `scheduled` holds this step's `ScheduledRequest`s so far."""
@@ -58,7 +56,7 @@ class PromptFork:
         # a preempted sample may find more of its own tokens in the prefix cache
         return self.blocks if len(self.blocks[0]) > len(cached[0]) else cached
 
-    def on_finish(self, req: Request, status: RequestStatus, kv: "KVCacheCoordinator", step_index: int) -> None:
+    def on_finish(self, req: Request, status: RequestStatus, kv: KVCacheCoordinator, step_index: int) -> None:
         """A sample finished or was aborted (before its blocks are freed): the leader leaves its computed prompt
         blocks to the others, and the last sample drops the fork's reference."""
         if req is self.leader and self.blocks is None and not self.unshared:
@@ -72,7 +70,7 @@ class PromptFork:
             self.blocks = None
             self.unshared = True
 
-    def _take(self, kv: "KVCacheCoordinator", readable_from_step: int) -> None:
+    def _take(self, kv: KVCacheCoordinator, readable_from_step: int) -> None:
         self.blocks = kv.share_prefix(self.leader, self.num_shared_tokens)
         self.readable_from_step = readable_from_step
         if self.blocks is None:

@@ -4,12 +4,8 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from ember.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from ember.engine.prompt_fork import PromptFork
 
 
 class RequestStatus(enum.Enum):
@@ -43,7 +39,6 @@ class Request:
     stop_reason: int | str | None = None
     sampling_seed: int = 0                # sampling_params.seed, or one drawn from the engine's generator
     max_tokens: int = 16                  # resolved: sampling_params.max_tokens or what fits in max_model_len
-    prompt_fork: PromptFork | None = None  # one of n > 1 samples sharing the prompt's blocks
 
     @property
     def num_prompt_tokens(self) -> int:

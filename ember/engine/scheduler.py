@@ -10,6 +10,7 @@ from typing import Sequence
 
 from ember.config import SchedulerConfig
 from ember.engine.kv_manager import KVCacheCoordinator
+from ember.engine.prompt_fork import PromptFork
 from ember.engine.request import Request, RequestStatus
 from ember.runner.step_input import NewRequest, RunningRequest, StepInput
 
@@ -69,16 +70,20 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        self.forks: dict[str, PromptFork] = {}      # by request id: the samples of n > 1 that share a prompt
         self.stats = SchedulerStats()
         # what the runner has been told: blocks sent per running request and group, and ids to drop from its table
         self._sent_blocks: dict[str, list[int]] = {}
         self._finished_ids: list[str] = []
         self._no_new_blocks = ((),) * len(kv.managers)
 
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: Request, fork: PromptFork | None = None) -> None:
+        """Queue `request`; `fork`: the prompt blocks it shares as one of the n > 1 samples of a request."""
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
+        if fork is not None:
+            self.forks[request.request_id] = fork
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
@@ -134,10 +139,11 @@ class Scheduler:
         # new requests only when nobody had to be preempted (they would just be preempted next)
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            if req.prompt_fork is None:
+            fork = self.forks.get(req.request_id)
+            if fork is None:
                 cached = self.kv.find_cached_prefix(req)
             else:
-                cached = req.prompt_fork.admission_prefix(req, self.kv, self.stats.num_steps, scheduled)
+                cached = fork.admission_prefix(req, self.kv, self.stats.num_steps, scheduled)
                 if cached is None:
                     break    # a sample waits in line until the first sample has computed the shared prompt
             num_cached_tokens = len(cached[0]) * self.kv.block_size
@@ -254,8 +260,9 @@ class Scheduler:
             self.waiting.remove(req)
         req.status = status
         self._forget(req)
-        if req.prompt_fork is not None:
-            req.prompt_fork.on_finish(req, status, self.kv, self.stats.num_steps)
+        fork = self.forks.pop(req.request_id, None)
+        if fork is not None:
+            fork.on_finish(req, status, self.kv, self.stats.num_steps)
         self.kv.free(req)
         self.requests.pop(req.request_id, None)
 

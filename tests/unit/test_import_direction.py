@@ -2,7 +2,11 @@
 graphs -> models -> runner -> engine -> llm, serve, bench, cli. A module may import its own layer and those below,
 never one above; kernels import nothing from ember, and attention_backends.triton_common nothing but itself and
 kernels. The package root (the public API) sits with llm; only its
-`__version__` may be read from below. Every import counts, lazy ones inside functions included."""
+`__version__` may be read from below. Every import counts, lazy ones inside functions included.
+
+No module-level import circles either: a module that imports, through others, a module that imports it back works
+only while the order of first imports happens to suit it. Imports inside functions and under `if TYPE_CHECKING:`
+run later or never, and do not count there."""
 
 import ast
 from pathlib import Path
@@ -81,6 +85,133 @@ def upward_imports(root: Path) -> list[str]:
                         problems.append(f"{path}:{line}: {module} may import only {package} and {allowed}, but "
                                         f"imports {target}")
     return problems
+
+
+def _module_level_imports(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
+    """The imports that run when the module is imported: not those inside functions or under `if TYPE_CHECKING:`."""
+    found = []
+
+    def visit(nodes) -> None:
+        for node in nodes:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                continue
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                found.append(node)
+            elif isinstance(node, ast.If) and _is_type_checking(node.test):
+                visit(node.orelse)
+            else:
+                visit(ast.iter_child_nodes(node))
+
+    visit(tree.body)
+    return found
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or \
+        (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def module_graph(root: Path) -> dict[str, list[str]]:
+    """Module -> the package's modules it imports at module level. `from a import b` names the module a.b where
+    there is one, else a; the packages above an imported module (which Python imports first) are left out."""
+    modules = {}
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root.parent).with_suffix("")
+        modules[".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)] = path
+    graph = {}
+    for module, path in modules.items():
+        targets = set()
+        for node in _module_level_imports(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets.update(a.name for a in node.names)
+                continue
+            base = node.module or ""
+            if node.level:
+                parts = module.split(".")
+                parts = parts[:len(parts) - node.level + (1 if path.name == "__init__.py" else 0)]
+                base = ".".join(parts + ([node.module] if node.module else []))
+            targets.update(f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names)
+        graph[module] = sorted(t for t in targets if t in modules and t != module)
+    return graph
+
+
+def import_circles(graph: dict[str, list[str]]) -> list[list[str]]:
+    """One circle a -> b -> ... -> a through each group of modules that import each other (Tarjan's strongly
+    connected components, then a path around each)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    groups = []
+
+    def connect(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while not group or group[-1] != v:
+                group.append(stack.pop())
+            if len(group) > 1:
+                groups.append(set(group))
+
+    for v in graph:
+        if v not in index:
+            connect(v)
+    return [_circle_through(graph, group) for group in groups]
+
+
+def _circle_through(graph: dict[str, list[str]], group: set[str]) -> list[str]:
+    """A path from the group's first module back to it, inside the group (breadth first: a shortest one)."""
+    start = min(group)
+    came_from: dict[str, str] = {}
+    frontier = [start]
+    while frontier:
+        nxt = []
+        for v in frontier:
+            for w in graph[v]:
+                if w == start:
+                    path = [v]
+                    while path[-1] != start:
+                        path.append(came_from[path[-1]])
+                    return [start, *reversed(path[:-1]), start] if v != start else [start, start]
+                if w in group and w not in came_from:
+                    came_from[w] = v
+                    nxt.append(w)
+        frontier = nxt
+    raise AssertionError(f"no circle through {start}")
+
+
+def test_ember_has_no_import_circles():
+    circles = import_circles(module_graph(ROOT))
+    assert circles == [], "\n".join(" -> ".join(c) for c in circles)
+
+
+@pytest.mark.parametrize("files, circle", [
+    ({"engine/a.py": "from ember.engine.b import x\n", "engine/b.py": "from ember.engine import c\n",
+      "engine/c.py": "import ember.engine.a\n"},
+     ["ember.engine.a", "ember.engine.b", "ember.engine.c", "ember.engine.a"]),
+    ({"engine/a.py": "from .b import x\n", "engine/b.py": "class B:\n    from . import a\n"},
+     ["ember.engine.a", "ember.engine.b", "ember.engine.a"]),                    # a class body runs at import
+], ids=["absolute", "relative"])
+def test_an_import_circle_is_reported(tmp_path, files, circle):
+    root = _write(tmp_path, {"__init__.py": "", "engine/__init__.py": "", **files})
+    assert import_circles(module_graph(root)) == [circle]
+
+
+def test_lazy_and_type_checking_imports_make_no_circle(tmp_path):
+    root = _write(tmp_path, {"__init__.py": "", "engine/__init__.py": "",
+                             "engine/a.py": "from ember.engine.b import x\n",
+                             "engine/b.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                            "    from ember.engine.a import y\nelse:\n    import os\n"
+                                            "def f():\n    from ember.engine import a\n"})
+    graph = module_graph(root)
+    assert graph["ember.engine.a"] == ["ember.engine.b"] and graph["ember.engine.b"] == []
+    assert import_circles(graph) == []
 
 
 def test_ember_imports_point_down():
