@@ -41,6 +41,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--quantization", default=None, choices=["fp8"],
+                   help="fp8: e4m3 linear weights, quantized per channel at load time (an fp8 checkpoint is read as "
+                        "it is stored, with or without this flag)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto"], help="auto: the model's dtype")
     p.add_argument("--async-scheduling", dest="async_scheduling", action="store_true", default=None,
                    help="launch step t+1 before step t's tokens reach the host (default on CUDA, off on the CPU)")
     p.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
@@ -73,6 +77,7 @@ def engine_kwargs(args) -> dict:
                 num_kv_blocks=args.num_kv_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 enable_prefix_caching=not args.no_prefix_caching, attention_backend=args.attention_backend,
+                quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
                 compile_mode=args.compile_mode, cudagraph_mode=args.cudagraph_mode,
                 enforce_eager=args.enforce_eager, seed=args.seed, async_scheduling=args.async_scheduling,
                 disabled_fusions=tuple(args.disable_fusion), cudagraph_capture=args.cudagraph_capture,

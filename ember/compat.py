@@ -18,8 +18,6 @@ STRUCTURED_OUTPUT_UNSUPPORTED = (
 LLM_HINTS: dict[str, str] = {
     "guided_decoding_backend": STRUCTURED_OUTPUT_UNSUPPORTED,
     "structured_outputs_config": STRUCTURED_OUTPUT_UNSUPPORTED,
-    "quantization": "ember runs unquantised weights; pass a float16/bfloat16/float32 checkpoint",
-    "kv_cache_dtype": "the KV cache takes the model's dtype; choose it with dtype=",
     "swap_space": "ember preempts by recomputation and keeps no CPU swap space; drop swap_space",
     "cpu_offload_gb": "ember keeps all weights on the device; drop cpu_offload_gb",
     "pipeline_parallel_size": "ember runs on one device; drop pipeline_parallel_size",

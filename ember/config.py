@@ -60,6 +60,9 @@ class ModelConfig:
     dtype: str | torch.dtype = "auto"
     max_model_len: int | None = None
     seed: int = 0
+    # "fp8": e4m3 linear weights, quantized at load time unless the checkpoint already is (ember.quant); None:
+    # the checkpoint's own quantization_config, if any
+    quantization: str | None = None
 
 
 @dataclass(frozen=True)
@@ -69,6 +72,7 @@ class CacheConfig:
     num_kv_blocks: int | None = None
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"           # "auto": the model's dtype; "fp8": e4m3 pages with a scale per layer
 
 
 @dataclass(frozen=True)
@@ -160,6 +164,9 @@ class EngineConfig:
         if workers is not None and (not isinstance(workers, int) or isinstance(workers, bool) or workers < 0):
             raise ValueError(f"triton_compile_workers {workers!r} must be an integer of at least 0 (0: compile each "
                              f"kernel at its first launch) or None (as many as the CPUs allow, with CUDA)")
+        from ember.quant import check_kv_cache_dtype, check_quantization
+        check_quantization(self.model.quantization)
+        check_kv_cache_dtype(c.kv_cache_dtype)
         if self.model.max_model_len is not None and self.model.max_model_len < 1:
             raise ValueError(f"max_model_len {self.model.max_model_len} must be at least 1")
         if s.async_scheduling is None:

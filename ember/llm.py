@@ -15,6 +15,7 @@ from ember.compat import GENERATE_HINTS, check_kwargs, check_llm_arguments
 from ember.models.architecture_check import check_architecture
 from ember.config import CacheConfig, CompileConfig, EngineConfig, ModelConfig, SchedulerConfig
 from ember.engine.engine import Engine, EngineStepError, token_id_list
+from ember.quant import check_kv_cache_dtype, check_quantization
 from ember.sampling_params import SamplingParams
 from ember.engine.request import RequestOutput
 from ember.runner.warmup import cycle_collector_paused
@@ -80,8 +81,10 @@ class LLM:
                  cudagraph_capture: str = "eager", jit_warmup: bool | None = None,
                  triton_compile_workers: int | None = None, tensor_parallel_size: int = 1,
                  trust_remote_code: bool = False, revision: str | None = None, download_dir: str | None = None,
-                 **kwargs):
+                 quantization: str | None = None, kv_cache_dtype: str = "auto", **kwargs):
         check_llm_arguments(kwargs, _LLM_PARAMETERS, tensor_parallel_size)
+        check_quantization(quantization)
+        check_kv_cache_dtype(kv_cache_dtype)
         if attention_backend != "auto":      # a misspelt name fails now, not after the model has loaded
             from ember.attention_backends.registry import get_backend
             get_backend(attention_backend)
@@ -109,8 +112,9 @@ class LLM:
             logger.warning("%s", self.checkpoint.warning)
         logger.info("weights: %s", self.checkpoint.describe())
         config = EngineConfig(
-            model=ModelConfig(str(path), dtype, max_model_len, seed),
-            cache=CacheConfig(block_size, num_kv_blocks, gpu_memory_utilization, enable_prefix_caching),
+            model=ModelConfig(str(path), dtype, max_model_len, seed, quantization),
+            cache=CacheConfig(block_size, num_kv_blocks, gpu_memory_utilization, enable_prefix_caching,
+                              kv_cache_dtype),
             scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, async_scheduling),
             compile=CompileConfig(compile_mode, cudagraph_mode,
                                   tuple(cudagraph_capture_sizes) if cudagraph_capture_sizes else None,

@@ -37,6 +37,7 @@ def plain_targets() -> frozenset:
     """The call targets a plain piece may hold."""
     import ember.kernels.fused_linear  # noqa: F401  (registers the ember ops a pass may put in)
     import ember.kernels.qk_norm_rope  # noqa: F401
+    import ember.kernels.scaled_linear_op  # noqa: F401
     import ember.kernels.rms_norm  # noqa: F401
     ember = torch.ops.ember
     ops = []
@@ -46,7 +47,7 @@ def plain_targets() -> frozenset:
         if packet is not None and hasattr(packet, overload):
             ops.append(getattr(packet, overload))
     return frozenset(ops + list(_SYM) + [ember.fused_linear.default, ember.qk_norm_rope.default,
-                                         ember.linear.default, ember.rms_norm.default])
+                                         ember.linear.default, ember.rms_norm.default, ember.scaled_linear.default])
 
 
 class PlainPiece:
@@ -73,6 +74,7 @@ class PlainPiece:
     def load(cls, path: str) -> PlainPiece:
         import ember.kernels.fused_linear  # noqa: F401  (the ops the graph calls must exist before it is read)
         import ember.kernels.qk_norm_rope  # noqa: F401
+        import ember.kernels.scaled_linear_op  # noqa: F401
         import ember.kernels.rms_norm  # noqa: F401
         with open(path, "rb") as f:
             gm = pickle.load(f)

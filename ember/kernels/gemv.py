@@ -69,11 +69,12 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # apart); the strides, N, K and the K split are fixed per layer and keep their divisibility hints
 @triton.jit(do_not_specialize=["M"])
 def _gemv_kernel(x_ptr, w_ptr, bias_ptr, residual_ptr, norm_weight_ptr, out_ptr,
-                 M, N, K, stride_xm, stride_wn, stride_rm, stride_om, k_per_split, eps,
+                 M, N, K, stride_xm, stride_wn, stride_rm, stride_om, k_per_split, eps, w_scale_ptr, stride_sn,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  USE_DOT: tl.constexpr, ACC_3D: tl.constexpr, EVEN_K: tl.constexpr, PARTIAL: tl.constexpr,
                  HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr,
-                 DOT_IN_FP32: tl.constexpr, IEEE_DOT: tl.constexpr, PDL: tl.constexpr = False):
+                 DOT_IN_FP32: tl.constexpr, IEEE_DOT: tl.constexpr, PDL: tl.constexpr = False,
+                 W_SCALE: tl.constexpr = 0, SCALE_BN: tl.constexpr = 1, SCALE_BK: tl.constexpr = 1):
     """Program (n block, K split): out[:M, n block] over K range [split * k_per_split, + k_per_split).
 
     NORM: x is RMS-normed on the fly (Llama form). Unsplit, in one pass: x * norm weight streams into the products
@@ -83,7 +84,10 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, residual_ptr, norm_weight_ptr, out_ptr,
     residual left to the reduce kernel.
     PDL: launched as a programmatic dependent: load the first W tile, wait for the previous kernel's results, then
     let the next kernel's programs start, so that launches and weight reads overlap the tail of the kernel before
-    them."""
+    them.
+    W_SCALE (fp8 W, dequantized in registers): 1, one float32 scale per W row, applied to the sums at the end;
+    2, one per block of SCALE_BN rows and SCALE_BK columns ([N / SCALE_BN, K / SCALE_BK], row stride stride_sn),
+    applied to each K step's W tile (a step lies within one block column: BLOCK_K divides SCALE_BK)."""
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     # not tl.sum/tl.zeros/tl.cdiv: those are @triton.jit library functions that the interpreted copy cannot call
@@ -210,7 +214,23 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, residual_ptr, norm_weight_ptr, out_ptr,
             else:
                 sum_sq += tl.reduce(xf * xf, 2, tl.standard._sum_combine)
             x = (nw.to(tl.float32) * xf).to(x.dtype)
+        if W_SCALE == 2:
+            # this K step's block column: a scale per W row of the tile (gate and up rows apart)
+            s_ptrs = w_scale_ptr + (w_rows // SCALE_BN) * stride_sn + k // SCALE_BK
+            if USE_DOT:
+                w = w.to(tl.float32) * tl.load(s_ptrs)[None, :]
+                if GATED:
+                    w_up = w_up.to(tl.float32) * tl.load(s_ptrs + (N // SCALE_BN) * stride_sn)[None, :]
+            else:
+                w = w.to(tl.float32) * tl.load(s_ptrs)[None, :, None]
+                if GATED:
+                    w_up = w_up.to(tl.float32) * tl.load(s_ptrs + (N // SCALE_BN) * stride_sn)[None, :, None]
         if USE_DOT:
+            if W_SCALE and not DOT_IN_FP32:
+                # tensor cores take both operands in x's dtype: fp8 widens exactly, a block-scaled tile rounds once
+                w = w.to(x.dtype)
+                if GATED:
+                    w_up = w_up.to(x.dtype)
             if DOT_IN_FP32:
                 # the interpreter's tl.dot multiplies bfloat16 bit patterns as integers
                 x = x.to(tl.float32)
@@ -246,6 +266,11 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, residual_ptr, norm_weight_ptr, out_ptr,
         acc = acc * rstd
         if GATED:
             acc_up = acc_up * rstd
+    if W_SCALE == 1:
+        # the row scales are per output column of this program (before a K split's partial sums, which add up)
+        acc = acc * tl.load(w_scale_ptr + cols, mask=cols < N, other=0.0)[None, :]
+        if GATED:
+            acc_up = acc_up * tl.load(w_scale_ptr + N + cols, mask=cols < N, other=0.0)[None, :]
 
     if PARTIAL:
         partial_cols = 2 * N if GATED else N
@@ -315,9 +340,10 @@ def _launch_shape(M: int, N: int, K: int, num_sms: int, element_size: int, gated
 
 
 def gemv_config(M: int, N: int, K: int, num_sms: int, element_size: int = 2,
-                use_dot: bool | None = None, gated: bool = False) -> dict | None:
+                use_dot: bool | None = None, gated: bool = False, max_block_k: int | None = None) -> dict | None:
     """Launch parameters for x[M, K] @ W[N, K]^T on `num_sms` SMs, or None when M is outside 1..GEMV_MAX_M.
-    `gated`: W holds N gate rows, then N up rows; a program reads both rows of each of its columns.
+    `gated`: W holds N gate rows, then N up rows; a program reads both rows of each of its columns. `element_size`
+    is W's (1 for fp8); `max_block_k` caps the K step (block-scaled fp8: one scale block column a step).
 
     Tensor cores from DOT_MIN_M rows (or as `use_dot` says), padded to 16 rows and 16 columns a program. Otherwise
     BLOCK_N is the largest power of two (<= 16) leaving PROGRAMS_PER_SM programs per SM. BLOCK_K makes a W tile of
@@ -349,6 +375,12 @@ def gemv_config(M: int, N: int, K: int, num_sms: int, element_size: int = 2,
     if gated and block_k // 2 >= (DOT_BLOCK if use_dot else min_block_k):
         # each column streams a gate and an up row: halve the K step to keep the tile's bytes and registers
         block_k //= 2
+    if max_block_k is not None and block_k > max_block_k:
+        # a shorter K step: widen the column block instead, so the step's tile keeps its bytes (the K split below
+        # makes up for the fewer column blocks)
+        if not use_dot:
+            block_n = min(MAX_BLOCK_N, block_n * (block_k // max_block_k))
+        block_k = max_block_k
     acc_3d = not use_dot and block_m * block_n * block_k <= ACC_3D_REGS * threads
 
     programs_n = -(-N // block_n)
@@ -385,19 +417,48 @@ def _kernel(kernel, device: torch.device):
     return _interpreted(kernel) if device.type == "cpu" else launcher(kernel)
 
 
+def _check_scale(weight: torch.Tensor, scale: torch.Tensor | None, block: tuple[int, int] | None,
+                 gated: bool) -> None:
+    """Raise a ValueError unless `scale` fits an fp8 `weight` (float32, contiguous, one per row or per block)."""
+    if scale is None:
+        if block is not None:
+            raise ValueError("scale_block is given without weight_scale")
+        return
+    rows, k = weight.shape
+    expected = (rows,) if block is None else (-(-rows // block[0]), -(-k // block[1]))
+    if scale.dtype != torch.float32 or tuple(scale.shape) != expected or not scale.is_contiguous():
+        raise ValueError(f"weight_scale must be a contiguous float32 {list(expected)}, got {scale.dtype} "
+                         f"{list(scale.shape)}")
+    if block is not None and gated and (rows // 2) % block[0]:
+        raise ValueError(f"a gated block-scaled gemv needs gate rows ({rows // 2}) in whole blocks of {block[0]}")
+
+
+def _scale_args(scale: torch.Tensor | None, block: tuple[int, int] | None) -> dict:
+    """The kernel's fp8 constexprs (none for a weight in x's dtype, so its specializations keep their keys)."""
+    if scale is None:
+        return {}
+    if block is None:
+        return dict(W_SCALE=1)
+    return dict(W_SCALE=2, SCALE_BN=block[0], SCALE_BK=block[1])
+
+
 # ---- entry points --------------------------------------------------------------------------------------------
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
          residual: torch.Tensor | None = None, config: dict | None = None, *,
          norm_weight: torch.Tensor | None = None, eps: float = 1e-6, gated: bool = False,
-         out_dtype: torch.dtype | None = None) -> torch.Tensor:
+         out_dtype: torch.dtype | None = None, weight_scale: torch.Tensor | None = None,
+         scale_block: tuple[int, int] | None = None) -> torch.Tensor:
     """x [M, K] @ weight[N, K]^T (+ bias [N]) (+ residual [M, N]) -> [M, N] in x's dtype, always with the Triton
     kernel (interpreted for CPU tensors). `config` overrides `gemv_config`'s choice. out_dtype float32: the same
     values (rounded to x's dtype) stored as float32, as `F.linear(x, weight).float()` gives them, without a second
     kernel or a copy in x's dtype (the LM head's logits).
 
     norm_weight [K]: x is first RMS-normed with it (Llama form, `eps`). gated: weight is [2N, K], gate rows then up
-    rows (bias [2N]), and the output is silu(gate) * up [M, N], before the residual is added."""
+    rows (bias [2N]), and the output is silu(gate) * up [M, N], before the residual is added.
+
+    weight_scale: weight is float8_e4m3fn, dequantized in registers by float32 scales, one per row [rows of W], or
+    one per block [ceil(rows / bn), ceil(K / bk)] with `scale_block` (bn, bk)."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"gemv needs x [M, K] and weight [N, K], got x {tuple(x.shape)} and weight "
                          f"{tuple(weight.shape)}")
@@ -405,9 +466,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if gated and weight.shape[0] % 2:
         raise ValueError(f"a gated gemv needs an even number of weight rows (gate, then up), got {weight.shape[0]}")
     N = weight.shape[0] // 2 if gated else weight.shape[0]
-    if x.dtype not in DTYPES or weight.dtype != x.dtype:
-        raise ValueError(f"gemv supports bfloat16, float16 and float32 with x and weight of one dtype, got x "
-                         f"{x.dtype} and weight {weight.dtype}")
+    if x.dtype not in DTYPES or weight.dtype != (x.dtype if weight_scale is None else torch.float8_e4m3fn):
+        raise ValueError(f"gemv supports bfloat16, float16 and float32 with x and weight of one dtype, or a "
+                         f"float8_e4m3fn weight with weight_scale; got x {x.dtype} and weight {weight.dtype}")
+    _check_scale(weight, weight_scale, scale_block, gated)
     if bias is not None and (bias.shape != weight.shape[:1] or bias.dtype != x.dtype):
         raise ValueError(f"bias must be [{weight.shape[0]}] {x.dtype}, got {tuple(bias.shape)} {bias.dtype}")
     if residual is not None and residual.shape != (M, N):
@@ -418,7 +480,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         raise ValueError(f"out_dtype must be x's dtype ({x.dtype}) or torch.float32, got {out_dtype}")
     forced = config is not None
     if config is None:
-        config = _cached_config(M, N, K, _num_sms(x.device), x.element_size(), gated=gated)
+        config = _cached_config(M, N, K, _num_sms(x.device), weight.element_size(), gated=gated,
+                                max_block_k=scale_block[1] if scale_block else None)
         if config is None:
             raise ValueError(f"gemv handles 1 to {GEMV_MAX_M} rows, got M={M}; use torch.nn.functional.linear")
     elif not 1 <= M <= config["BLOCK_M"]:
@@ -430,7 +493,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     bias = bias.contiguous() if bias is not None else None
     norm_weight = norm_weight.contiguous() if norm_weight is not None else None
 
-    if M == 1 and not forced:
+    if M == 1 and not forced and weight_scale is None:
         shape = tma_shape(weight.shape[0], K, gated, _num_sms(x.device), x.element_size())
         if shape is not None and tma_applies(x, weight, N, shape):
             out = torch.empty(1, N, dtype=out_dtype or x.dtype, device=x.device)
@@ -447,14 +510,16 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         x, weight, bias if bias is not None else dummy, residual if residual is not None else dummy,
         norm_weight if norm_weight is not None else dummy, partial,
         M, N, K, x.stride(0), weight.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0),
-        config["K_PER_SPLIT"], float(eps),
+        config["K_PER_SPLIT"], float(eps), weight_scale if weight_scale is not None else dummy,
+        weight_scale.stride(0) if weight_scale is not None else 0,
         BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"],
         USE_DOT=config["USE_DOT"], ACC_3D=config["ACC_3D"],
         EVEN_K=K % config["BLOCK_K"] == 0 and config["K_PER_SPLIT"] % config["BLOCK_K"] == 0,
         PARTIAL=split_k > 1, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
         NORM=norm_weight is not None, GATED=gated,
         DOT_IN_FP32=cpu, IEEE_DOT=cpu or x.dtype == torch.float32,
-        num_warps=config["num_warps"], num_stages=config["num_stages"], **pdl_options(x.device))
+        num_warps=config["num_warps"], num_stages=config["num_stages"], **pdl_options(x.device),
+        **_scale_args(weight_scale, scale_block))
     if split_k > 1:
         _kernel(_split_k_reduce_kernel, x.device)[(triton.cdiv(N, REDUCE_BLOCK), M)](
             partial, bias if bias is not None else dummy, residual if residual is not None else dummy, out,

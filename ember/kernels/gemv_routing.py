@@ -17,9 +17,11 @@ import os
 import warnings
 from pathlib import Path
 
-__all__ = ["SHAPES_PATH", "TABLE_PATH", "gemv_max_rows", "launch_shape", "load_shapes", "load_table", "tma_shape"]
+__all__ = ["FP8_TABLE_PATH", "SHAPES_PATH", "TABLE_PATH", "gemv_fp8_max_rows", "gemv_max_rows", "launch_shape",
+           "load_shapes", "load_table", "tma_shape"]
 
 TABLE_PATH = Path(__file__).with_name("gemv_crossover.json")
+FP8_TABLE_PATH = Path(__file__).with_name("gemv_fp8_crossover.json")
 SHAPES_PATH = Path(__file__).with_name("gemv_shapes.json")
 FALLBACK_MAX_ROWS = 1
 
@@ -61,6 +63,24 @@ def gemv_max_rows(n: int, k: int, gated: bool, table: tuple | None = None) -> in
     same = [key for key in entries if key[2] == gated] or list(entries)
     nearest = min(same, key=lambda key: (abs(math.log(key[0] * key[1]) - size), key))
     return entries[nearest]
+
+
+@functools.cache
+def _fp8_table() -> dict[tuple[int, int, bool], int]:
+    return load_table(FP8_TABLE_PATH)
+
+
+@functools.lru_cache(maxsize=None)
+def gemv_fp8_max_rows(n: int, k: int, gated: bool) -> int:
+    """The most rows the fp8 GEMV should take (against `torch._scaled_mm` or the block-scaled GEMM) for an e4m3
+    weight of `n` rows and `k` columns, from gemv_fp8_crossover.json, written on an H100 by
+
+        PYTHONPATH=. python benches/gemv_sweep.py crossover --fp8 --write
+
+    Without that table, the bf16 table's answer for the shape: both sides of the crossover read half the bytes at
+    fp8, and the many-row side also quantizes the activations, so the bf16 crossover is a floor."""
+    table = _fp8_table()
+    return gemv_max_rows(n, k, gated, tuple(table.items())) if table else gemv_max_rows(n, k, gated)
 
 
 # ---- launch shapes ----------------------------------------------------------------------------------------------

@@ -19,10 +19,13 @@ from torch import nn
 
 from ember.models.config_snapshot import snapshot_config
 from ember.models.layers.linear import check_shape, default_weight_loader
+from ember.models.layers.scaled_linear import quantize_linear_layers
 from ember.models.registry import get_model_class
+from ember.quant import QuantConfig, QuantConfigError
 
 # Checkpoint tensors that carry nothing ember needs: precomputed rotary tables of older exports.
 _HARMLESS_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+_SCALE_NAMES = ("weight_scale", "weight_scale_inv", "input_scale")
 
 
 class CheckpointError(ValueError):
@@ -79,11 +82,15 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
-def build_on_meta(config, dtype: torch.dtype) -> nn.Module:
-    """Construct the config's model with every parameter on the meta device in `dtype` (no memory, no init)."""
+def build_on_meta(config, dtype: torch.dtype, quant: QuantConfig | None = None) -> nn.Module:
+    """Construct the config's model with every parameter on the meta device in `dtype` (no memory, no init); with
+    `quant`, the linear layers it quantizes are fp8 layers (ember.models.layers.scaled_linear)."""
     model_cls = get_model_class(config)
     with torch.device("meta"), _default_dtype(dtype):
-        return model_cls(config)
+        model = model_cls(config)
+        if quant is not None:
+            quantize_linear_layers(model, quant)
+    return model
 
 
 def _replace_param(model: nn.Module, name: str, tensor: torch.Tensor) -> nn.Parameter:
@@ -152,6 +159,11 @@ def _plan(model: nn.Module, config, files: list[Path]) -> dict[str, tuple[Path, 
                     continue
                 else:
                     unexpected.append(name)
+    scaled = [n for n in unexpected if n.rpartition(".")[2] in _SCALE_NAMES]
+    if scaled:
+        raise QuantConfigError(f"checkpoint in {folder!r} has fp8 scales {scaled[:4]} for layers ember runs "
+                               f"unquantized (the LM head, the embedding, or layers the quantization_config "
+                               f"ignores); ember cannot run those layers in fp8")
     if unexpected:
         raise CheckpointError(f"checkpoint in {folder!r} has tensor(s) {unexpected[:8]} that {type(model).__name__} "
                               f"has no parameter for ({len(unexpected)} in all); does config.json match the weights?")
@@ -159,7 +171,9 @@ def _plan(model: nn.Module, config, files: list[Path]) -> dict[str, tuple[Path, 
     for _, target, shard_id in plan.values():
         loaded.setdefault(target, set()).add(shard_id)
     missing = []
-    for name in params:
+    for name, param in params.items():
+        if getattr(param, "loaded_by", None):      # filled by another parameter's loader
+            continue
         got = loaded.get(name, set())
         if None in got:      # present whole (an already packed checkpoint tensor, or a plain one)
             continue
@@ -212,7 +226,9 @@ def _open_safetensors(file: Path):
 def _load_tensor(model: nn.Module, name: str, target: str, shard_id: int | None, loaded: torch.Tensor,
                  device: torch.device) -> None:
     param = model.get_parameter(target)
-    loaded = loaded.to(device=device).to(dtype=param.dtype)
+    loaded = loaded.to(device=device)
+    if not getattr(param, "casts_itself", False):      # fp8 layers take the checkpoint's dtype as it is
+        loaded = loaded.to(dtype=param.dtype)
     loader = getattr(param, "weight_loader", default_weight_loader)
     try:
         if param.is_meta and shard_id is None and loader is default_weight_loader:
@@ -228,8 +244,10 @@ def _load_tensor(model: nn.Module, name: str, target: str, shard_id: int | None,
 
 
 def load_model(path: str | Path, config=None, dtype: torch.dtype = torch.bfloat16,
-               device: torch.device | str = "cpu", progress: bool = True) -> nn.Module:
-    """Load a local HF model folder into its ember model class, in `dtype` on `device`, in eval mode."""
+               device: torch.device | str = "cpu", progress: bool = True, quant: QuantConfig | None = None
+               ) -> nn.Module:
+    """Load a local HF model folder into its ember model class, in `dtype` on `device`, in eval mode; `quant`: its
+    fp8 layers (ember.quant)."""
     path = Path(path)
     if config is None:
         config = load_config(path)
@@ -237,7 +255,7 @@ def load_model(path: str | Path, config=None, dtype: torch.dtype = torch.bfloat1
         raise CheckpointError(f"model folder {str(path)!r} has no config.json")
     device = torch.device(device)
     files = checkpoint_files(path)
-    model = build_on_meta(config, dtype)
+    model = build_on_meta(config, dtype, quant)
     load_weights(model, config, files, device, progress)
     init_buffers(model, device)
     return model.eval()
@@ -245,13 +263,14 @@ def load_model(path: str | Path, config=None, dtype: torch.dtype = torch.bfloat1
 
 @torch.no_grad()
 def random_model(config, dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu",
-                 seed: int = 0) -> nn.Module:
+                 seed: int = 0, quant: QuantConfig | None = None) -> nn.Module:
     """The config's model with random weights (normal, std `initializer_range`; norms at identity), for benchmarks.
     Each parameter draws from a generator of its own, seeded by `seed` and its place in the model, so that on a CPU
     the parameters fill in parallel (one thread a core: the Qwen3-0.6B config in bf16 in 2.8-2.9 s instead of
-    4.7-5.2 s on two cores) and the weights do not depend on the thread count."""
+    4.7-5.2 s on two cores) and the weights do not depend on the thread count. An fp8 layer (`quant`) draws its
+    weights in `dtype` and quantizes them."""
     device = torch.device(device)
-    model = build_on_meta(config, dtype)
+    model = build_on_meta(config, dtype, quant)
     materialise(model, device)
     std = float(getattr(config, "initializer_range", 0.02))
     params = []
@@ -259,12 +278,18 @@ def random_model(config, dtype: torch.dtype = torch.bfloat16, device: torch.devi
         if hasattr(module, "reset_parameters"):
             module.reset_parameters()
             continue
+        if hasattr(module, "fill_random"):
+            params.append(module)
+            continue
         params += module.parameters(recurse=False)
 
     def fill(index: int) -> None:
         generator = torch.Generator(device=device).manual_seed(seed * 1_000_003 + index)
         with torch.no_grad():                             # grad mode is per thread
-            params[index].normal_(0.0, std, generator=generator)
+            if isinstance(params[index], nn.Module):
+                params[index].fill_random(std, dtype, generator)
+            else:
+                params[index].normal_(0.0, std, generator=generator)
 
     workers = torch.get_num_threads() if device.type == "cpu" else 1
     if workers > 1 and len(params) > 1:

@@ -42,6 +42,7 @@ from ember.runner.warmup import (PROFILE_SAMPLING, collect_start_up_garbage, cyc
                                  run_warmup)
 from ember.sampling_params import SamplingParams
 from ember.profiling import section
+from ember.quant import resolve_quant_config
 
 logger = logging.getLogger("ember")
 
@@ -72,11 +73,14 @@ class ModelRunner:
         install_triton_key(cache_dir())     # Triton's build key from disk: it hashes its whole library otherwise
         self.hf_config = hf_config if hf_config is not None else load_config(model_path)
         self.dtype = resolve_dtype(config.model.dtype, self.device, self.hf_config)
+        self.quant = resolve_quant_config(self.hf_config, config.model.quantization, self.dtype, self.device)
         free_dropped_engines(self.device)
         if load_format == "dummy":
-            self.model = random_model(self.hf_config, self.dtype, self.device, seed=config.model.seed)
+            self.model = random_model(self.hf_config, self.dtype, self.device, config.model.seed, self.quant)
         else:
-            self.model = load_model(model_path, self.hf_config, self.dtype, self.device)
+            self.model = load_model(model_path, self.hf_config, self.dtype, self.device, quant=self.quant)
+        if self.quant is not None:
+            logger.info("linear layers: %s", self.quant.describe())
         self.vocab_size = self.hf_config.vocab_size
         self.times.load_s = time.perf_counter() - t0
 
@@ -156,6 +160,7 @@ class ModelRunner:
         mode = self.modes.compile_mode
         key = (compile_cache_key(self.hf_config.to_dict(), self.dtype, device=self.device,
                                  settings={"capture_sizes": list(self.capture_sizes), "prefill_skip": self.skip_prefill,
+                                           "quantization": repr(self.quant),
                                            "disabled_fusions": list(self.config.compile.disabled_fusions),
                                            # which layers hand q and k to their backend unrotated (traced code)
                                            "fuse_rope": sorted(n for n, a in self.attn.layers.items() if a.fuse_rope)})

@@ -96,6 +96,8 @@ def test_equal_keys_mean_equal_specializations_on_this_device():
     for _ in range(2000):
         tensors = [base[o:o + 4096].view(torch.bfloat16) for o in (rng.choice([0, 2, 8, 16, 64]) for _ in range(6))]
         scalars = [rng.choice(ints) for _ in range(8)] + [1e-6]
+        scale = base[rng.choice([0, 16]):][:4096].view(torch.float32)
+        scalars += [scale, rng.choice(ints)]         # the fp8 weight scales' pointer and row stride
         kwargs = dict(BLOCK_M=rng.choice([1, 2]), BLOCK_N=16, BLOCK_K=256, USE_DOT=False, ACC_3D=True, EVEN_K=True,
                       PARTIAL=rng.random() < 0.5, HAS_BIAS=False, HAS_RESIDUAL=False, NORM=False, GATED=False,
                       DOT_IN_FP32=False, IEEE_DOT=False, num_warps=4, num_stages=1)

@@ -281,21 +281,26 @@ def test_switch_routes_the_op(monkeypatch):
 
 # ---- compiled code (no GPU needed: Triton compiles for sm_90 on the CPU) ------------------------------------------
 
-def _compile_sm90(M, N, K, norm=False, gated=False, pdl=False):
-    """PTX and shared memory of the kernel for an H100, the way a launch would specialise it for these shapes."""
+def _compile_sm90(M, N, K, norm=False, gated=False, pdl=False, w_scale=0):
+    """PTX and shared memory of the kernel for an H100, the way a launch would specialise it for these shapes;
+    `w_scale` 1 or 2: an e4m3 weight with row or 128x128 block scales."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    c = G.gemv_config(M, N, K, H100_SMS, gated=gated)
+    c = G.gemv_config(M, N, K, H100_SMS, 1 if w_scale else 2, gated=gated, max_block_k=128 if w_scale == 2 else None)
     names = ["x_ptr", "w_ptr", "bias_ptr", "residual_ptr", "norm_weight_ptr", "out_ptr", "M", "N", "K",
-             "stride_xm", "stride_wn", "stride_rm", "stride_om", "k_per_split", "eps"]
-    values = dict(M=M, N=N, K=K, stride_xm=K, stride_wn=K, stride_rm=N, stride_om=N, k_per_split=c["K_PER_SPLIT"])
+             "stride_xm", "stride_wn", "stride_rm", "stride_om", "k_per_split", "eps", "w_scale_ptr", "stride_sn"]
+    values = dict(M=M, N=N, K=K, stride_xm=K, stride_wn=K, stride_rm=N, stride_om=N, k_per_split=c["K_PER_SPLIT"],
+                  stride_sn=0)
     partial = c["SPLIT_K"] > 1
     signature = {a: ("*fp32" if a == "out_ptr" and partial else "*bf16") if a.endswith("_ptr") else "i32"
                  for a in names}
     signature["eps"] = "fp32"
+    if w_scale:
+        signature.update(w_ptr="*fp8e4nv", w_scale_ptr="*fp32")
     constexprs = dict(BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], USE_DOT=c["USE_DOT"],
                       ACC_3D=c["ACC_3D"], EVEN_K=True, PARTIAL=partial, HAS_BIAS=False, HAS_RESIDUAL=False,
-                      NORM=norm, GATED=gated, DOT_IN_FP32=False, IEEE_DOT=False, PDL=pdl)
+                      NORM=norm, GATED=gated, DOT_IN_FP32=False, IEEE_DOT=False, PDL=pdl, W_SCALE=w_scale,
+                      SCALE_BN=128 if w_scale == 2 else 1, SCALE_BK=128 if w_scale == 2 else 1)
     signature.update({name: "constexpr" for name in constexprs})
     # Triton marks pointers and integers divisible by 16 at launch; these shapes' strides all are
     attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(names)
@@ -320,6 +325,22 @@ def test_sm90_code_streams_w_with_16_byte_loads(M, N, K):
         assert all(".v4." in line for line in loads), f"loads narrower than 16 bytes: {loads}"
         # W (8 KiB a step) never goes through shared memory: only the final cross-warp sums do
         assert shared <= 256, f"{shared} bytes of shared memory"
+
+
+@pytest.mark.parametrize("M,N,K,w_scale", [(1, 6144, 1024, 1), (8, 4096, 1024, 1), (1, 6144, 1024, 2),
+                                             (2, 1024, 3072, 2)], ids=["m1-rows", "m8-rows", "m1-blocks", "m2-blocks"])
+def test_sm90_code_streams_fp8_w_with_16_byte_loads(M, N, K, w_scale):
+    """e4m3 weights stream as the bf16 ones do (16 bytes a load: 16 weights); the only narrower loads are the
+    float32 scales (a few per program, or one per K step with block scales)."""
+    import re
+    config, ptx, shared = _compile_sm90(M, N, K, w_scale=w_scale)
+    loads = re.findall(r"(?:ld\.global|cp\.async\.c[ag]\.shared\.global)[^\n;]*", ptx)
+    wide = [line for line in loads if ".v4." in line or ", 0x10," in line]
+    narrow = [line for line in loads if line not in wide]
+    assert len(wide) >= config["BLOCK_N"] * config["BLOCK_K"] // (16 * 128), loads
+    assert len(narrow) <= 4 and all(re.match(r"ld\.global(\.v2)?\.b32", line) for line in narrow), narrow
+    if not config["USE_DOT"]:
+        assert shared <= 4096, f"{shared} bytes of shared memory"
 
 
 @pytest.mark.parametrize("pdl", [False, True])

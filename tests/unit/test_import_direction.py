@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2] / "ember"
 
 LAYERS = {
     "config": 0, "sampling_params": 0, "kv_spec": 0, "args": 0, "kernels": 0, "compat": 0, "inputs": 0,
-    "profiling": 0,
+    "profiling": 0, "quant": 0,
     "attention_backends": 1, "graphs": 1,
     "models": 2,
     "runner": 3,

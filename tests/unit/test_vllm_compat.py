@@ -32,7 +32,8 @@ def llm(folder):
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(tensor_parallel_size=2), r"tensor_parallel_size 2 is not supported.*tensor_parallel_size=1"),
-    (dict(quantization="awq"), r"unexpected keyword argument 'quantization': ember runs unquantised weights"),
+    (dict(quantization="awq"), r"quantization 'awq' is not supported; use 'fp8'"),
+    (dict(kv_cache_dtype="int8"), r"kv_cache_dtype 'int8' is not supported; use 'auto'"),
     (dict(swap_space=4), r"'swap_space': ember preempts by recomputation"),
     (dict(max_num_seq=8), r"'max_num_seq': did you mean max_num_seqs=\?"),
     (dict(zzz=1), r"'zzz': LLM\(\) takes: .*max_num_seqs"),

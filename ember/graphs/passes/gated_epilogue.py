@@ -54,7 +54,7 @@ def fuse_silu_mul_epilogue(graph: Graph) -> int:
         if not match_silu(silu, gate):
             continue
         call.gated = True
-        replace_with(graph, product, torch.ops.ember.fused_linear.default, call.args(), call.fake)
+        replace_with(graph, product, call.target, call.args(), call.fake)
         graph.erase_node(product)
         count += 1
     return count

@@ -172,7 +172,8 @@ def match_silu(node, gate: Node) -> bool:
 
 @dataclass
 class LinearCall:
-    """The arguments of an `ember::linear` or `ember::fused_linear` node, as `ember::fused_linear` takes them."""
+    """The arguments of an `ember::linear` or `ember::fused_linear` node, as `ember::fused_linear` takes them, or of
+    an `ember::scaled_linear` node (fp8 weights), which takes the same fusions itself."""
     x: Node
     weight: Node
     bias: Node | None = None
@@ -180,6 +181,7 @@ class LinearCall:
     eps: float = 0.0
     gated: bool = False
     residual: Node | None = None
+    scales: tuple | None = None         # scaled_linear's (weight_scale, input_scale, block_n, block_k)
 
     @classmethod
     def of(cls, node) -> "LinearCall | None":
@@ -187,17 +189,29 @@ class LinearCall:
             return cls(*node.args[:3])
         if is_call(node, torch.ops.ember.fused_linear.default):
             return cls(*node.args[:7])
+        if is_call(node, torch.ops.ember.scaled_linear.default):
+            x, weight, weight_scale, input_scale, bias, block_n, block_k, *fusions = node.args[:11]
+            return cls(x, weight, bias, *fusions, scales=(weight_scale, input_scale, block_n, block_k))
         return None
 
+    @property
+    def target(self):
+        """The op the fused call runs as: `ember::scaled_linear` for fp8 weights, else `ember::fused_linear`."""
+        return torch.ops.ember.fused_linear.default if self.scales is None else torch.ops.ember.scaled_linear.default
+
     def args(self) -> tuple:
-        return (self.x, self.weight, self.bias, self.norm_weight, self.eps, self.gated, self.residual)
+        fusions = (self.norm_weight, self.eps, self.gated, self.residual)
+        if self.scales is None:
+            return (self.x, self.weight, self.bias, *fusions)
+        weight_scale, input_scale, block_n, block_k = self.scales
+        return (self.x, self.weight, weight_scale, input_scale, self.bias, block_n, block_k, *fusions)
 
     def fake(self):
         """The op's output as a fake tensor, from the inputs' recorded values (under their fake mode)."""
         from torch._guards import detect_fake_mode
         vals = [value(a) if isinstance(a, Node) else a for a in self.args()]
         with detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)]):
-            return torch.ops.ember.fused_linear.default(*vals)
+            return self.target(*vals)
 
 
 def replace_with(graph: Graph, old: Node, target, args: tuple, fake_fn) -> Node:

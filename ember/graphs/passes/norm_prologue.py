@@ -26,7 +26,7 @@ def fuse_rms_norm_prologue(graph: Graph) -> int:
         if x_val is None or x_val.dim() != 2:
             continue
         call.x, call.norm_weight, call.eps = norm.x, norm.weight, norm.eps
-        replace_with(graph, node, torch.ops.ember.fused_linear.default, call.args(), call.fake)
+        replace_with(graph, node, call.target, call.args(), call.fake)
         graph.erase_node(node)
         count += 1
     return count

@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterable
 from torch.fx import Graph
 
 import ember.kernels.fused_linear  # noqa: F401  (registers torch.ops.ember.fused_linear)
+import ember.kernels.scaled_linear_op  # noqa: F401  (registers torch.ops.ember.scaled_linear)
 import ember.kernels.qk_norm_rope  # noqa: F401  (registers torch.ops.ember.qk_norm_rope)
 from ember.graphs.passes import gated_epilogue, match, norm_prologue, qk_norm_rope, residual_epilogue
 
@@ -21,7 +22,7 @@ PASSES: dict[str, Callable[[Graph], int]] = {
     qk_norm_rope.NAME: qk_norm_rope.fuse_qk_norm_rope,
 }
 _SOURCES = (match, norm_prologue, gated_epilogue, residual_epilogue, qk_norm_rope, ember.kernels.fused_linear,
-            ember.kernels.qk_norm_rope)
+            ember.kernels.scaled_linear_op, ember.kernels.qk_norm_rope)
 
 
 def check_pass_names(names: Iterable[str]) -> tuple[str, ...]:

@@ -31,7 +31,7 @@ def fuse_residual_epilogue(graph: Graph) -> int:
                     not residual_val.dtype == out_val.dtype == sum_val.dtype:
                 continue
             call.residual = residual
-            replace_with(graph, node, torch.ops.ember.fused_linear.default, call.args(), call.fake)
+            replace_with(graph, node, call.target, call.args(), call.fake)
             graph.erase_node(node)
             count += 1
             break
