@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import copy
 
 _TRUE, _FALSE = ("true", "on", "yes"), ("false", "off", "no")
 
@@ -22,6 +23,19 @@ def backend_option(text: str) -> tuple[str, object]:
         except ValueError:
             pass
     return name, raw
+
+
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """Help that ends a flag's text with its default where there is one to say: a flag that takes a value and whose
+    default is not None or empty (a switch's help says what it changes)."""
+
+    def _format_action(self, action):
+        shows_default = (action.option_strings and action.nargs != 0 and action.default not in (None, [])
+                         and action.default is not argparse.SUPPRESS and "%(default)" not in (action.help or ""))
+        if shows_default:
+            action = copy.copy(action)
+            action.help = f"{action.help or ''} (default: %(default)s)".lstrip()
+        return super()._format_action(action)
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:

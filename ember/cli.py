@@ -6,11 +6,20 @@ import argparse
 import logging
 import sys
 
-from ember.args import add_engine_args, engine_kwargs
+from ember.args import DefaultsHelpFormatter, add_engine_args, engine_kwargs
+
+
+def _one_model(args) -> None:
+    """The model is given once: as the positional MODEL or as --model (both, if they agree)."""
+    if args.model_path is not None:
+        if args.model is not None and args.model != args.model_path:
+            raise ValueError(f"give the model once: {args.model_path!r} or --model {args.model!r}")
+        args.model = args.model_path
 
 
 def _generate(args) -> int:
     from ember import LLM, SamplingParams
+    _one_model(args)
     # sampling arguments are checked before the model loads
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
                             max_tokens=args.max_tokens, seed=args.sample_seed, ignore_eos=args.ignore_eos,
@@ -32,10 +41,7 @@ def _generate(args) -> int:
 
 
 def _serve(args) -> int:
-    if args.model_path is not None:
-        if args.model is not None and args.model != args.model_path:
-            raise ValueError(f"give the model once: {args.model_path!r} or --model {args.model!r}")
-        args.model = args.model_path
+    _one_model(args)
     try:
         import ember.serve.app  # noqa: F401 - fails early, before the model loads, without the extras
         from ember.serve.server import main as serve_main
@@ -57,11 +63,20 @@ def _backends(args) -> int:
     return 0
 
 
+def _add_model_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model_path", nargs="?", default=None, metavar="MODEL",
+                   help="HF model folder or hub id (same as --model; default: the default model)")
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from ember import __version__
     parser = argparse.ArgumentParser(prog="ember", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"ember {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    g = sub.add_parser("generate", help="generate text for one prompt, streaming to stdout")
+    g = sub.add_parser("generate", help="generate text for one prompt, streaming to stdout",
+                       formatter_class=DefaultsHelpFormatter)
+    _add_model_argument(g)
     add_engine_args(g)
     g.add_argument("--prompt", required=True)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
@@ -75,9 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append")
     g.set_defaults(func=_generate)
 
-    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (needs `pip install ember[serve]`)")
-    s.add_argument("model_path", nargs="?", default=None, metavar="MODEL",
-                   help="HF model folder (same as --model; default: the default model)")
+    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (needs `pip install ember[serve]`)",
+                       formatter_class=DefaultsHelpFormatter)
+    _add_model_argument(s)
     add_engine_args(s)
     s.add_argument("--config", default=None,
                    help="a bundled model config (qwen3-0.6b, llama-3.2-1b, llama-3.1-8b) with random weights")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from ember.args import add_engine_args, engine_kwargs
+from ember.args import DefaultsHelpFormatter, add_engine_args, engine_kwargs
 from ember.bench.hf_peer import hf_latency, hf_throughput
 from ember.bench.roofline import (decode_roofline, decode_weight_bytes, device_sync, kv_bytes_per_token,
                                   measure_copy_bandwidth, run_roofline)
@@ -377,13 +377,14 @@ def add_bench_parser(subparsers) -> None:
     bench = subparsers.add_parser("bench", help="benchmark throughput or latency against the memory roofline")
     kinds = bench.add_subparsers(dest="bench_command", required=True)
 
-    t = kinds.add_parser("throughput", help="random-token prompts, all at once (nano-vllm's workload)")
+    t = kinds.add_parser("throughput", help="random-token prompts, all at once (nano-vllm's workload)",
+                         formatter_class=DefaultsHelpFormatter)
     add_engine_args(t)
     _add_common(t)
-    t.add_argument("--num-prompts", type=int, default=256)
+    t.add_argument("--num-prompts", type=int, default=256, help="prompts in the workload")
     t.add_argument("--input-len", default="100:1024", help="prompt length, N or LOW:HIGH (inclusive)")
     t.add_argument("--output-len", default="100:1024", help="output length, N or LOW:HIGH (inclusive)")
-    t.add_argument("--temperature", type=float, default=0.6)
+    t.add_argument("--temperature", type=float, default=0.6, help="sampling temperature of every prompt")
     t.add_argument("--repeat", type=int, default=1, metavar="N",
                    help="time the same workload N times in this process (prefix cache emptied in between); the "
                         "first run leads the report, every run is listed")
@@ -391,14 +392,15 @@ def add_bench_parser(subparsers) -> None:
     t.add_argument("--hf-batch-size", type=int, default=32)
     t.set_defaults(func=_throughput)
 
-    lat = kinds.add_parser("latency", help="TTFT and TPOT percentiles of one batch, stepping the engine")
+    lat = kinds.add_parser("latency", help="TTFT and TPOT percentiles of one batch, stepping the engine",
+                           formatter_class=DefaultsHelpFormatter)
     add_engine_args(lat)
     _add_common(lat)
-    lat.add_argument("--batch-size", type=int, default=1)
-    lat.add_argument("--input-len", type=int, default=32)
-    lat.add_argument("--output-len", type=int, default=256)
-    lat.add_argument("--num-iters", type=int, default=5)
-    lat.add_argument("--hf-num-iters", type=int, default=3)
+    lat.add_argument("--batch-size", type=int, default=1, help="prompts in the batch")
+    lat.add_argument("--input-len", type=int, default=32, help="prompt tokens of each")
+    lat.add_argument("--output-len", type=int, default=256, help="tokens generated for each")
+    lat.add_argument("--num-iters", type=int, default=5, help="timed batches, after one warm-up batch")
+    lat.add_argument("--hf-num-iters", type=int, default=3, help="timed batches of transformers (--compare-hf)")
     lat.set_defaults(func=_latency)
 
     from ember.bench.serve import add_serve_parser

@@ -1,4 +1,5 @@
-"""`ember serve`: load the model, then run the app under uvicorn until SIGINT or SIGTERM.
+"""`ember serve`: bind the address (a busy port fails before anything loads), load the model, then run the app under
+uvicorn on that socket until SIGINT or SIGTERM.
 
 On a signal the server stops accepting connections, refuses new requests on open ones (503), lets the requests in
 flight finish for up to `--drain-timeout` seconds, aborts what is left, stops the engine thread and exits 0."""
@@ -6,8 +7,10 @@ flight finish for up to `--drain-timeout` seconds, aborts what is left, stops th
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import signal
+import socket
 import sys
 import threading
 
@@ -80,6 +83,23 @@ def start_in_thread(server, timeout: float = 60.0) -> threading.Thread:
     return thread
 
 
+def reserve_address(host: str, port: int) -> socket.socket:
+    """Bind the server's address before the model loads, without listening yet: a port in use fails at once rather
+    than after the load, and a client that connects while the model loads is refused rather than left waiting
+    (uvicorn listens on this socket once the app starts)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise ValueError(f"port {port} on {host} is already in use; stop the process that listens there or pass "
+                             f"another --port") from None
+        raise ValueError(f"cannot bind {host}:{port} ({exc.strerror or exc}); pass another --host or --port") from None
+    return sock
+
+
 def main(args) -> int:
     """Run `ember serve` with parsed arguments."""
     from ember import LLM
@@ -91,16 +111,21 @@ def main(args) -> int:
         raise ValueError(f"--drain-timeout {args.drain_timeout} must be >= 0")
     if args.config and args.model:
         raise ValueError(f"give a model {args.model!r} or --config {args.config!r}, not both")
-    if args.config:
-        llm = LLM(args.config, load_format="dummy", **engine_kwargs(args))
-    else:
-        llm = LLM(args.model, load_format=args.load_format, **engine_kwargs(args))
-    # the engine thread and the event loop share the GIL: a thread that asks for it waits up to the switch
-    # interval, and the default 5 ms is a third of a decode step
-    sys.setswitchinterval(SWITCH_INTERVAL_S)
-    name = served_model_name(args)
-    app = build_app(llm, name, max_waiting=args.max_waiting)
-    server = make_server(app, args.host, args.port, args.drain_timeout, "info" if args.verbose else "warning")
-    print(startup_message(name, llm.checkpoint, args.host, args.port), flush=True)
-    server.run()
+    sock = reserve_address(args.host, args.port)
+    try:
+        if args.config:
+            llm = LLM(args.config, load_format="dummy", **engine_kwargs(args))
+        else:
+            llm = LLM(args.model, load_format=args.load_format, **engine_kwargs(args))
+        # the engine thread and the event loop share the GIL: a thread that asks for it waits up to the switch
+        # interval, and the default 5 ms is a third of a decode step
+        sys.setswitchinterval(SWITCH_INTERVAL_S)
+        name = served_model_name(args)
+        app = build_app(llm, name, max_waiting=args.max_waiting)
+        port = sock.getsockname()[1]      # the one the system chose, for --port 0
+        server = make_server(app, args.host, port, args.drain_timeout, "info" if args.verbose else "warning")
+        print(startup_message(name, llm.checkpoint, args.host, port), flush=True)
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
     return 0

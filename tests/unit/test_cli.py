@@ -82,3 +82,74 @@ def test_attention_backend_options_from_the_command_line(monkeypatch, capsys):
     assert main(["generate", "--device", "cpu", "--prompt", "hi", "--attention-backend-option",
                  "fused_decode_kv_wirte=off"]) == 2
     assert "['fused_decode_kv_wirte'] are not read by backend 'auto'" in capsys.readouterr().err
+
+
+def test_version(capsys):
+    import ember
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0
+    assert capsys.readouterr().out == f"ember {ember.__version__}\n" == "ember 0.1.0\n"
+
+
+class _Recorder:
+    """An LLM that records its model and generates nothing."""
+    models = []
+
+    def __init__(self, model, **kwargs):
+        _Recorder.models.append(model)
+
+    def generate_stream(self, prompt, params):
+        return iter(())
+
+
+def test_generate_takes_the_model_as_serve_does(monkeypatch, capsys):
+    monkeypatch.setattr("ember.llm.LLM", _Recorder)
+    _Recorder.models = []
+    assert main(["generate", "some/model", "--device", "cpu", "--prompt", "hi"]) == 0
+    assert main(["generate", "--model", "other/model", "--device", "cpu", "--prompt", "hi"]) == 0
+    assert main(["generate", "same/model", "--model", "same/model", "--device", "cpu", "--prompt", "hi"]) == 0
+    assert _Recorder.models == ["some/model", "other/model", "same/model"]
+    capsys.readouterr()
+    assert main(["generate", "a/model", "--model", "b/model", "--device", "cpu", "--prompt", "hi"]) == 2
+    assert capsys.readouterr().err == "error: give the model once: 'a/model' or --model 'b/model'\n"
+    assert _Recorder.models == ["some/model", "other/model", "same/model"]
+
+
+def _busy_port():
+    import socket
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    return listener, listener.getsockname()[1]
+
+
+def test_serve_on_a_busy_port_fails_before_the_model_loads(monkeypatch, capsys):
+    """`ember serve` binds its address first: on a busy port it exits 2 (`python -m ember` and the `ember` script
+    exit with main's value) with the reason, and prints no address it does not serve."""
+    monkeypatch.setattr("ember.llm.LLM", lambda *a, **k: pytest.fail("the model was loaded"))
+    listener, port = _busy_port()
+    with listener:
+        assert main(["serve", "--device", "cpu", "--port", str(port)]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err == (f"error: port {port} on 127.0.0.1 is already in use; stop the process that listens there or pass "
+                   f"another --port\n")
+
+
+@pytest.mark.parametrize("command, flags", [
+    (["bench", "latency"], {"--batch-size BATCH_SIZE": "1", "--input-len INPUT_LEN": "32",
+                            "--output-len OUTPUT_LEN": "256", "--num-iters NUM_ITERS": "5"}),
+    (["bench", "throughput"], {"--num-prompts NUM_PROMPTS": "256", "--input-len INPUT_LEN": "100:1024",
+                               "--output-len OUTPUT_LEN": "100:1024", "--max-num-seqs MAX_NUM_SEQS": "256"}),
+])
+def test_bench_help_shows_the_defaults(command, flags, capsys):
+    import re
+    with pytest.raises(SystemExit) as info:
+        main(command + ["--help"])
+    assert info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    entries = re.split(r" (?=--[a-z])", text)       # "--flag METAVAR help (default: X)", one per flag
+    for flag, default in flags.items():
+        [entry] = [e for e in entries if e.startswith(flag + " ")]
+        assert entry.endswith(f"(default: {default})"), entry
