@@ -148,8 +148,9 @@ class AttentionBackend:
 
     @staticmethod
     def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
-        """Shape of one layer's cache tensor."""
-        raise NotImplementedError
+        """Shape of one layer's cache tensor; by default [2 (K, V), num_blocks, block_size, num_kv_heads,
+        head_size], a token's heads side by side (the Triton backends put the heads outside the token axis)."""
+        return (2, num_blocks, block_size, num_kv_heads, head_size)
 
     @classmethod
     def supports(cls, spec: KVCacheSpec, dtype: torch.dtype, device: torch.device,

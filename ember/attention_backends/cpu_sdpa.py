@@ -169,10 +169,6 @@ class CpuSdpaBackend(AttentionBackend):
     builder_cls = CpuSdpaMetadataBuilder
     impl_cls = CpuSdpaImpl
 
-    @staticmethod
-    def kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size):
-        return (2, num_blocks, block_size, num_kv_heads, head_size)
-
     @classmethod
     def supports(cls, spec: KVCacheSpec, dtype, device, options: AttentionLayerOptions | None = None) -> list[str]:
         reasons = []

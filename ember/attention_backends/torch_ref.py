@@ -139,10 +139,6 @@ class TorchRefBackend(AttentionBackend):
     builder_cls = TorchRefMetadataBuilder
     impl_cls = TorchRefImpl
 
-    @staticmethod
-    def kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size):
-        return (2, num_blocks, block_size, num_kv_heads, head_size)
-
     @classmethod
     def workspace_bytes(cls, bounds: StepBounds, spec: KVCacheSpec, options: AttentionLayerOptions,
                         dtype: torch.dtype) -> int:
