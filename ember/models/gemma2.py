@@ -39,10 +39,7 @@ class Gemma2DecoderLayer(nn.Module):
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         # `residual` is the stream before this layer's input norm; the previous layer's (post-normed) output is
         # added to it here, so each add can fuse with the norm that follows it
-        if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm.add_and_norm(hidden, residual)
+        hidden, residual = self.input_layernorm.add_and_norm(hidden, residual)
         hidden = self.post_attention_layernorm(self.self_attn(cos, sin, hidden))
         hidden, residual = self.pre_feedforward_layernorm.add_and_norm(hidden, residual)
         return self.post_feedforward_layernorm(self.mlp(hidden)), residual

@@ -165,10 +165,7 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, cos: torch.Tensor, sin: torch.Tensor, hidden: torch.Tensor,
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm.add_and_norm(hidden, residual)
+        hidden, residual = self.input_layernorm.add_and_norm(hidden, residual)
         hidden = self.self_attn(cos, sin, hidden)
         hidden, residual = self.post_attention_layernorm.add_and_norm(hidden, residual)
         return self.mlp(hidden), residual

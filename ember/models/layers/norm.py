@@ -29,9 +29,11 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.weight * self._normalise(x).to(x.dtype)
 
-    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Add the residual (in the model dtype, as the reference does) and normalise: -> (normed, new residual)."""
-        x = x + residual
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Add the residual (in the model dtype, as the reference does) and normalise: -> (normed, new residual).
+        With no residual yet (a model's first layer), x itself becomes the residual."""
+        if residual is not None:
+            x = x + residual
         return self.forward(x), x
 
     def extra_repr(self) -> str:
