@@ -204,6 +204,15 @@ def try_peer(fn, *args, **kwargs) -> tuple[dict | None, str | None]:
         return None, f"{type(exc).__name__}: {exc}"
 
 
+def _compare_with_hf(llm, result: dict, rows: list, key: str, peer, describe) -> None:
+    """Release ember's engine, run `peer(hf_config, dtype)` (the same model in transformers) and add its figures,
+    ember's ratio on `key` and a row, `describe(figures, ratio)` or why the peer failed, to `result` and `rows`."""
+    hf, error = try_peer(peer, *release_engine(llm))
+    ratio = result[key] / hf[key] if hf else None
+    result.update(hf=hf, hf_error=error, ember_vs_hf=ratio)
+    rows.append(("transformers", describe(hf, ratio) if hf else f"failed: {error}"))
+
+
 # ---- the command line ---------------------------------------------------------------------------------------------
 def _build_llm(args):
     from ember import LLM
@@ -311,14 +320,13 @@ def _throughput(args) -> int:
         skip = -(-workload.input_tokens // llm.engine.config.scheduler.max_num_batched_tokens) + 8
         result["profile"] = profile_workload(llm, workload.prompts, params, args.profile, skip)
     if args.compare_hf:
-        hf_config, dtype = release_engine(llm)
         n = min(args.hf_num_prompts, len(workload.prompts))
         subset = Workload(workload.prompts[:n], workload.output_lens[:n])
-        hf, error = try_peer(hf_throughput, hf_config, dtype, device, subset, args.hf_batch_size, args.temperature)
-        result.update(hf=hf, hf_error=error, ember_vs_hf=result["output_tok_s"] / hf["output_tok_s"] if hf else None)
-        rows.append(("transformers", f"{hf['output_tok_s']:,.1f} output tok/s ({n} prompts, padded batches of "
-                                     f"{args.hf_batch_size}); ember/transformers {result['ember_vs_hf']:.2f}x"
-                     if hf else f"failed: {error}"))
+        _compare_with_hf(llm, result, rows, "output_tok_s",
+                         lambda hf_config, dtype: hf_throughput(hf_config, dtype, device, subset, args.hf_batch_size,
+                                                                args.temperature),
+                         lambda hf, ratio: f"{hf['output_tok_s']:,.1f} output tok/s ({n} prompts, padded batches of "
+                                           f"{args.hf_batch_size}); ember/transformers {ratio:.2f}x")
     _finish(result, rows, args.json)
     return 0
 
@@ -349,13 +357,12 @@ def _latency(args) -> int:
         params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=args.profile + 4)
         result["profile"] = profile_workload(llm, prompts, params, args.profile, 2)
     if args.compare_hf:
-        hf_config, dtype = release_engine(llm)
-        hf, error = try_peer(hf_latency, hf_config, dtype, device, args.batch_size, args.input_len, args.output_len,
-                             args.hf_num_iters, args.seed, max_id)
-        result.update(hf=hf, hf_error=error, ember_vs_hf=lat["decode_tok_s"] / hf["decode_tok_s"] if hf else None)
-        rows.append(("transformers", f"{hf['decode_tok_s']:,.1f} decode tok/s, TTFT p50 {hf['ttft_ms']['p50']:.2f} "
-                                     f"ms ({hf['cache']} cache); ember/transformers {result['ember_vs_hf']:.2f}x"
-                     if hf else f"failed: {error}"))
+        _compare_with_hf(llm, result, rows, "decode_tok_s",
+                         lambda hf_config, dtype: hf_latency(hf_config, dtype, device, args.batch_size, args.input_len,
+                                                             args.output_len, args.hf_num_iters, args.seed, max_id),
+                         lambda hf, ratio: f"{hf['decode_tok_s']:,.1f} decode tok/s, TTFT p50 "
+                                           f"{hf['ttft_ms']['p50']:.2f} ms ({hf['cache']} cache); ember/transformers "
+                                           f"{ratio:.2f}x")
     _finish(result, rows, args.json)
     return 0
 
