@@ -46,8 +46,12 @@ def plain_targets() -> frozenset:
         packet = getattr(aten, op, None)
         if packet is not None and hasattr(packet, overload):
             ops.append(getattr(packet, overload))
-    return frozenset(ops + list(_SYM) + [ember.fused_linear.default, ember.qk_norm_rope.default,
-                                         ember.linear.default, ember.rms_norm.default, ember.scaled_linear.default])
+    # ember::moe is registered by the MoE layers (a model that has them is built before it is traced); importing
+    # its kernels for every model would cost a dense model's start-up ~0.1 s
+    moe = [ember.moe.default] if hasattr(ember, "moe") else []
+    return frozenset(ops + list(_SYM) + moe + [ember.fused_linear.default, ember.qk_norm_rope.default,
+                                               ember.linear.default, ember.rms_norm.default,
+                                               ember.scaled_linear.default])
 
 
 class PlainPiece:

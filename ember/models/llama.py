@@ -159,9 +159,13 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, config, layer_idx: int, options: BlockOptions, prefix: str = ""):
         super().__init__()
         self.self_attn = LlamaAttention(config, layer_idx, options, prefix)
-        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, options)
+        self.mlp = self.make_mlp(config, layer_idx, options)
         self.input_layernorm = options.norm_cls(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = options.norm_cls(config.hidden_size, config.rms_norm_eps)
+
+    def make_mlp(self, config, layer_idx: int, options: BlockOptions) -> nn.Module:
+        """The layer's MLP: dense here; mixture-of-experts families override it."""
+        return LlamaMLP(config.hidden_size, config.intermediate_size, options)
 
     def forward(self, cos: torch.Tensor, sin: torch.Tensor, hidden: torch.Tensor,
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -173,12 +177,13 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     """Embedding, decoder layers and final norm; one rotary table shared by every layer."""
+    layer_cls: type[nn.Module] = LlamaDecoderLayer    # families with other MLPs swap it
 
     def __init__(self, config, options: BlockOptions, prefix: str = ""):
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, scale=options.embed_scale)
         self.rotary_emb = RotaryEmbedding(rope_parameters_from_config(config, head_size_of(config)))
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, options, prefix)
+        self.layers = nn.ModuleList(self.layer_cls(config, i, options, prefix)
                                     for i in range(config.num_hidden_layers))
         self.norm = options.norm_cls(config.hidden_size, config.rms_norm_eps)
         self.skip_start = prefill_skip_start(config)

@@ -1,6 +1,7 @@
 """Build a model on the meta device and fill it from safetensors shards: no random init, no second copy.
 
-HF tensor names map onto ember parameters through the model's `packed_modules` (q/k/v -> qkv_proj, gate/up ->
+HF tensor names map onto ember parameters through the model's `checkpoint_target(name)` where it has one and names
+the tensor (experts' tensors into stacked parameters), else its `packed_modules` (q/k/v -> qkv_proj, gate/up ->
 gate_up_proj); each parameter's `weight_loader` places its tensor. A plain tensor is assigned (the parameter takes
 the checkpoint tensor's storage); a packed parameter is allocated once and its shards copied in. Non-persistent
 buffers (rotary tables) are created on the real device afterwards.
@@ -128,8 +129,12 @@ def init_buffers(model: nn.Module, device: torch.device) -> None:
         raise CheckpointError(f"tensors {left[:8]} were never materialised")
 
 
-def _target_of(name: str, packed_modules: dict[str, list[str]]) -> tuple[str, int | None]:
-    """HF tensor name -> (ember parameter name, shard index or None)."""
+def _target_of(name: str, packed_modules: dict[str, list[str]], mapper=None) -> tuple[str, object]:
+    """HF tensor name -> (ember parameter name, shard id or None): the model's `checkpoint_target` where it names
+    the tensor, else by `packed_modules` (shard index)."""
+    target = mapper(name) if mapper is not None else None
+    if target is not None:
+        return target
     parts = name.split(".")
     for packed, shards in packed_modules.items():
         for shard_id, shard in enumerate(shards):
@@ -139,20 +144,21 @@ def _target_of(name: str, packed_modules: dict[str, list[str]]) -> tuple[str, in
     return name, None
 
 
-def _plan(model: nn.Module, config, files: list[Path]) -> dict[str, tuple[Path, str, int | None]]:
+def _plan(model: nn.Module, config, files: list[Path]) -> dict[str, tuple[Path, str, object]]:
     """Read only the headers: map every needed checkpoint tensor to its destination, or raise naming what is
     missing or unexpected before any data is read."""
 
     packed = getattr(model, "packed_modules", {})
+    mapper = getattr(model, "checkpoint_target", None)
     params = dict(model.named_parameters())
     tied = bool(getattr(config, "tie_word_embeddings", False))
     folder = str(files[0].parent)
-    plan: dict[str, tuple[Path, str, int | None]] = {}
+    plan: dict[str, tuple[Path, str, object]] = {}
     unexpected: list[str] = []
     for file in files:
         with _open_safetensors(file) as f:
             for name in f.keys():
-                target, shard_id = _target_of(name, packed)
+                target, shard_id = _target_of(name, packed, mapper)
                 if target in params:
                     plan.setdefault(name, (file, target, shard_id))
                 elif name.endswith(_HARMLESS_SUFFIXES) or (tied and name.startswith("lm_head.")):
@@ -167,7 +173,7 @@ def _plan(model: nn.Module, config, files: list[Path]) -> dict[str, tuple[Path, 
     if unexpected:
         raise CheckpointError(f"checkpoint in {folder!r} has tensor(s) {unexpected[:8]} that {type(model).__name__} "
                               f"has no parameter for ({len(unexpected)} in all); does config.json match the weights?")
-    loaded: dict[str, set[int | None]] = {}
+    loaded: dict[str, set] = {}
     for _, target, shard_id in plan.values():
         loaded.setdefault(target, set()).add(shard_id)
     missing = []
@@ -176,6 +182,10 @@ def _plan(model: nn.Module, config, files: list[Path]) -> dict[str, tuple[Path, 
             continue
         got = loaded.get(name, set())
         if None in got:      # present whole (an already packed checkpoint tensor, or a plain one)
+            continue
+        describe = getattr(params[name], "missing_shards", None)
+        if describe is not None:     # a parameter that knows its shards (stacked experts)
+            missing += [f"{name} ({what})" for what in describe(got)]
             continue
         parts = name.split(".")
         packed_name = next((p for p in packed if p in parts), None)
@@ -223,7 +233,7 @@ def _open_safetensors(file: Path):
                               f"or corrupt") from None
 
 
-def _load_tensor(model: nn.Module, name: str, target: str, shard_id: int | None, loaded: torch.Tensor,
+def _load_tensor(model: nn.Module, name: str, target: str, shard_id, loaded: torch.Tensor,
                  device: torch.device) -> None:
     param = model.get_parameter(target)
     loaded = loaded.to(device=device)

@@ -12,6 +12,8 @@ _MODELS: dict[str, tuple[str, str]] = {
     "MistralForCausalLM": ("ember.models.llama", "MistralForCausalLM"),
     "Qwen2ForCausalLM": ("ember.models.qwen2", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("ember.models.qwen3", "Qwen3ForCausalLM"),
+    "Qwen3MoeForCausalLM": ("ember.models.qwen3_moe", "Qwen3MoeForCausalLM"),
+    "MixtralForCausalLM": ("ember.models.mixtral", "MixtralForCausalLM"),
     "GemmaForCausalLM": ("ember.models.gemma", "GemmaForCausalLM"),
     "Gemma2ForCausalLM": ("ember.models.gemma2", "Gemma2ForCausalLM"),
     "Gemma3ForCausalLM": ("ember.models.gemma3", "Gemma3ForCausalLM"),

@@ -1,0 +1,206 @@
+"""The grouped MoE GEMM: every expert's tokens in one launch per projection, over the aligned layout of
+ember.kernels.moe_align (slots sorted by expert, each expert's run padded to BLOCK_M rows).
+
+    gate_up: act[row] = silu(x[token] @ w13[e, :I]^T) * (x[token] @ w13[e, I:]^T)    row of the aligned layout
+    down:    out2[slot] = topk_weight[slot] * (act[row] @ w2[e]^T)                    back in slot order
+    sum:     out[token] = sum over k of out2[token * top_k + k]
+
+Each program owns a BLOCK_M x BLOCK_N tile of one expert (the block's expert from `block_experts`; a block past the
+rows in use returns at once, so the grid is fixed by the token count and CUDA graphs capture it). The gate_up
+program keeps two accumulators, the gate columns and the matching up columns, and writes SiLU(gate) * up: the
+[rows, 2I] projection is never stored. The down program gathers nothing (its rows are the layout's), scales by the
+routing weight and scatters each row to its slot; padding rows (the sentinel slot) are neither read nor stored.
+Row blocks go in groups of GROUP_M over the same column blocks, so an expert's weight tiles are reused from L2.
+
+Roundings follow the model's ops: each projection rounds once to the activation dtype, SiLU and the product round
+as torch's ops do, the weighted output rounds once, and the top_k sum runs in float32 and rounds once.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["moe_down", "moe_gate_up", "moe_reference"]
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, w_ptr, sorted_ptr, block_experts_ptr, out_ptr,
+                    num_slots, N, K, num_blocks, stride_xm, stride_we, stride_wn, stride_om,
+                    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, DOT_IN_FP32: tl.constexpr,
+                    IEEE_DOT: tl.constexpr):
+    """out[row, n block] = silu(gate) * up of one expert's BLOCK_M rows; N is the expert's intermediate size."""
+    pid = tl.program_id(0)
+    num_n = (N + BLOCK_N - 1) // BLOCK_N
+    in_group = GROUP_M * num_n
+    first_m = pid // in_group * GROUP_M
+    group_rows = tl.minimum(num_blocks - first_m, GROUP_M)
+    pid_m = first_m + (pid % in_group) % group_rows
+    pid_n = (pid % in_group) // group_rows
+    expert = tl.load(block_experts_ptr + pid_m).to(tl.int64)
+    if expert < 0:
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    slots = tl.load(sorted_ptr + rows)
+    row_ok = slots < num_slots
+    tokens = tl.where(row_ok, slots // TOP_K, 0)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    ks = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + tokens[:, None].to(tl.int64) * stride_xm + ks[None, :]                      # [BM, BK]
+    w_ptrs = w_ptr + expert * stride_we + tl.where(col_ok, cols, 0)[None, :] * stride_wn + ks[:, None]   # [BK, BN]
+    up_offset = N * stride_wn
+    acc_gate = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+    acc_up = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+    for k in range(0, K, BLOCK_K):
+        if EVEN_K:
+            x = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
+            w_gate = tl.load(w_ptrs)
+            w_up = tl.load(w_ptrs + up_offset)
+        else:
+            k_ok = k + ks < K
+            x = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            w_gate = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
+            w_up = tl.load(w_ptrs + up_offset, mask=k_ok[:, None], other=0.0)
+        if DOT_IN_FP32:   # the interpreter's tl.dot multiplies bfloat16 bit patterns as integers
+            x, w_gate, w_up = x.to(tl.float32), w_gate.to(tl.float32), w_up.to(tl.float32)
+        if IEEE_DOT:
+            acc_gate = tl.dot(x, w_gate, acc_gate, input_precision="ieee")
+            acc_up = tl.dot(x, w_up, acc_up, input_precision="ieee")
+        else:
+            acc_gate = tl.dot(x, w_gate, acc_gate)
+            acc_up = tl.dot(x, w_up, acc_up)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    dtype = out_ptr.dtype.element_ty
+    gate = acc_gate.to(dtype).to(tl.float32)
+    up = acc_up.to(dtype).to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :], (act * up).to(dtype),
+             mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _down_kernel(a_ptr, w_ptr, sorted_ptr, block_experts_ptr, weights_ptr, out_ptr,
+                 num_slots, N, K, num_blocks, stride_am, stride_we, stride_wn, stride_om,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                 EVEN_K: tl.constexpr, DOT_IN_FP32: tl.constexpr, IEEE_DOT: tl.constexpr):
+    """out[slot, n block] = weight[slot] * (a[row] @ w[e]^T) for one expert's BLOCK_M rows; N is the hidden size."""
+    pid = tl.program_id(0)
+    num_n = (N + BLOCK_N - 1) // BLOCK_N
+    in_group = GROUP_M * num_n
+    first_m = pid // in_group * GROUP_M
+    group_rows = tl.minimum(num_blocks - first_m, GROUP_M)
+    pid_m = first_m + (pid % in_group) % group_rows
+    pid_n = (pid % in_group) // group_rows
+    expert = tl.load(block_experts_ptr + pid_m).to(tl.int64)
+    if expert < 0:
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    slots = tl.load(sorted_ptr + rows)
+    row_ok = slots < num_slots
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + rows[:, None].to(tl.int64) * stride_am + ks[None, :]                       # [BM, BK]
+    w_ptrs = w_ptr + expert * stride_we + tl.where(col_ok, cols, 0)[None, :] * stride_wn + ks[:, None]   # [BK, BN]
+    acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+    for k in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+            w = tl.load(w_ptrs)
+        else:
+            k_ok = k + ks < K
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
+        if DOT_IN_FP32:
+            a, w = a.to(tl.float32), w.to(tl.float32)
+        if IEEE_DOT:
+            acc = tl.dot(a, w, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, w, acc)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    dtype = out_ptr.dtype.element_ty
+    routing = tl.load(weights_ptr + slots, mask=row_ok, other=0.0)
+    out = (acc.to(dtype).to(tl.float32) * routing[:, None]).to(dtype)
+    tl.store(out_ptr + tl.where(row_ok, slots, 0)[:, None].to(tl.int64) * stride_om + cols[None, :], out,
+             mask=row_ok[:, None] & col_ok[None, :])
+
+
+@functools.cache
+def _interpreted(kernel):
+    """The same kernel run by Triton's interpreter, for CPU tensors."""
+    from triton.runtime.interpreter import InterpretedFunction
+    return InterpretedFunction(kernel.fn)
+
+
+def _kernel(kernel, device: torch.device):
+    return _interpreted(kernel) if device.type == "cpu" else kernel
+
+
+def _dot_flags(x: torch.Tensor) -> dict:
+    cpu = x.device.type == "cpu"
+    return dict(DOT_IN_FP32=cpu, IEEE_DOT=cpu or x.dtype == torch.float32)
+
+
+def moe_gate_up(x: torch.Tensor, w13: torch.Tensor, sorted_slots: torch.Tensor, block_experts: torch.Tensor,
+                top_k: int, config: dict) -> torch.Tensor:
+    """x [T, H], w13 [E, 2I, H] -> act [capacity, I]: silu(gate) * up of each aligned row (padding rows unset)."""
+    num_experts, two_i, hidden = w13.shape
+    intermediate = two_i // 2
+    act = torch.empty(sorted_slots.shape[0], intermediate, dtype=x.dtype, device=x.device)   # [capacity, I]
+    num_blocks = block_experts.shape[0]
+    grid = (num_blocks * triton.cdiv(intermediate, config["BLOCK_N"]),)
+    _kernel(_gate_up_kernel, x.device)[grid](
+        x, w13, sorted_slots, block_experts, act, x.shape[0] * top_k, intermediate, hidden, num_blocks,
+        x.stride(0), w13.stride(0), w13.stride(1), act.stride(0), TOP_K=top_k,
+        BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"], GROUP_M=config["GROUP_M"],
+        EVEN_K=hidden % config["BLOCK_K"] == 0, **_dot_flags(x),
+        num_warps=config["num_warps"], num_stages=config["num_stages"])
+    return act
+
+
+def moe_down(act: torch.Tensor, w2: torch.Tensor, sorted_slots: torch.Tensor, block_experts: torch.Tensor,
+             topk_weights: torch.Tensor, config: dict) -> torch.Tensor:
+    """act [capacity, I], w2 [E, H, I] -> out2 [T * top_k, H]: each slot's expert output times its weight."""
+    num_experts, hidden, intermediate = w2.shape
+    num_slots = topk_weights.numel()
+    out = torch.empty(num_slots, hidden, dtype=act.dtype, device=act.device)                   # [T * top_k, H]
+    num_blocks = block_experts.shape[0]
+    grid = (num_blocks * triton.cdiv(hidden, config["BLOCK_N"]),)
+    _kernel(_down_kernel, act.device)[grid](
+        act, w2, sorted_slots, block_experts, topk_weights, out, num_slots, hidden, intermediate, num_blocks,
+        act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
+        BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"], GROUP_M=config["GROUP_M"],
+        EVEN_K=intermediate % config["BLOCK_K"] == 0, **_dot_flags(act),
+        num_warps=config["num_warps"], num_stages=config["num_stages"])
+    return out
+
+
+def moe_reference(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor,
+                  w2: torch.Tensor) -> torch.Tensor:
+    """The same with torch ops, a loop over the experts that were chosen, with the kernels' roundings."""
+    num_tokens, top_k = topk_ids.shape
+    intermediate = w13.shape[1] // 2
+    out = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32, device=x.device)            # [T, H]
+    flat_ids = topk_ids.flatten()
+    order = torch.argsort(flat_ids, stable=True)
+    counts = torch.bincount(flat_ids.long(), minlength=w13.shape[0]).tolist()
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        slots = order[start:start + count]
+        start += count
+        tokens = slots // top_k
+        gate_up = x[tokens] @ w13[expert].t()                                                  # [n, 2I]
+        act = torch.nn.functional.silu(gate_up[:, :intermediate]) * gate_up[:, intermediate:]
+        y = act @ w2[expert].t()                                                               # [n, H]
+        weighted = (y.float() * topk_weights.flatten()[slots, None]).to(x.dtype)
+        out.index_add_(0, tokens, weighted.float())
+    return out.to(x.dtype)

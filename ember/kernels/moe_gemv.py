@@ -1,0 +1,125 @@
+"""The MoE decode path: a few tokens read only their chosen experts' weights, once per token-slot, with no
+alignment, in two launches.
+
+    gate_up: grid (slot, block of I columns): act[slot] = silu(x[token] @ w13[e, :I]^T) * (x[token] @ w13[e, I:]^T)
+    down:    grid (token, block of H columns): out[token] = sum over k of weight[k] * (act[slot k] @ w2[e_k]^T)
+
+Decode is bound by the weight reads, so both kernels are GEMVs on CUDA cores that stream W tiles contiguous along
+K (16-byte loads) and keep float32 products in a register tile summed once after the K loop (as ember's dense GEMV
+does). The expert comes from `topk_ids` on the device; the grid depends on the token count alone. The down kernel
+loads the tiles of all top_k experts of its token at once ([top_k, BLOCK_N, BLOCK_K]): more bytes in flight per
+program, and the weighted top_k sum happens in registers, so nothing is written between the expert outputs and
+the layer's output. Roundings are those of ember.kernels.moe_gemm.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["moe_gemv"]
+
+
+@triton.jit
+def _gate_up_gemv_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, N, K, stride_xm, stride_we, stride_wn, stride_om,
+                         TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """out[slot, n block] = silu(gate) * up for one token-slot; N is the expert's intermediate size."""
+    slot = tl.program_id(0)
+    token = slot // TOP_K
+    expert = tl.load(ids_ptr + slot).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    # columns past N re-read row N - 1 instead of masking (unpredicated, vectorised loads); never stored
+    w_ptrs = w_ptr + expert * stride_we + tl.minimum(cols, N - 1)[:, None] * stride_wn + ks[None, :]   # [BN, BK]
+    up_offset = N * stride_wn
+    x_ptrs = x_ptr + token.to(tl.int64) * stride_xm + ks                                            # [BK]
+    acc_gate = tl.full((BLOCK_N, BLOCK_K), 0.0, tl.float32)
+    acc_up = tl.full((BLOCK_N, BLOCK_K), 0.0, tl.float32)
+    for k in range(0, K, BLOCK_K):
+        if EVEN_K:
+            x = tl.load(x_ptrs).to(tl.float32)
+            w_gate = tl.load(w_ptrs)
+            w_up = tl.load(w_ptrs + up_offset)
+        else:
+            k_ok = k + ks < K
+            x = tl.load(x_ptrs, mask=k_ok, other=0.0).to(tl.float32)
+            w_gate = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
+            w_up = tl.load(w_ptrs + up_offset, mask=k_ok[None, :], other=0.0)
+        acc_gate += w_gate.to(tl.float32) * x[None, :]
+        acc_up += w_up.to(tl.float32) * x[None, :]
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    dtype = out_ptr.dtype.element_ty
+    gate = tl.reduce(acc_gate, 1, tl.standard._sum_combine).to(dtype).to(tl.float32)
+    up = tl.reduce(acc_up, 1, tl.standard._sum_combine).to(dtype).to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    tl.store(out_ptr + slot.to(tl.int64) * stride_om + cols, (act * up).to(dtype), mask=cols < N)
+
+
+@triton.jit
+def _down_gemv_kernel(a_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, N, K, stride_am, stride_we, stride_wn,
+                      stride_om, TOP_K: tl.constexpr, K_P2: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """out[token, n block] = the weighted sum over the token's TOP_K slots; N is the hidden size."""
+    token = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    lanes = tl.arange(0, K_P2)
+    lane_ok = lanes < TOP_K
+    slots = token * TOP_K + tl.minimum(lanes, TOP_K - 1)                                           # [K_P2]
+    experts = tl.load(ids_ptr + slots).to(tl.int64)
+    ks = tl.arange(0, BLOCK_K)
+    w_ptrs = (w_ptr + experts[:, None, None] * stride_we + tl.minimum(cols, N - 1)[None, :, None] * stride_wn
+              + ks[None, None, :])                                                                 # [K_P2, BN, BK]
+    a_ptrs = a_ptr + slots[:, None, None].to(tl.int64) * stride_am + ks[None, None, :]              # [K_P2, 1, BK]
+    acc = tl.full((K_P2, BLOCK_N, BLOCK_K), 0.0, tl.float32)
+    for k in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs).to(tl.float32)
+            w = tl.load(w_ptrs)
+        else:
+            k_ok = (k + ks < K)[None, None, :]
+            a = tl.load(a_ptrs, mask=k_ok, other=0.0).to(tl.float32)
+            w = tl.load(w_ptrs, mask=k_ok, other=0.0)
+        acc += w.to(tl.float32) * a
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    dtype = out_ptr.dtype.element_ty
+    y = tl.reduce(acc, 2, tl.standard._sum_combine).to(dtype).to(tl.float32)                      # [K_P2, BN]
+    routing = tl.load(weights_ptr + slots, mask=lane_ok, other=0.0)                                # [K_P2]
+    weighted = (y * routing[:, None]).to(dtype).to(tl.float32)
+    total = tl.reduce(tl.where(lane_ok[:, None], weighted, 0.0), 0, tl.standard._sum_combine)      # [BN]
+    tl.store(out_ptr + token.to(tl.int64) * stride_om + cols, total.to(dtype), mask=cols < N)
+
+
+@functools.cache
+def _interpreted(kernel):
+    """The same kernel run by Triton's interpreter, for CPU tensors."""
+    from triton.runtime.interpreter import InterpretedFunction
+    return InterpretedFunction(kernel.fn)
+
+
+def _kernel(kernel, device: torch.device):
+    return _interpreted(kernel) if device.type == "cpu" else kernel
+
+
+def moe_gemv(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor,
+             w2: torch.Tensor, gate_up_config: dict, down_config: dict) -> torch.Tensor:
+    """x [T, H] through each token's top_k experts (w13 [E, 2I, H], w2 [E, H, I]), weighted and summed -> [T, H];
+    configs: BLOCK_N, BLOCK_K, num_warps (each kernel its own)."""
+    num_tokens, top_k = topk_ids.shape
+    intermediate, hidden = w13.shape[1] // 2, w13.shape[2]
+    act = torch.empty(num_tokens * top_k, intermediate, dtype=x.dtype, device=x.device)           # [T * top_k, I]
+    out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)                          # [T, H]
+    gate_up, down = gate_up_config, down_config
+    _kernel(_gate_up_gemv_kernel, x.device)[(num_tokens * top_k, triton.cdiv(intermediate, gate_up["BLOCK_N"]))](
+        x, w13, topk_ids, act, intermediate, hidden, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
+        TOP_K=top_k, BLOCK_N=gate_up["BLOCK_N"], BLOCK_K=gate_up["BLOCK_K"],
+        EVEN_K=hidden % gate_up["BLOCK_K"] == 0, num_warps=gate_up["num_warps"])
+    _kernel(_down_gemv_kernel, x.device)[(num_tokens, triton.cdiv(hidden, down["BLOCK_N"]))](
+        act, w2, topk_ids, topk_weights, out, hidden, intermediate, act.stride(0), w2.stride(0), w2.stride(1),
+        out.stride(0), TOP_K=top_k, K_P2=triton.next_power_of_2(top_k), BLOCK_N=down["BLOCK_N"],
+        BLOCK_K=down["BLOCK_K"], EVEN_K=intermediate % down["BLOCK_K"] == 0, num_warps=down["num_warps"])
+    return out

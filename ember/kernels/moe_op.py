@@ -1,0 +1,116 @@
+"""`ember::moe`: a mixture-of-experts MLP as one op that dynamo traces (a fake gives its output's shape), so the
+pieces around it compile with fullgraph=True and FULL CUDA graphs capture it in decode buckets.
+
+    moe(hidden [T, H], router_logits [T, E], w13 [E, 2I, H], w2 [E, H, I], top_k, renormalize) -> [T, H]
+
+On CUDA: the routing kernel (softmax, top-k, renormalise; ember.kernels.moe_router), then, by the launch table
+(ember.kernels.moe_configs) for the token count, either the decode path that reads only the chosen experts
+(ember.kernels.moe_gemv, two launches) or the alignment and the grouped GEMM (ember.kernels.moe_align and moe_gemm,
+three small launches, two GEMMs and the top_k sum). The token count is fixed in a graph bucket, so capture and
+replay choose alike. Elsewhere the op runs the torch reference (a loop over the chosen experts), unless
+`set_moe_kernels("kernels")` sends CPU tensors through the interpreted kernels (tests).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ember.kernels.library import define, register_fake
+from ember.kernels.moe_align import moe_align
+from ember.kernels.moe_configs import MoeLaunch, MoeShape, moe_launch
+from ember.kernels.moe_gemm import moe_down, moe_gate_up, moe_reference
+from ember.kernels.moe_gemv import moe_gemv
+from ember.kernels.moe_router import route, route_reference
+
+__all__ = ["DTYPES", "fused_experts", "moe", "moe_kernels", "set_moe_kernels"]
+
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+CPU_SMS = 4          # "SMs" under the interpreter, for the launch shapes
+
+_mode = "auto"
+
+
+def set_moe_kernels(mode: str) -> None:
+    """"auto" (the default): the Triton kernels on CUDA, the torch reference elsewhere; "kernels": the kernels on
+    every device (interpreted for CPU tensors); "reference": the torch reference everywhere (A/B runs)."""
+    global _mode
+    if mode not in ("auto", "kernels", "reference"):
+        raise ValueError(f"MoE kernel mode {mode!r} is not one of 'auto', 'kernels', 'reference'")
+    _mode = mode
+
+
+def moe_kernels(device: torch.device) -> bool:
+    """Whether `ember::moe` runs the Triton kernels for tensors on `device` (see set_moe_kernels)."""
+    return _mode == "kernels" or (_mode == "auto" and device.type == "cuda")
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return CPU_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def launch_for(x: torch.Tensor, w13: torch.Tensor, top_k: int) -> MoeLaunch:
+    """The path and launch shapes the op takes for these tensors."""
+    num_experts, two_i, hidden = w13.shape
+    return moe_launch(MoeShape(x.shape[0], num_experts, hidden, two_i // 2, top_k, x.element_size(),
+                               _num_sms(x.device)))
+
+
+def fused_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor,
+                  w2: torch.Tensor, launch: MoeLaunch | None = None) -> torch.Tensor:
+    """x [T, H] through each token's chosen experts (topk_ids [T, top_k] int32, topk_weights [T, top_k] float32),
+    weighted and summed -> [T, H], with the kernels (interpreted for CPU tensors). `launch` overrides the table."""
+    num_tokens, top_k = topk_ids.shape
+    launch = launch or launch_for(x, w13, top_k)
+    if launch.path == "gemv":
+        return moe_gemv(x, topk_weights, topk_ids, w13, w2, launch.gate_up, launch.down)
+    if launch.gate_up["BLOCK_M"] != launch.down["BLOCK_M"]:
+        raise ValueError(f"the two grouped GEMMs must share BLOCK_M (the alignment's block), got "
+                         f"{launch.gate_up['BLOCK_M']} and {launch.down['BLOCK_M']}")
+    sorted_slots, block_experts, _ = moe_align(topk_ids, w13.shape[0], launch.gate_up["BLOCK_M"])
+    act = moe_gate_up(x, w13, sorted_slots, block_experts, top_k, launch.gate_up)        # [capacity, I]
+    out = moe_down(act, w2, sorted_slots, block_experts, topk_weights, launch.down)       # [T * top_k, H]
+    return out if top_k == 1 else out.view(num_tokens, top_k, -1).sum(dim=1)
+
+
+def _check(hidden: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+           top_k: int) -> None:
+    num_tokens, size = hidden.shape
+    num_experts, two_i, h = w13.shape
+    if (h != size or w2.shape != (num_experts, size, two_i // 2) or router_logits.shape != (num_tokens, num_experts)
+            or two_i % 2):
+        raise ValueError(f"moe needs hidden [T, H], router_logits [T, E], w13 [E, 2I, H] and w2 [E, H, I]; got "
+                         f"{tuple(hidden.shape)}, {tuple(router_logits.shape)}, {tuple(w13.shape)}, "
+                         f"{tuple(w2.shape)}")
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k must be between 1 and the {num_experts} experts, got {top_k}")
+    if hidden.dtype not in DTYPES or w13.dtype != hidden.dtype or w2.dtype != hidden.dtype:
+        raise ValueError(f"the MoE kernels take bfloat16, float16 or float32 activations and weights of one dtype, "
+                         f"got {hidden.dtype}, {w13.dtype} and {w2.dtype}")
+
+
+@define("moe")
+def _moe_op(hidden: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
+            renormalize: bool) -> torch.Tensor:
+    """A sparse MoE MLP with SiLU-gated experts: the kernels or the torch reference (see set_moe_kernels)."""
+    if not moe_kernels(hidden.device):
+        topk_weights, topk_ids = route_reference(router_logits, top_k, renormalize)
+        return moe_reference(hidden, topk_weights, topk_ids, w13, w2)
+    _check(hidden, router_logits, w13, w2, top_k)
+    if hidden.shape[0] == 0:
+        return hidden.new_empty(hidden.shape)
+    hidden = hidden if hidden.stride(1) == 1 else hidden.contiguous()
+    topk_weights, topk_ids = route(router_logits, top_k, renormalize)
+    return fused_experts(hidden, topk_weights, topk_ids, w13, w2)
+
+
+@register_fake("moe")
+def _moe_fake(hidden, router_logits, w13, w2, top_k, renormalize):
+    return hidden.new_empty(hidden.shape)
+
+
+def moe(hidden: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
+        renormalize: bool) -> torch.Tensor:
+    """hidden [T, H] -> [T, H] through `ember::moe` (the module docstring)."""
+    return torch.ops.ember.moe(hidden, router_logits, w13, w2, top_k, renormalize)

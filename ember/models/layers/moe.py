@@ -1,0 +1,117 @@
+"""Mixture-of-experts MLP: a router (a linear layer to one logit per expert) and SiLU-gated experts stored as two
+stacked tensors, run together by the `ember::moe` op (ember.kernels.moe_op).
+
+    w13 [E, 2I, H]: expert e's gate rows [0, I) then its up rows [I, 2I)
+    w2  [E, H, I]:  expert e's down projection
+
+Checkpoints hold one tensor per expert and projection (`mlp.experts.{e}.gate_proj/up_proj/down_proj.weight` in
+Qwen3-MoE, `block_sparse_moe.experts.{e}.w1/w3/w2.weight` in Mixtral), or, as transformers 5 holds them in memory,
+the stacked `experts.gate_up_proj` [E, 2I, H] and `experts.down_proj` [E, H, I]. `expert_checkpoint_target` maps
+either onto w13 / w2 with a shard id, (expert, 0 | 1) for gate / up and expert for down, which the parameters'
+weight loaders place; the loader asks each parameter which of its shards a checkpoint left out.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from ember.kernels.moe_op import moe
+from ember.models.layers.linear import Linear, check_shape, default_weight_loader, make_param
+
+__all__ = ["FusedMoE", "SparseMoeBlock", "expert_checkpoint_target", "num_experts_of"]
+
+_PER_EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight$")
+_STACKED = {"gate_up_proj": "w13", "down_proj": "w2"}
+
+
+def num_experts_of(config) -> int:
+    """The expert count: `num_local_experts` (Mixtral, and Qwen3-MoE as transformers 5 stores it) or
+    `num_experts` (Qwen3-MoE's config.json and transformers 4)."""
+    count = getattr(config, "num_local_experts", None)
+    return int(count if count is not None else getattr(config, "num_experts", 0) or 0)
+
+
+def expert_checkpoint_target(name: str, projections: dict[str, tuple[str, int | None]]
+                             ) -> tuple[str, object] | None:
+    """An expert tensor's (parameter name, shard id), or None for any other tensor. `projections` maps a per-expert
+    checkpoint name to (w13 or w2, 0 for gate / 1 for up / None for down), e.g. {"w1": ("w13", 0), ...}."""
+    match = _PER_EXPERT.match(name)
+    if match is not None and match["proj"] in projections:
+        param, half = projections[match["proj"]]
+        expert = int(match["expert"])
+        return f"{match['prefix']}.{param}", expert if half is None else (expert, half)
+    prefix, _, leaf = name.rpartition(".")
+    if prefix.endswith(".experts") and leaf in _STACKED:
+        return f"{prefix}.{_STACKED[leaf]}", None
+    return None
+
+
+class FusedMoE(nn.Module):
+    """Every expert's weights as two stacked parameters (see the module docstring)."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
+        self.w13 = make_param((num_experts, 2 * intermediate_size, hidden_size), self._load_w13)   # [E, 2I, H]
+        self.w2 = make_param((num_experts, hidden_size, intermediate_size), self._load_w2)         # [E, H, I]
+        self.w13.missing_shards = lambda got: self._missing(got, [(e, h) for e in range(num_experts) for h in (0, 1)])
+        self.w2.missing_shards = lambda got: self._missing(got, list(range(num_experts)))
+
+    def _expert(self, expert: int) -> int:
+        if not 0 <= expert < self.num_experts:
+            raise ValueError(f"expert {expert} is out of range for {self.num_experts} experts")
+        return expert
+
+    def _load_w13(self, param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
+        if shard_id is None:
+            default_weight_loader(param, loaded)
+            return
+        expert, half = shard_id
+        size = self.intermediate_size
+        target = param.data[self._expert(expert)].narrow(0, half * size, size)                       # [I, H]
+        check_shape(param, loaded, target.shape)
+        target.copy_(loaded)
+
+    def _load_w2(self, param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
+        if shard_id is None:
+            default_weight_loader(param, loaded)
+            return
+        target = param.data[self._expert(shard_id)]                                                  # [H, I]
+        check_shape(param, loaded, target.shape)
+        target.copy_(loaded)
+
+    @staticmethod
+    def _missing(got: set, expected: list) -> list[str]:
+        names = {0: "gate", 1: "up"}
+        return [f"expert {s[0]}'s {names[s[1]]} projection" if isinstance(s, tuple) else f"expert {s}"
+                for s in expected if s not in got]
+
+    def extra_repr(self) -> str:
+        return f"experts={self.num_experts}, hidden={self.hidden_size}, intermediate={self.intermediate_size}"
+
+
+class SparseMoeBlock(nn.Module):
+    """router -> top_k experts per token -> their outputs summed with the routing weights (renormalised to sum to
+    one where `renormalize`)."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int, renormalize: bool,
+                 hidden_act: str = "silu"):
+        super().__init__()
+        if hidden_act not in ("silu", "swish"):
+            raise ValueError(f"MoE experts with hidden_act {hidden_act!r} are not supported; ember's MoE kernels "
+                             f"fuse SiLU (silu / swish)")
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok {top_k} must be between 1 and num_experts {num_experts}")
+        self.top_k, self.renormalize = int(top_k), bool(renormalize)
+        self.gate = Linear(hidden_size, num_experts)
+        self.experts = FusedMoE(num_experts, hidden_size, intermediate_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H] -> [T, H]."""
+        return moe(x, self.gate(x), self.experts.w13, self.experts.w2, self.top_k, self.renormalize)
+
+    def extra_repr(self) -> str:
+        return f"top_k={self.top_k}, renormalize={self.renormalize}"
