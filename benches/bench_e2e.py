@@ -42,7 +42,7 @@ def test_decode_latency(benchmark, bandwidth, model, capsys):
               max_num_seqs=max(8, spec.batch_size))
     lat = benchmark.pedantic(run_latency, args=(llm, spec.batch_size, spec.input_len, spec.output_len),
                              kwargs={"num_iters": 3}, rounds=1, iterations=1)
-    weight_bytes, kv_token_bytes = model_bytes(llm)
+    weight_bytes, kv_token_bytes = model_bytes(llm, spec.batch_size)
     roof = decode_roofline(weight_bytes, kv_token_bytes, spec.batch_size, spec.input_len, spec.output_len,
                            bandwidth, lat["mean_tpot_s"])
     startup = startup_times(llm)

@@ -117,7 +117,7 @@ def test_step(benchmark, llm, bandwidth, batch_size, kind, capsys):
     if benchmark.stats is None:   # --benchmark-disable: the step ran once, untimed
         return
 
-    weight_bytes, kv_token_bytes = model_bytes(engine)
+    weight_bytes, kv_token_bytes = model_bytes(engine, again.total_num_tokens)
     contexts = [STEP_CONTEXT_LEN + 1] * batch_size + ([prefill_len] if prefill_len else [])
     floor_s = step_bytes(weight_bytes, kv_token_bytes, contexts) / bandwidth
     median_s = benchmark.stats.stats.median

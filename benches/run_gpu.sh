@@ -9,6 +9,9 @@
 #   bash benches/run_gpu.sh flash         # the flash backend's kernels, GPU tests and time to first token
 #   bash benches/run_gpu.sh fusion        # fusion passes on / off, batch-1 decode with a step profile
 #   [CONFIGS=..] [AB_OPTION=.. AB_VALUES=".."] bash benches/run_gpu.sh ab   # batch-1 A/B of a backend option
+#   bash benches/run_gpu.sh moe_sweep [CONFIG]  # the MoE kernels' launch table for CONFIG (default qwen3-30b-a3b)
+#   bash benches/run_gpu.sh moe           # MoE kernel tests, the MoE layer bench, Qwen3-30B-A3B batch-1 latency
+#   bash benches/run_gpu.sh moe_throughput   # the nano-vllm throughput workload, Qwen3-30B-A3B config
 # Each part's own switches are described above its function.
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -192,10 +195,37 @@ part_ab() {
   done
 }
 
+# moe_sweep [CONFIG]: measures and writes ember/kernels/moe_configs.json (one config per call: ~5-8 minutes each).
+part_moe_sweep() {
+  run moe_sweep_"${1:-qwen3-30b-a3b}" 590 python3 benches/moe_sweep.py --configs "${1:-qwen3-30b-a3b}" --write
+  tail -3 "$OUT/moe_sweep_${1:-qwen3-30b-a3b}.log"
+}
+
+# moe: the MoE kernel GPU tests (not the model parity tests: tests/gpu/run_parts.sh 5), the MoE layer alone against
+# its floor and a loop over experts, then batch-1 decode of the Qwen3-30B-A3B config with a step profile.
+part_moe() {
+  run moe_kernels 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_moe_gpu.py \
+    -k "kernels_match or alignment or cuda_graph"
+  run moe_layer 200 python3 -m pytest -q -p no:cacheprovider benches/bench_moe.py --benchmark-only -s
+  run latency_qwen3_moe 180 python3 -m ember bench latency --config qwen3-30b-a3b --batch-size 1 --input-len 32 \
+    --output-len 256 --num-iters 3 --profile 20 --json "$OUT/latency_qwen3_moe.json"
+  echo "== summary"
+  grep -h "passed\|failed" "$OUT/moe_kernels.log" | tail -1
+  grep -h "^suite\|layer=" "$OUT/moe_layer.log" | cut -c1-220
+  grep -h "decode \|TPOT\|host \|start-up" "$OUT/latency_qwen3_moe.log"
+}
+
+part_moe_throughput() {
+  run throughput_qwen3_moe 560 python3 -m ember bench throughput --config qwen3-30b-a3b \
+    --json "$OUT/throughput_qwen3_moe.json"
+  echo "== summary"
+  grep -h "output \|host \|start-up" "$OUT"/throughput_qwen3_moe.log
+}
+
 part=${1:-}
 [ $# -gt 0 ] && shift
 case "$part" in
-  decode|throughput|headline|serve|startup|flash|fusion|ab) mkdir -p "$OUT" ;;
+  decode|throughput|headline|serve|startup|flash|fusion|ab|moe|moe_sweep|moe_throughput) mkdir -p "$OUT" ;;
 esac
 case "$part" in
   decode) part_decode ;;
@@ -206,6 +236,10 @@ case "$part" in
   flash) part_flash ;;
   fusion) part_fusion ;;
   ab) part_ab ;;
-  *) echo "usage: bash benches/run_gpu.sh decode|throughput|headline|serve|startup [MODEL ...]|flash|fusion|ab" >&2
+  moe) part_moe ;;
+  moe_sweep) part_moe_sweep "$@" ;;
+  moe_throughput) part_moe_throughput ;;
+  *) echo "usage: bash benches/run_gpu.sh decode|throughput|headline|serve|startup [MODEL ...]|flash|fusion|ab|moe|" \
+          "moe_sweep [CONFIG]|moe_throughput" >&2
      exit 2 ;;
 esac

@@ -95,7 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_argument(s)
     add_engine_args(s)
     s.add_argument("--config", default=None,
-                   help="a bundled model config (qwen3-0.6b, llama-3.2-1b, llama-3.1-8b) with random weights")
+                   help="a bundled model config (qwen3-0.6b, llama-3.2-1b, llama-3.1-8b, gemma-3-1b, qwen3-30b-a3b, "
+                        "mixtral-8x7b) with random weights")
     s.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                    help="'dummy' gives the model's architecture random weights")
     s.add_argument("--host", default="127.0.0.1")

@@ -49,10 +49,12 @@ class CompileWatch:
         return {"triton_compiles": self.counter.total - self._before, "triton_compiled_kernels": kernels}
 
 
-def model_bytes(llm) -> tuple[int, int]:
-    """(weight bytes read per step, KV bytes per token) of the loaded model."""
+def model_bytes(llm, tokens_per_step: int | None = None) -> tuple[int, int]:
+    """(weight bytes read per step, KV bytes per token) of the loaded model; with `tokens_per_step`, a MoE layer
+    counts only the experts that many tokens choose (roofline.decode_weight_bytes)."""
     runner = llm.engine.runner
-    return decode_weight_bytes(runner.model, runner.hf_config), kv_bytes_per_token(runner.hf_config, runner.dtype)
+    return (decode_weight_bytes(runner.model, runner.hf_config, tokens_per_step),
+            kv_bytes_per_token(runner.hf_config, runner.dtype))
 
 
 def run_throughput(llm, workload: Workload, temperature: float = 0.6, warmup: bool = True) -> dict:
@@ -338,7 +340,7 @@ def _latency(args) -> int:
     max_id = _max_token_id(llm)
     lat = run_latency(llm, args.batch_size, args.input_len, args.output_len, args.num_iters, args.seed, max_id)
     result = {"command": "latency", **_header(llm, args, startup_compiles), **lat}
-    weight_bytes, kv_token_bytes = model_bytes(llm)
+    weight_bytes, kv_token_bytes = model_bytes(llm, args.batch_size)
     roof = decode_roofline(weight_bytes, kv_token_bytes, args.batch_size, args.input_len, args.output_len,
                            bandwidth, lat["mean_tpot_s"])
     result["roofline"] = roof.as_dict()
@@ -369,7 +371,8 @@ def _latency(args) -> int:
 
 def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=None,
-                   help="a bundled model config (qwen3-0.6b, llama-3.2-1b, llama-3.1-8b, gemma-3-1b) with random weights")
+                   help="a bundled model config (qwen3-0.6b, llama-3.2-1b, llama-3.1-8b, gemma-3-1b, qwen3-30b-a3b, "
+                        "mixtral-8x7b) with random weights")
     p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                    help="'dummy' gives --model's architecture random weights")
     p.add_argument("--json", default=None, metavar="PATH", help="write every number to this JSON file")

@@ -24,14 +24,30 @@ def kv_bytes_per_token(hf_config, dtype: torch.dtype) -> int:
     return 2 * int(hf_config.num_hidden_layers) * num_kv_heads * head_dim * element
 
 
-def decode_weight_bytes(model: nn.Module, hf_config) -> int:
+def decode_weight_bytes(model: nn.Module, hf_config, tokens_per_step: int | None = None) -> int:
     """Bytes of weights one step reads: every distinct parameter once, less the input embedding table when it is
-    not tied to the LM head (a step gathers only its own rows of it)."""
+    not tied to the LM head (a step gathers only its own rows of it). With `tokens_per_step`, a mixture-of-experts
+    layer counts only the experts that many tokens choose: exactly top_k at one token, and for B tokens the
+    expected number of distinct experts under uniform routing, E * (1 - (1 - top_k / E) ** B)."""
     total = sum(p.numel() * p.element_size() for p in model.parameters())   # parameters() drops tied duplicates
     if not getattr(hf_config, "tie_word_embeddings", False):
         element = next(model.parameters()).element_size()
         total -= int(hf_config.vocab_size) * int(hf_config.hidden_size) * element
+    if tokens_per_step is not None:
+        total -= sum(all_bytes - touched for all_bytes, touched in expert_bytes(model, tokens_per_step))
     return total
+
+
+def expert_bytes(model: nn.Module, tokens_per_step: int) -> list[tuple[int, int]]:
+    """Per mixture-of-experts layer: (bytes of all its experts, bytes of the experts `tokens_per_step` tokens are
+    expected to read), as `decode_weight_bytes` counts them; [] for a dense model."""
+    layers = [m for m in model.modules() if hasattr(m, "expected_experts") and hasattr(m, "experts")]
+    out = []
+    for layer in layers:
+        all_bytes = sum(p.numel() * p.element_size() for p in layer.experts.parameters())
+        share = layer.expected_experts(tokens_per_step) / layer.experts.num_experts
+        out.append((all_bytes, round(all_bytes * share)))
+    return out
 
 
 def context_tokens_read(prompt_len: int, output_len: int) -> int:

@@ -44,8 +44,10 @@ def align_capacity(num_slots: int, num_experts: int, block_m: int) -> int:
 
 
 # Kernels use tl.reduce / tl.associative_scan with Triton's own combine functions, not tl.sum / tl.cumsum: those
-# are @triton.jit library functions that the interpreted copy (CPU tensors) cannot call.
-@triton.jit
+# are @triton.jit library functions that the interpreted copy (CPU tensors) cannot call. Counts that follow the
+# step's token count stay out of the specialization key (Triton would compile a count of 1 or a multiple of 16
+# apart), so one compile serves every bucket.
+@triton.jit(do_not_specialize=["num_slots"])
 def _count_kernel(topk_ids_ptr, chunk_counts_ptr, num_slots, num_experts,
                   CHUNK: tl.constexpr, E_P2: tl.constexpr):
     """chunk_counts[c, e] = slots of chunk c that chose expert e."""
@@ -58,7 +60,7 @@ def _count_kernel(topk_ids_ptr, chunk_counts_ptr, num_slots, num_experts,
     tl.store(chunk_counts_ptr + chunk * num_experts + experts, counts, mask=experts < num_experts)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_chunks"])
 def _prefix_kernel(chunk_counts_ptr, chunk_base_ptr, totals_ptr, num_chunks, num_experts,
                    CHUNKS: tl.constexpr, EXPERTS: tl.constexpr):
     """chunk_base[c, e] = slots of chunks before c that chose e; totals[e] = all slots that chose e."""
@@ -76,7 +78,7 @@ def _prefix_kernel(chunk_counts_ptr, chunk_base_ptr, totals_ptr, num_chunks, num
     tl.store(totals_ptr + experts, running, mask=expert_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_slots", "num_blocks", "blocks_per_program"])
 def _scatter_kernel(topk_ids_ptr, chunk_base_ptr, totals_ptr, sorted_ptr, block_experts_ptr, num_padded_ptr,
                     num_slots, num_experts, num_blocks, blocks_per_program,
                     CHUNK: tl.constexpr, E_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_TILE: tl.constexpr):

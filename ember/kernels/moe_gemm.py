@@ -27,7 +27,9 @@ import triton.language as tl
 __all__ = ["moe_down", "moe_gate_up", "moe_reference"]
 
 
-@triton.jit
+# counts that follow the step's token count stay out of the specialization key (Triton would compile a count
+# of 1 or a multiple of 16 apart), so one compile serves every bucket
+@triton.jit(do_not_specialize=["num_slots", "num_blocks"])
 def _gate_up_kernel(x_ptr, w_ptr, sorted_ptr, block_experts_ptr, out_ptr,
                     num_slots, N, K, num_blocks, stride_xm, stride_we, stride_wn, stride_om,
                     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -84,7 +86,7 @@ def _gate_up_kernel(x_ptr, w_ptr, sorted_ptr, block_experts_ptr, out_ptr,
              mask=row_ok[:, None] & col_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_slots", "num_blocks"])
 def _down_kernel(a_ptr, w_ptr, sorted_ptr, block_experts_ptr, weights_ptr, out_ptr,
                  num_slots, N, K, num_blocks, stride_am, stride_we, stride_wn, stride_om,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,

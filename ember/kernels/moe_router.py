@@ -18,7 +18,9 @@ __all__ = ["route", "route_reference"]
 BLOCK_T = 4          # tokens per program
 
 
-@triton.jit
+# counts that follow the step's token count stay out of the specialization key (Triton would compile a count
+# of 1 or a multiple of 16 apart), so one compile serves every bucket
+@triton.jit(do_not_specialize=["num_tokens"])
 def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_tokens, num_experts, stride_t, TOP_K: tl.constexpr,
                   K_P2: tl.constexpr, E_P2: tl.constexpr, BLOCK_T: tl.constexpr, RENORMALIZE: tl.constexpr):
     """weights [T, TOP_K] float32 and ids [T, TOP_K] int32 of BLOCK_T tokens."""

@@ -135,7 +135,8 @@ def greedy_generate(model: nn.Module, prompts: list[list[int]], max_new_tokens: 
 
 # Tiny configs of every supported family: 2 layers, hidden 64, GQA/MQA, tied and untied embeddings.
 def tiny_config(family: str, **overrides):
-    """A small transformers config of `family` ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3")."""
+    """A small transformers config of `family` ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3",
+    "qwen3_moe", "mixtral")."""
     import transformers
 
     common = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -167,6 +168,14 @@ def tiny_config(family: str, **overrides):
             rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                              "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0}},
             final_logit_softcapping=5.0, tie_word_embeddings=True)),
+        # MoE: 8 experts, 2 a token; Qwen3-MoE's middle layer dense (mlp_only_layers), Mixtral with a window of 8
+        "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+            num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
+            num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1],
+            tie_word_embeddings=False)),
+        "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(
+            num_attention_heads=4, num_key_value_heads=2, intermediate_size=48, num_local_experts=8,
+            num_experts_per_tok=2, sliding_window=8, tie_word_embeddings=False)),
     }
     config_cls, arch, extra = families[family]
     kwargs = {**common, **extra, **overrides}

@@ -60,6 +60,24 @@ def test_qwen3_roofline_arithmetic():
     assert Roofline(10, None, 1, 1.0).tok_s is None and "n/a" in Roofline(10, None, 1, 1.0).describe()
 
 
+def test_moe_roofline_counts_only_the_chosen_experts():
+    """Qwen3-30B-A3B: at one token a layer reads 8 of its 128 experts; at many, every expert."""
+    cfg = bundled_config("qwen3-30b-a3b")
+    model = build_on_meta(cfg, torch.bfloat16)
+    # a layer: q 4096 + k 512 + v 512 rows and o 2048 rows of K 2048 / 4096, q/k norms, two norms, the router
+    # 128 x 2048; each expert 3 x 768 x 2048; then the LM head and the final norm (the untied embedding is gathered)
+    dense = 48 * (2048 * 5120 + 4096 * 2048 + 2 * 128 + 2 * 2048 + 128 * 2048) + 151936 * 2048 + 2048
+    expert = 3 * 768 * 2048
+    assert decode_weight_bytes(model, cfg, tokens_per_step=1) == 2 * (dense + 48 * 8 * expert) == 6_083_735_552
+    assert decode_weight_bytes(model, cfg) == 2 * (dense + 48 * 128 * expert)
+    # 64 tokens: 128 * (1 - (1 - 8/128) ** 64) = 126.3 experts a layer expected under uniform routing
+    touched = decode_weight_bytes(model, cfg, tokens_per_step=64) - 2 * dense
+    assert touched / (2 * 48 * expert) == pytest.approx(128 * (1 - (120 / 128) ** 64), rel=1e-6)
+    dense_cfg = bundled_config("qwen3-0.6b")
+    dense_model = build_on_meta(dense_cfg, torch.bfloat16)
+    assert decode_weight_bytes(dense_model, dense_cfg, tokens_per_step=1) == decode_weight_bytes(dense_model, dense_cfg)
+
+
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny_bench")

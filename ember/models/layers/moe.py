@@ -109,6 +109,14 @@ class SparseMoeBlock(nn.Module):
         self.gate = Linear(hidden_size, num_experts)
         self.experts = FusedMoE(num_experts, hidden_size, intermediate_size)
 
+    def expected_experts(self, num_tokens: int) -> float:
+        """Distinct experts `num_tokens` tokens choose: top_k for one token; for more, the expectation under
+        uniform routing (each expert is missed by a token with probability 1 - top_k / E)."""
+        num_experts = self.experts.num_experts
+        if num_tokens <= 1:
+            return float(self.top_k * num_tokens)
+        return num_experts * (1.0 - (1.0 - self.top_k / num_experts) ** num_tokens)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H]."""
         return moe(x, self.gate(x), self.experts.w13, self.experts.w2, self.top_k, self.renormalize)
