@@ -90,6 +90,8 @@ def build_on_meta(config, dtype: torch.dtype, quant: QuantConfig | None = None) 
     with torch.device("meta"), _default_dtype(dtype):
         model = model_cls(config)
         if quant is not None:
+            from ember.models.layers.moe import refuse_quantized_experts   # its kernels only where a model has MoE
+            refuse_quantized_experts(model, quant)
             quantize_linear_layers(model, quant)
     return model
 

@@ -28,6 +28,11 @@ class MixtralForCausalLM(MistralForCausalLM):
     model_cls = MixtralModel
 
     @staticmethod
+    def expert_module_name(experts: str) -> str:
+        """The checkpoint module of the first expert's first projection under the experts module `experts`."""
+        return f"{experts.replace('.mlp.', '.block_sparse_moe.')}.0.w1"
+
+    @staticmethod
     def checkpoint_target(name: str):
         """A tensor of the MoE block as (parameter, shard id), the block named `mlp` as transformers 5 names it;
         None for the tensors `packed_modules` maps."""

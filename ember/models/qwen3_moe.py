@@ -46,6 +46,11 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
         super().__init__(config, prefix)
 
     @staticmethod
+    def expert_module_name(experts: str) -> str:
+        """The checkpoint module of the first expert's first projection under the experts module `experts`."""
+        return f"{experts}.0.gate_proj"
+
+    @staticmethod
     def checkpoint_target(name: str):
         """An expert tensor's (parameter, shard id); None for the tensors `packed_modules` maps."""
         return expert_checkpoint_target(name, _EXPERT_PROJECTIONS)

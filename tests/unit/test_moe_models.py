@@ -170,3 +170,22 @@ def test_bundled_moe_configs_build(name, experts, top_k, w13, w2):
     assert (blocks[0].experts.num_experts, blocks[0].top_k, blocks[0].renormalize) == (experts, top_k, True)
     assert (tuple(blocks[0].experts.w13.shape), tuple(blocks[0].experts.w2.shape)) == (w13, w2)
     assert model.model.layers[0].self_attn.attn.options.sliding_window is None
+
+
+def test_fp8_experts_are_refused():
+    from ember.models.loader import build_on_meta
+    from ember.quant import QuantConfig, QuantConfigError
+
+    online = QuantConfig(source="online", weight_strategy="channel", activation="dynamic")
+    with pytest.raises(QuantConfigError, match="fp8 MoE experts are not supported yet.*quantization='fp8'"):
+        build_on_meta(tiny_config("qwen3_moe"), torch.bfloat16, online)
+    checkpoint = QuantConfig(source="fp8", weight_strategy="block", activation="dynamic", weight_block=(128, 128),
+                             ignored=("lm_head", "mlp.gate"))
+    with pytest.raises(QuantConfigError, match="checkpoint's fp8 quantization_config covers them"):
+        build_on_meta(tiny_config("mixtral"), torch.bfloat16, checkpoint)
+    # experts left in bf16 by the checkpoint: the attention layers run fp8, the experts as they are
+    bf16_experts = QuantConfig(source="fp8", weight_strategy="channel", activation="dynamic",
+                               ignored=("lm_head", "re:.*mlp\\.(gate$|experts\\.)"))
+    model = build_on_meta(tiny_config("qwen3_moe"), torch.bfloat16, bf16_experts)
+    assert type(model.model.layers[0].self_attn.qkv_proj).__name__ == "ScaledLinear"
+    assert model.model.layers[0].mlp.experts.w13.dtype == torch.bfloat16

@@ -20,8 +20,9 @@ from torch import nn
 
 from ember.kernels.moe_op import moe
 from ember.models.layers.linear import Linear, check_shape, default_weight_loader, make_param
+from ember.quant import QuantConfig, QuantConfigError
 
-__all__ = ["FusedMoE", "SparseMoeBlock", "expert_checkpoint_target", "num_experts_of"]
+__all__ = ["FusedMoE", "SparseMoeBlock", "expert_checkpoint_target", "num_experts_of", "refuse_quantized_experts"]
 
 _PER_EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight$")
 _STACKED = {"gate_up_proj": "w13", "down_proj": "w2"}
@@ -123,3 +124,18 @@ class SparseMoeBlock(nn.Module):
 
     def extra_repr(self) -> str:
         return f"top_k={self.top_k}, renormalize={self.renormalize}"
+
+
+def refuse_quantized_experts(model: nn.Module, quant: QuantConfig) -> None:
+    """The MoE kernels take bf16 / fp16 / fp32 experts: refuse fp8 experts (a checkpoint's, or quantization="fp8"
+    at load) before any weight is read, rather than leave them in another format than asked. The model names its
+    experts' checkpoint modules (`expert_module_name`)."""
+    for name, module in model.named_modules():
+        if not isinstance(module, FusedMoE):
+            continue
+        if quant.quantizes(model.expert_module_name(name)):
+            how = ("quantization='fp8' would quantize them at load" if quant.online
+                   else f"the checkpoint's {quant.source} quantization_config covers them")
+            raise QuantConfigError(f"fp8 MoE experts are not supported yet ({how}); run the experts in bf16: a "
+                                   f"checkpoint without fp8 experts, and no quantization='fp8'")
+
