@@ -63,8 +63,8 @@ def test_moe_layer(benchmark, device_peaks, bench_table, layer, num_tokens):
     other = fallback_launch(shape, gemv_max_tokens=0 if launch.path == "gemv" else num_tokens)
     routed = [route(lg, top_k, renormalize) for lg in logits]
 
-    def other_path(i):
-        return lambda: moe_op.fused_experts(xs[i], *routed[i], w13, w2, other)
+    def other_path(i):     # the router and the routing kernel included, as in the op
+        return lambda: moe_op.fused_experts(xs[i], *route(xs[i] @ router.t(), top_k, renormalize), w13, w2, other)
 
     other_us = graph_us_per_call([other_path(i) for i in range(BATCHES)], calls)
 

@@ -1,5 +1,5 @@
 """The MoE decode path: a few tokens read only their chosen experts' weights, once per token-slot, with no
-alignment, in two launches.
+alignment, in two launches (the routing folded into the first: `routed_moe_gemv`).
 
     gate_up: grid (slot, block of I columns): act[slot] = silu(x[token] @ w13[e, :I]^T) * (x[token] @ w13[e, I:]^T)
     down:    grid (token, block of H columns): out[token] = sum over k of weight[k] * (act[slot k] @ w2[e_k]^T)
@@ -20,16 +20,47 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["moe_gemv"]
+__all__ = ["moe_gemv", "routed_moe_gemv"]
 
 
 @triton.jit
-def _gate_up_gemv_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, N, K, stride_xm, stride_we, stride_wn, stride_om,
-                         TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-    """out[slot, n block] = silu(gate) * up for one token-slot; N is the expert's intermediate size."""
+def _gate_up_gemv_kernel(x_ptr, w_ptr, logits_ptr, ids_ptr, weights_ptr, out_ptr, N, K, num_experts, stride_xm,
+                         stride_lm, stride_we, stride_wn, stride_om, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, ROUTE: tl.constexpr, E_P2: tl.constexpr,
+                         RENORMALIZE: tl.constexpr):
+    """out[slot, n block] = silu(gate) * up for one token-slot; N is the expert's intermediate size.
+
+    ROUTE: the slot's expert comes from the token's router logits (softmax, top-k, renormalise: the arithmetic of
+    ember.kernels.moe_router, redone by every program of the token, which costs a few reductions over E values),
+    and the programs of column block 0 store each slot's expert and weight for the down kernel. Else from ids."""
     slot = tl.program_id(0)
     token = slot // TOP_K
-    expert = tl.load(ids_ptr + slot).to(tl.int64)
+    if ROUTE:
+        experts = tl.arange(0, E_P2)
+        expert_ok = experts < num_experts
+        raw = tl.load(logits_ptr + token.to(tl.int64) * stride_lm + experts, mask=expert_ok, other=0.0)
+        logits = tl.where(expert_ok, raw.to(tl.float32), -1e30)
+        exps = tl.exp(logits - tl.reduce(logits, 0, tl.standard._elementwise_max))
+        probs = tl.where(expert_ok, exps / tl.reduce(exps, 0, tl.standard._sum_combine), -1.0)
+        picked = 0.0
+        mine = 0.0
+        expert = 0
+        for k in tl.static_range(TOP_K):
+            best = tl.reduce(probs, 0, tl.standard._elementwise_max)
+            index = tl.reduce(tl.where(probs == best, experts, E_P2), 0, tl.standard._elementwise_min)
+            index = tl.minimum(index, num_experts - 1)
+            picked += best
+            mine = tl.where(slot % TOP_K == k, best, mine)
+            expert = tl.where(slot % TOP_K == k, index, expert)
+            probs = tl.where(experts == index, -1.0, probs)
+        if RENORMALIZE:
+            mine = mine / picked
+        if tl.program_id(1) == 0:
+            tl.store(ids_ptr + slot, expert.to(tl.int32))
+            tl.store(weights_ptr + slot, mine.to(raw.dtype).to(tl.float32))
+        expert = expert.to(tl.int64)
+    else:
+        expert = tl.load(ids_ptr + slot).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     # columns past N re-read row N - 1 instead of masking (unpredicated, vectorised loads); never stored
@@ -105,21 +136,49 @@ def _kernel(kernel, device: torch.device):
     return _interpreted(kernel) if device.type == "cpu" else kernel
 
 
+def _launch_gate_up(x, w13, logits, ids, weights, act, config, top_k, renormalize) -> None:
+    num_slots, intermediate = act.shape
+    hidden = w13.shape[2]
+    route = logits is not None
+    _kernel(_gate_up_gemv_kernel, x.device)[(num_slots, triton.cdiv(intermediate, config["BLOCK_N"]))](
+        x, w13, logits if route else x, ids, weights, act, intermediate, hidden, w13.shape[0], x.stride(0),
+        logits.stride(0) if route else 0, w13.stride(0), w13.stride(1), act.stride(0), TOP_K=top_k,
+        BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"], EVEN_K=hidden % config["BLOCK_K"] == 0,
+        ROUTE=route, E_P2=triton.next_power_of_2(w13.shape[0]), RENORMALIZE=renormalize,
+        num_warps=config["num_warps"])
+
+
+def _launch_down(act, w2, ids, weights, out, config, top_k) -> None:
+    num_tokens, hidden = out.shape
+    intermediate = w2.shape[2]
+    _kernel(_down_gemv_kernel, act.device)[(num_tokens, triton.cdiv(hidden, config["BLOCK_N"]))](
+        act, w2, ids, weights, out, hidden, intermediate, act.stride(0), w2.stride(0), w2.stride(1),
+        out.stride(0), TOP_K=top_k, K_P2=triton.next_power_of_2(top_k), BLOCK_N=config["BLOCK_N"],
+        BLOCK_K=config["BLOCK_K"], EVEN_K=intermediate % config["BLOCK_K"] == 0, num_warps=config["num_warps"])
+
+
 def moe_gemv(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor,
              w2: torch.Tensor, gate_up_config: dict, down_config: dict) -> torch.Tensor:
     """x [T, H] through each token's top_k experts (w13 [E, 2I, H], w2 [E, H, I]), weighted and summed -> [T, H];
     configs: BLOCK_N, BLOCK_K, num_warps (each kernel its own)."""
     num_tokens, top_k = topk_ids.shape
-    intermediate, hidden = w13.shape[1] // 2, w13.shape[2]
-    act = torch.empty(num_tokens * top_k, intermediate, dtype=x.dtype, device=x.device)           # [T * top_k, I]
-    out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)                          # [T, H]
-    gate_up, down = gate_up_config, down_config
-    _kernel(_gate_up_gemv_kernel, x.device)[(num_tokens * top_k, triton.cdiv(intermediate, gate_up["BLOCK_N"]))](
-        x, w13, topk_ids, act, intermediate, hidden, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
-        TOP_K=top_k, BLOCK_N=gate_up["BLOCK_N"], BLOCK_K=gate_up["BLOCK_K"],
-        EVEN_K=hidden % gate_up["BLOCK_K"] == 0, num_warps=gate_up["num_warps"])
-    _kernel(_down_gemv_kernel, x.device)[(num_tokens, triton.cdiv(hidden, down["BLOCK_N"]))](
-        act, w2, topk_ids, topk_weights, out, hidden, intermediate, act.stride(0), w2.stride(0), w2.stride(1),
-        out.stride(0), TOP_K=top_k, K_P2=triton.next_power_of_2(top_k), BLOCK_N=down["BLOCK_N"],
-        BLOCK_K=down["BLOCK_K"], EVEN_K=intermediate % down["BLOCK_K"] == 0, num_warps=down["num_warps"])
+    act = torch.empty(num_tokens * top_k, w13.shape[1] // 2, dtype=x.dtype, device=x.device)     # [T * top_k, I]
+    out = torch.empty(num_tokens, w13.shape[2], dtype=x.dtype, device=x.device)                  # [T, H]
+    _launch_gate_up(x, w13, None, topk_ids, topk_weights, act, gate_up_config, top_k, False)
+    _launch_down(act, w2, topk_ids, topk_weights, out, down_config, top_k)
+    return out
+
+
+def routed_moe_gemv(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
+                    renormalize: bool, gate_up_config: dict, down_config: dict) -> torch.Tensor:
+    """`moe_gemv` with the routing (ember.kernels.moe_router's) done inside the gate_up kernel: the whole MoE
+    layer in two launches. router_logits [T, E] -> [T, H]."""
+    num_tokens = x.shape[0]
+    act = torch.empty(num_tokens * top_k, w13.shape[1] // 2, dtype=x.dtype, device=x.device)     # [T * top_k, I]
+    ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=x.device)                     # [T, top_k]
+    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=x.device)               # [T, top_k]
+    out = torch.empty(num_tokens, w13.shape[2], dtype=x.dtype, device=x.device)                  # [T, H]
+    logits = router_logits if router_logits.stride(1) == 1 else router_logits.contiguous()
+    _launch_gate_up(x, w13, logits, ids, weights, act, gate_up_config, top_k, renormalize)
+    _launch_down(act, w2, ids, weights, out, down_config, top_k)
     return out

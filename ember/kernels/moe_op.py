@@ -3,11 +3,11 @@ pieces around it compile with fullgraph=True and FULL CUDA graphs capture it in 
 
     moe(hidden [T, H], router_logits [T, E], w13 [E, 2I, H], w2 [E, H, I], top_k, renormalize) -> [T, H]
 
-On CUDA: the routing kernel (softmax, top-k, renormalise; ember.kernels.moe_router), then, by the launch table
-(ember.kernels.moe_configs) for the token count, either the decode path that reads only the chosen experts
-(ember.kernels.moe_gemv, two launches) or the alignment and the grouped GEMM (ember.kernels.moe_align and moe_gemm,
-three small launches, two GEMMs and the top_k sum). The token count is fixed in a graph bucket, so capture and
-replay choose alike. Elsewhere the op runs the torch reference (a loop over the chosen experts), unless
+On CUDA, by the launch table (ember.kernels.moe_configs) for the token count, either the decode path that reads
+only the chosen experts (ember.kernels.moe_gemv: two launches, the routing (softmax, top-k, renormalise) inside the
+first), or the routing kernel (ember.kernels.moe_router), the alignment and the grouped GEMM (ember.kernels.moe_align
+and moe_gemm: one, three and two launches) and the top_k sum. The token count is fixed in a graph bucket, so capture
+and replay choose alike. Elsewhere the op runs the torch reference (a loop over the chosen experts), unless
 `set_moe_kernels("kernels")` sends CPU tensors through the interpreted kernels (tests).
 """
 
@@ -19,7 +19,7 @@ from ember.kernels.library import define, register_fake
 from ember.kernels.moe_align import moe_align
 from ember.kernels.moe_configs import MoeLaunch, MoeShape, moe_launch
 from ember.kernels.moe_gemm import moe_down, moe_gate_up, moe_reference
-from ember.kernels.moe_gemv import moe_gemv
+from ember.kernels.moe_gemv import moe_gemv, routed_moe_gemv
 from ember.kernels.moe_router import route, route_reference
 
 __all__ = ["DTYPES", "fused_experts", "moe", "moe_kernels", "set_moe_kernels"]
@@ -32,7 +32,8 @@ _mode = "auto"
 
 def set_moe_kernels(mode: str) -> None:
     """"auto" (the default): the Triton kernels on CUDA, the torch reference elsewhere; "kernels": the kernels on
-    every device (interpreted for CPU tensors); "reference": the torch reference everywhere (A/B runs)."""
+    every device (interpreted for CPU tensors); "reference": the torch reference everywhere (A/B runs; it reads the
+    expert counts back to the host, so not under CUDA graphs: run eager)."""
     global _mode
     if mode not in ("auto", "kernels", "reference"):
         raise ValueError(f"MoE kernel mode {mode!r} is not one of 'auto', 'kernels', 'reference'")
@@ -101,8 +102,11 @@ def _moe_op(hidden: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor
     if hidden.shape[0] == 0:
         return hidden.new_empty(hidden.shape)
     hidden = hidden if hidden.stride(1) == 1 else hidden.contiguous()
+    launch = launch_for(hidden, w13, top_k)
+    if launch.path == "gemv":          # the routing inside the first GEMV: two launches for the layer
+        return routed_moe_gemv(hidden, router_logits, w13, w2, top_k, renormalize, launch.gate_up, launch.down)
     topk_weights, topk_ids = route(router_logits, top_k, renormalize)
-    return fused_experts(hidden, topk_weights, topk_ids, w13, w2)
+    return fused_experts(hidden, topk_weights, topk_ids, w13, w2, launch)
 
 
 @register_fake("moe")

@@ -42,6 +42,7 @@ def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_tokens, num_experts, str
         best = tl.reduce(probs, 1, tl.standard._elementwise_max)                   # [BLOCK_T]
         index = tl.reduce(tl.where(probs == best[:, None], experts[None, :], E_P2), 1,
                           tl.standard._elementwise_min)
+        index = tl.minimum(index, num_experts - 1)    # a NaN row matches nothing: keep the id a valid expert
         top_weights = tl.where(lanes[None, :] == k, best[:, None], top_weights)
         top_ids = tl.where(lanes[None, :] == k, index[:, None], top_ids)
         probs = tl.where(experts[None, :] == index[:, None], -1.0, probs)

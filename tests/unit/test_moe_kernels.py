@@ -142,20 +142,21 @@ def kernels_on_cpu():
     moe_op.set_moe_kernels("auto")
 
 
-@pytest.mark.parametrize("num_tokens, path", [(3, "gemv"), (5, "grouped")])
-def test_op_runs_the_kernels_when_asked(num_tokens, path, kernels_on_cpu):
+@pytest.mark.parametrize("num_tokens, path, renormalize", [(3, "gemv", False), (5, "grouped", True)])
+def test_op_runs_the_kernels_when_asked(num_tokens, path, renormalize, kernels_on_cpu):
+    """The decode path routes inside its first kernel; the grouped path routes with the routing kernel."""
     g = torch.Generator().manual_seed(5)
     x = torch.randn(num_tokens, 32, generator=g)
     logits = torch.randn(num_tokens, 32, generator=g)
     w13 = torch.randn(32, 48, 32, generator=g) / 32 ** 0.5
     w2 = torch.randn(32, 32, 24, generator=g) / 24 ** 0.5
-    weights, ids = route_reference(logits, 2, True)
+    weights, ids = route_reference(logits, 2, renormalize)
     ref = moe_reference(x, weights, ids, w13, w2)
     # 2 of 32 experts a token: the constants take the decode path up to 32 // (4 * 2) tokens
     assert moe_op.launch_for(x, w13, 2).path == path
-    _close(moe_op.moe(x, logits, w13, w2, 2, True), ref, torch.float32)
+    _close(moe_op.moe(x, logits, w13, w2, 2, renormalize), ref, torch.float32)
     moe_op.set_moe_kernels("auto")
-    assert torch.equal(moe_op.moe(x, logits, w13, w2, 2, True), ref)      # the CPU default: the reference
+    assert torch.equal(moe_op.moe(x, logits, w13, w2, 2, renormalize), ref)      # the CPU default: the reference
     with pytest.raises(ValueError, match="'fast'"):
         moe_op.set_moe_kernels("fast")
 
