@@ -29,10 +29,12 @@ from ember.models.layers.moe import num_experts_of
 
 DTYPE = torch.bfloat16
 GEMV_TOKENS = (1, 2, 4, 8, 16)
-GROUPED_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)   # more take 4096's
+# every GEMV token count too (the crossover compares them); others take the nearest, more than 4096 take 4096's
+GROUPED_TOKENS = (1, 2, 4, 8, 16, 64, 128, 256, 512, 1024, 2048, 4096)
 BATCHES = 8
-GEMV_CANDIDATES = [dict(BLOCK_N=n, BLOCK_K=k, num_warps=w)
-                   for n, k, w in itertools.product((1, 2, 4, 8, 16, 32), (128, 256, 512), (4, 8))]
+GEMV_CANDIDATES = [dict(BLOCK_N=n, BLOCK_K=k, num_warps=4) for n, k in itertools.product((1, 2, 4, 8, 16, 32),
+                                                                                           (128, 256, 512))]
+GEMV_MAX_TILE = 16384     # float32 accumulator elements a GEMV program may hold (64 a thread at 4 warps)
 GROUPED_CANDIDATES = [dict(BLOCK_N=n, BLOCK_K=k, GROUP_M=8, num_warps=w, num_stages=s)
                       for n, k, w, s in itertools.product((64, 128), (64, 128), (4, 8), (3, 4))]
 
@@ -69,9 +71,12 @@ def sweep_gemv(w13, w2, batches) -> tuple[dict, dict, float]:
                                        batches[0][2].shape[1], 2, torch.cuda.get_device_properties(0)
                                        .multi_processor_count), gemv_max_tokens=1 << 30)
     best = {}
+    k_p2 = 1 << (batches[0][2].shape[1] - 1).bit_length()
     for part in ("gate_up", "down"):
         timed = []
         for cand in GEMV_CANDIDATES:
+            if (2 if part == "gate_up" else k_p2) * cand["BLOCK_N"] * cand["BLOCK_K"] > GEMV_MAX_TILE:
+                continue
             gate_up, down = (cand, default.down) if part == "gate_up" else (default.gate_up, cand)
             us = _time([lambda b=b: moe_gemv(*b, w13, w2, gate_up, down) for b in batches], 4 * BATCHES)
             if us is not None:
@@ -128,6 +133,7 @@ def sweep(name: str) -> dict:
         entry["grouped"].append(dict(tokens=num_tokens, gate_up=gate_up, down=down, us=round(us, 2)))
         print(f"{name} grouped T={num_tokens}: {us:.1f} us", flush=True)
     grouped_us = {e["tokens"]: e["us"] for e in entry["grouped"]}
+    assert set(GEMV_TOKENS) <= set(grouped_us), "the crossover needs the grouped GEMM at every GEMV token count"
     # the decode path up to the last token count where it beats the grouped GEMM without a loss before it
     wins = [t for t in GEMV_TOKENS if gemv_us[t][0] < grouped_us[t]]
     entry["gemv_max_tokens"] = max((t for t in wins if all(u in wins for u in GEMV_TOKENS if u <= t)), default=0)
