@@ -67,7 +67,8 @@ def paged_attention_ref(query: torch.Tensor, kv_cache: torch.Tensor, block_table
 def _gather(cache: torch.Tensor, blocks: torch.Tensor, seq_len: int) -> torch.Tensor:
     """A request's keys or values from one half of the cache: [Hkv, S, D] float32, laid out as [S, Hkv, D]."""
     pages = cache[blocks]                                  # [num_blocks, block_size, Hkv, D], the cache's dtype
-    return pages.view(-1, *pages.shape[2:])[:seq_len].transpose(0, 1).float()
+    # reshape, not view: a caller may pass a cache whose last two dimensions are transposed
+    return pages.reshape(-1, *pages.shape[2:])[:seq_len].transpose(0, 1).float()
 
 
 def _attend_request(query: torch.Tensor, kv_cache: torch.Tensor, blocks: torch.Tensor, seq_len: int,

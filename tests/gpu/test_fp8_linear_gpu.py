@@ -94,7 +94,8 @@ def test_many_rows_quantize_the_activations(name, M, scales, activations):
                                         gated, residual)
     assert out.shape == (M, SHAPES[name][0]) and out.dtype == DTYPE
     exact = _reference(x, weight, scale, block, norm_weight, gated, residual)
-    assert _error(out, exact) <= 0.03
+    # e4m3 rounds x and w each to 3 mantissa bits (relative error up to 2**-4): 3-4% against the exact product
+    assert _error(out, exact) <= 0.04
     if activations == "dynamic":
         same_quantization = _reference(x, weight, scale, block, norm_weight, gated, residual,
                                        quantize_x="groups" if block else "tokens")
