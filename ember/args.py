@@ -58,7 +58,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", default=None, choices=["fp8"],
                    help="fp8: e4m3 linear weights, quantized per channel at load time (an fp8 checkpoint is read as "
                         "it is stored, with or without this flag)")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto"], help="auto: the model's dtype")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
+                   help="auto: the model's dtype; fp8: e4m3 KV pages with a scale per KV head (the checkpoint's "
+                        "k_scale/v_scale, else 1.0)")
     p.add_argument("--async-scheduling", dest="async_scheduling", action="store_true", default=None,
                    help="launch step t+1 before step t's tokens reach the host (default on CUDA, off on the CPU)")
     p.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",

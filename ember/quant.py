@@ -87,9 +87,6 @@ def check_quantization(quantization: str | None) -> None:
 
 def check_kv_cache_dtype(kv_cache_dtype: str) -> None:
     """Refuse a `kv_cache_dtype=` value ember does not know, before anything loads."""
-    if kv_cache_dtype in ("fp8", "fp8_e4m3"):
-        raise QuantConfigError(f"kv_cache_dtype {kv_cache_dtype!r}: the fp8 KV cache is not implemented yet; use "
-                               f"'auto' (the model's dtype)")
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise QuantConfigError(f"kv_cache_dtype {kv_cache_dtype!r} is not supported; use 'auto' (the model's dtype) "
                                f"or 'fp8' (e4m3 with a scale per layer)")

@@ -121,6 +121,9 @@ class AttentionImpl:
         self.options = options
         self.sinks = sinks                 # [num_heads] float32, or None
         self.alibi_slopes = alibi_slopes   # [num_heads] float32, or None
+        # an fp8 (e4m3) cache's (k_scale, v_scale), float32 [num_kv_heads] each: the cache holds K / k_scale and
+        # V / v_scale. Set by the runner when it binds the layer to its cache; None for a cache in the model's dtype
+        self.kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, metadata: Any, out: torch.Tensor) -> None:

@@ -23,9 +23,11 @@ import torch.nn.functional as F
 from ember.attention_backends.base import (AttentionBackend, AttentionImpl, AttentionLayerOptions, CudaGraphSupport,
                                            MetadataBuilder)
 from ember.attention_backends.common import CommonAttentionMetadata
+from ember.attention_backends.torch_ref import copy_rows
 from ember.kv_spec import KVCacheSpec
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+FP8 = torch.float8_e4m3fn      # a KV-cache dtype: pages of K / k_scale and V / v_scale, per KV head
 
 
 @dataclass(frozen=True)
@@ -116,8 +118,9 @@ class CpuSdpaMetadataBuilder(MetadataBuilder):
 
 
 def attend_part(query: torch.Tensor, kv_cache: torch.Tensor, part: PartMetadata, options: AttentionLayerOptions,
-                out: torch.Tensor) -> None:
-    """One SDPA call for every request of the part; writes the part's rows of `out` [T, Hq, D]."""
+                out: torch.Tensor, kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    """One SDPA call for every request of the part; writes the part's rows of `out` [T, Hq, D]. An e4m3 cache's
+    gathered pages are dequantized with `kv_scales` to the query's dtype first."""
     hkv, d = options.num_kv_heads, options.head_size
     group = options.num_heads // hkv
     r, length, span = part.num_reqs, part.max_query_len, part.span
@@ -134,6 +137,9 @@ def attend_part(query: torch.Tensor, kv_cache: torch.Tensor, part: PartMetadata,
     v = kv_cache[1].index_select(0, part.block_ids).view(r, span, hkv, d).transpose(1, 2)
     if part.mask is None:          # one decode: its keys are exactly the first single_len, no mask needed
         k, v = k[:, :, :part.single_len], v[:, :, :part.single_len]
+    if k.dtype == FP8:
+        k = (k.float() * kv_scales[0][:, None, None]).to(q.dtype)
+        v = (v.float() * kv_scales[1][:, None, None]).to(q.dtype)
     if q.dtype != k.dtype:
         q = q.to(k.dtype)
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=part.mask_for(group, q.dtype), scale=options.scale)
@@ -153,12 +159,10 @@ class CpuSdpaImpl(AttentionImpl):
 
     def forward(self, query, key, value, kv_cache, metadata: CpuSdpaMetadata, out) -> None:
         if self.options.kv_sharing_target is None:
-            slots = metadata.write_slots[:key.shape[0]]
-            kv_cache[0].view(-1, *key.shape[1:]).index_copy_(0, slots, key.to(kv_cache.dtype))
-            kv_cache[1].view(-1, *value.shape[1:]).index_copy_(0, slots, value.to(kv_cache.dtype))
+            copy_rows(kv_cache, metadata.write_slots[:key.shape[0]], key, value, self.kv_scales)
         for part in (metadata.decodes, metadata.prefills):
             if part is not None:
-                attend_part(query, kv_cache, part, self.options, out)
+                attend_part(query, kv_cache, part, self.options, out, self.kv_scales)
 
 
 class CpuSdpaBackend(AttentionBackend):
@@ -174,9 +178,9 @@ class CpuSdpaBackend(AttentionBackend):
         reasons = []
         if torch.device(device).type != "cpu":
             reasons.append(f"runs on the CPU only, not on {torch.device(device).type}")
-        for what, dt in (("dtype", dtype), ("KV-cache dtype", spec.dtype)):
+        for what, dt in (("dtype", dtype), ("KV-cache dtype", dtype if spec.dtype == FP8 else spec.dtype)):
             if dt not in SUPPORTED_DTYPES:
-                reasons.append(f"{what} {dt} is not supported (float32, bfloat16, float16)")
+                reasons.append(f"{what} {dt} is not supported (float32, bfloat16, float16, or an fp8 cache)")
         if options is not None:
             if options.logits_soft_cap:
                 reasons.append(f"logit soft-capping ({options.logits_soft_cap}) is not supported")

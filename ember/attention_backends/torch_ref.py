@@ -36,11 +36,29 @@ class TorchRefMetadataBuilder(MetadataBuilder):
         return TorchRefMetadata(common, common.block_tables[i], common.slot_mappings[i])
 
 
-def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def quantize_kv(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """K or V rows [T, Hkv, D] as an e4m3 cache holds them: divided by their head's scale [Hkv], rounded to
+    nearest, saturated at +-448."""
+    return (x.float() / scale[:, None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+
+
+def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+             kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """Scatter new K/V rows into a [2, num_blocks, block_size, Hkv, D] cache. Slot -1 writes go to the null block 0,
-    which no request owns, so padding needs no host-side filtering."""
+    which no request owns, so padding needs no host-side filtering. An e4m3 cache stores them over `kv_scales`."""
     num_tokens = key.shape[0]
     slots = slot_mapping[:num_tokens].clamp(min=0)
+    copy_rows(kv_cache, slots, key, value, kv_scales)
+
+
+def copy_rows(kv_cache: torch.Tensor, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+              kv_scales: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+    """key/value [T, Hkv, D] into token-major pages (a [2, blocks, block_size, Hkv, D] cache) at `slots`; an e4m3
+    cache takes them quantized, copied as bytes (index_copy_ has no float8 kernel on the CPU)."""
+    if kv_cache.dtype == torch.float8_e4m3fn:
+        key = quantize_kv(key, kv_scales[0]).view(torch.uint8)
+        value = quantize_kv(value, kv_scales[1]).view(torch.uint8)
+        kv_cache = kv_cache.view(torch.uint8)
     kv_cache[0].view(-1, *key.shape[1:]).index_copy_(0, slots, key.to(kv_cache.dtype))
     kv_cache[1].view(-1, *value.shape[1:]).index_copy_(0, slots, value.to(kv_cache.dtype))
 
@@ -48,10 +66,12 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slo
 def paged_attention_ref(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                         query_start_loc_cpu: torch.Tensor, seq_lens_cpu: torch.Tensor, num_reqs: int,
                         options: AttentionLayerOptions, out: torch.Tensor, sinks: torch.Tensor | None = None,
-                        alibi_slopes: torch.Tensor | None = None, chunk_elements: int | None = None) -> None:
+                        alibi_slopes: torch.Tensor | None = None, chunk_elements: int | None = None,
+                        kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """Causal attention of each request's queries over its own blocks; float32 math; writes rows of `out`. A
     request's queries go in chunks of at most `chunk_elements` scores (None: `SCORE_CHUNK_ELEMENTS`; one row at
-    least), so that the workspace stays within `workspace_bytes` whatever the step."""
+    least), so that the workspace stays within `workspace_bytes` whatever the step. An e4m3 cache is dequantized
+    with `kv_scales` as it is gathered."""
     chunk_elements = chunk_elements or SCORE_CHUNK_ELEMENTS
     block_size = kv_cache.shape[2]
     qsl = query_start_loc_cpu.tolist()
@@ -61,22 +81,26 @@ def paged_attention_ref(query: torch.Tensor, kv_cache: torch.Tensor, block_table
         if q_end > q_start:
             blocks = block_table[r, :-(-seq_len // block_size)].long()
             _attend_request(query[q_start:q_end], kv_cache, blocks, seq_len, options, out[q_start:q_end], sinks,
-                            alibi_slopes, chunk_elements)
+                            alibi_slopes, chunk_elements, kv_scales)
 
 
-def _gather(cache: torch.Tensor, blocks: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """A request's keys or values from one half of the cache: [Hkv, S, D] float32, laid out as [S, Hkv, D]."""
+def _gather(cache: torch.Tensor, blocks: torch.Tensor, seq_len: int, scale: torch.Tensor | None) -> torch.Tensor:
+    """A request's keys or values from one half of the cache: [Hkv, S, D] float32, laid out as [S, Hkv, D]; times
+    the heads' scales [Hkv] for an e4m3 cache."""
     pages = cache[blocks]                                  # [num_blocks, block_size, Hkv, D], the cache's dtype
     # reshape, not view: a caller may pass a cache whose last two dimensions are transposed
-    return pages.reshape(-1, *pages.shape[2:])[:seq_len].transpose(0, 1).float()
+    rows = pages.reshape(-1, *pages.shape[2:])[:seq_len].transpose(0, 1).float()
+    return rows if scale is None else rows * scale[:, None, None]
 
 
 def _attend_request(query: torch.Tensor, kv_cache: torch.Tensor, blocks: torch.Tensor, seq_len: int,
                     options: AttentionLayerOptions, out: torch.Tensor, sinks: torch.Tensor | None,
-                    alibi_slopes: torch.Tensor | None, chunk_elements: int) -> None:
+                    alibi_slopes: torch.Tensor | None, chunk_elements: int,
+                    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """One request: its K/V gathered once, its queries [L, Hq, D] a chunk of rows at a time."""
-    k = _gather(kv_cache[0], blocks, seq_len)   # [Hkv, S, D]
-    v = _gather(kv_cache[1], blocks, seq_len)
+    k_scale, v_scale = kv_scales if kv_cache.dtype == torch.float8_e4m3fn else (None, None)
+    k = _gather(kv_cache[0], blocks, seq_len, k_scale)   # [Hkv, S, D]
+    v = _gather(kv_cache[1], blocks, seq_len, v_scale)
     q_len = query.shape[0]
     rows = chunk_rows(q_len, seq_len, options.num_heads, chunk_elements)
     for start in range(0, q_len, rows):
@@ -127,9 +151,10 @@ class TorchRefImpl(AttentionImpl):
     def forward(self, query, key, value, kv_cache, metadata: TorchRefMetadata, out) -> None:
         common = metadata.common
         if self.options.kv_sharing_target is None:
-            write_kv(key, value, kv_cache, metadata.slot_mapping)
+            write_kv(key, value, kv_cache, metadata.slot_mapping, self.kv_scales)
         paged_attention_ref(query, kv_cache, metadata.block_table, common.query_start_loc_cpu, common.seq_lens_cpu,
-                            common.num_reqs, self.options, out, self.sinks, self.alibi_slopes)
+                            common.num_reqs, self.options, out, self.sinks, self.alibi_slopes,
+                            kv_scales=self.kv_scales)
 
 
 class TorchRefBackend(AttentionBackend):
@@ -159,4 +184,6 @@ class TorchRefBackend(AttentionBackend):
     def supports(cls, spec: KVCacheSpec, dtype, device, options=None) -> list[str]:
         if dtype not in (torch.float32, torch.float16, torch.bfloat16):
             return [f"dtype {dtype} is not supported (float32, float16, bfloat16)"]
+        if spec.dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn):
+            return [f"KV-cache dtype {spec.dtype} is not supported (float32, float16, bfloat16, float8_e4m3fn)"]
         return []

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from ember.models.config_snapshot import snapshot_config
+from ember.models.layers.attention import Attention
 from ember.models.layers.linear import check_shape, default_weight_loader
 from ember.models.layers.scaled_linear import quantize_linear_layers
 from ember.models.registry import get_model_class
@@ -27,6 +28,20 @@ from ember.quant import QuantConfig, QuantConfigError
 # Checkpoint tensors that carry nothing ember needs: precomputed rotary tables of older exports.
 _HARMLESS_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 _SCALE_NAMES = ("weight_scale", "weight_scale_inv", "input_scale")
+# an fp8 KV cache's scales as checkpoints name them (compressed-tensors' kv_cache_scheme, vLLM's fp8 exports, and
+# older exports' k_proj/v_proj output scales): suffix -> which scale
+_KV_SCALE_SUFFIXES = {"self_attn.k_scale": "k", "self_attn.v_scale": "v", "self_attn.attn.k_scale": "k",
+                      "self_attn.attn.v_scale": "v", "self_attn.k_proj.output_scale": "k",
+                      "self_attn.v_proj.output_scale": "v"}
+
+
+def _kv_scale_target(name: str, attention_paths: set[str]) -> str | None:
+    """"<Attention module path>:k" or ":v" for a checkpoint's KV-cache scale tensor, else None."""
+    for suffix, which in _KV_SCALE_SUFFIXES.items():
+        if name.endswith("." + suffix):
+            path = name[:-len(suffix)] + "self_attn.attn"
+            return f"{path}:{which}" if path in attention_paths else None
+    return None
 
 
 class CheckpointError(ValueError):
@@ -153,6 +168,7 @@ def _plan(model: nn.Module, config, files: list[Path]) -> dict[str, tuple[Path, 
     packed = getattr(model, "packed_modules", {})
     mapper = getattr(model, "checkpoint_target", None)
     params = dict(model.named_parameters())
+    attention_paths = {path for path, m in model.named_modules() if isinstance(m, Attention)}
     tied = bool(getattr(config, "tie_word_embeddings", False))
     folder = str(files[0].parent)
     plan: dict[str, tuple[Path, str, object]] = {}
@@ -161,8 +177,11 @@ def _plan(model: nn.Module, config, files: list[Path]) -> dict[str, tuple[Path, 
         with _open_safetensors(file) as f:
             for name in f.keys():
                 target, shard_id = _target_of(name, packed, mapper)
+                kv_scale = None if target in params else _kv_scale_target(name, attention_paths)
                 if target in params:
                     plan.setdefault(name, (file, target, shard_id))
+                elif kv_scale is not None:
+                    plan.setdefault(name, (file, kv_scale, None))
                 elif name.endswith(_HARMLESS_SUFFIXES) or (tied and name.startswith("lm_head.")):
                     continue
                 else:
@@ -223,6 +242,7 @@ def load_weights(model: nn.Module, config, files: list[Path], device: torch.devi
                     raise CheckpointError(f"tensor {name!r} of {str(file)!r} cannot be read ({e}); the file is "
                                           f"truncated or corrupt") from None
                 _load_tensor(model, name, target, shard_id, loaded, device)
+    _check_kv_scales(model)
 
 
 def _open_safetensors(file: Path):
@@ -235,8 +255,32 @@ def _open_safetensors(file: Path):
                               f"or corrupt") from None
 
 
+def _load_kv_scale(model: nn.Module, name: str, target: str, loaded: torch.Tensor, device: torch.device) -> None:
+    """A checkpoint's KV-cache scale (one value, or one per KV head) onto its Attention layer's `kv_scales`."""
+    path, _, which = target.rpartition(":")
+    layer = model.get_submodule(path)
+    heads = layer.options.num_kv_heads
+    if loaded.numel() not in (1, heads):
+        raise CheckpointError(f"KV-cache scale {name!r} has shape {tuple(loaded.shape)}; expected one value or one "
+                              f"per KV head ({heads})")
+    scale = loaded.to(device=device, dtype=torch.float32).reshape(-1).expand(heads).contiguous()
+    k, v = layer.kv_scales or (None, None)
+    layer.kv_scales = (scale, v) if which == "k" else (k, scale)
+
+
+def _check_kv_scales(model: nn.Module) -> None:
+    """Every layer whose checkpoint gave one KV-cache scale gave both."""
+    half = [path for path, m in model.named_modules()
+            if isinstance(m, Attention) and m.kv_scales is not None and None in m.kv_scales]
+    if half:
+        raise CheckpointError(f"checkpoint gives a key or a value KV-cache scale without the other for {half[:4]}")
+
+
 def _load_tensor(model: nn.Module, name: str, target: str, shard_id, loaded: torch.Tensor,
                  device: torch.device) -> None:
+    if ":" in target:
+        _load_kv_scale(model, name, target, loaded, device)
+        return
     param = model.get_parameter(target)
     loaded = loaded.to(device=device)
     if not getattr(param, "casts_itself", False):      # fp8 layers take the checkpoint's dtype as it is

@@ -131,11 +131,17 @@ def group_layers(layers: dict[str, Attention], block_size: int, dtype: torch.dty
             for (spec, _), names, shared in zip(chunks, members, sharing)]
 
 
+def kv_cache_dtype_of(kv_cache_dtype: str, dtype: torch.dtype) -> torch.dtype:
+    """The cache's dtype for `kv_cache_dtype` ("auto": the model's `dtype`; "fp8", "fp8_e4m3": float8_e4m3fn)."""
+    return dtype if kv_cache_dtype == "auto" else torch.float8_e4m3fn
+
+
 def select_backends(model: nn.Module, block_size: int, dtype: torch.dtype, device: torch.device,
-                    requested: str) -> AttentionSetup:
-    """Group the model's layers and pick a backend per group, logging every refused backend's reasons."""
+                    requested: str, kv_cache_dtype: str = "auto") -> AttentionSetup:
+    """Group the model's layers and pick a backend per group (one that reads and writes the cache's dtype),
+    logging every refused backend's reasons."""
     layers = find_attention_layers(model)
-    groups = group_layers(layers, block_size, dtype)
+    groups = group_layers(layers, block_size, kv_cache_dtype_of(kv_cache_dtype, dtype))
     backends, refused = [], []
     for g in groups:
         options: list[AttentionLayerOptions] = list({layers[n].options for n in g.layer_names})
@@ -197,8 +203,29 @@ def allocate_kv_caches(setup: AttentionSetup, num_blocks: int, device: torch.dev
         for name in g.layer_names:
             cache = caches[shared.get(name, name)]
             index = gi + sharing_metadata_offset if name in shared else gi
-            states[name] = AttentionLayerState(backend.impl_cls(setup.layers[name].options), cache, index)
+            impl = backend.impl_cls(setup.layers[name].options)
+            if s.dtype == torch.float8_e4m3fn:    # the owner's scales: it wrote the cache
+                impl.kv_scales = kv_scales_of(setup.layers[shared.get(name, name)], device)
+            states[name] = AttentionLayerState(impl, cache, index)
     return states
+
+
+def kv_scales_of(layer: Attention, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """An fp8 cache's (k_scale, v_scale) for one layer, float32 [Hkv] each: the checkpoint's (`layer.kv_scales`,
+    which the loader sets), else 1.0 (measured against per-head scales on the default model: docs/quantization.md)."""
+    if layer.kv_scales is not None:
+        return tuple(scale.to(device=device, dtype=torch.float32).contiguous() for scale in layer.kv_scales)
+    ones = torch.ones(layer.options.num_kv_heads, dtype=torch.float32, device=device)
+    return ones, ones.clone()
+
+
+def capacity_note(attn: AttentionSetup, held: int, dtype: torch.dtype) -> str:
+    """For an fp8 cache: the tokens the same memory would hold in the model's `dtype` (for the start-up log)."""
+    spec = attn.groups[0].spec
+    if spec.dtype == dtype:
+        return ""
+    ratio = torch.empty((), dtype=spec.dtype).element_size() / torch.empty((), dtype=dtype).element_size()
+    return f"; {spec.dtype} pages (in {dtype} the same memory holds {int(held * ratio)} tokens)"
 
 
 def make_builders(setup: AttentionSetup, dtype: torch.dtype, device: torch.device, max_num_reqs: int,

@@ -30,7 +30,7 @@ from ember.models.loader import load_config, load_model, random_model
 from ember.runner.cpu_memory import available_memory_bytes
 from ember.runner.decode_tail import DecodeTail, with_decode_tail
 from ember.runner.input_batch import BatchLayout, InputBatch, PreparedBatch
-from ember.runner.kv_cache_setup import (allocate_kv_caches, attention_workspace, free_dropped_engines,
+from ember.runner.kv_cache_setup import (allocate_kv_caches, attention_workspace, capacity_note, free_dropped_engines,
                                         make_builders, num_kv_blocks, resolve_max_model_len, select_backends)
 from ember.runner.output import AsyncModelRunnerOutput, HostRing, ModelRunnerOutput, StartupTimes
 from ember.runner.request_table import RequestTable
@@ -86,7 +86,8 @@ class ModelRunner:
 
         cc, sc = config.cache, config.scheduler
         self.max_num_tokens, self.max_num_reqs = sc.max_num_batched_tokens, sc.max_num_seqs
-        self.attn = select_backends(self.model, cc.block_size, self.dtype, self.device, config.attention_backend)
+        self.attn = select_backends(self.model, cc.block_size, self.dtype, self.device, config.attention_backend,
+                                    cc.kv_cache_dtype)
         self.modes = resolve_modes(config.compile, self.device, self.attn.backends)
         if self.modes.compile_mode == "none" and onednn_packing_supported(self.dtype, self.device):
             # eager on the CPU: oneDNN's packed GEMM runs decode-sized linear layers about twice as fast as F.linear
@@ -236,8 +237,9 @@ class ModelRunner:
         every layer kept every token (the two differ when sliding-window groups free what they no longer see)."""
         held, full_equivalent = self.attn.capacity_tokens(self.num_blocks - 1, self.max_model_len)
         self.kv_capacity_tokens, self.kv_full_equivalent_tokens = held, full_equivalent
-        logger.info("KV cache: %d tokens (full-attention equivalent: %d) in %d blocks of %d tokens, %d groups",
-                    held, full_equivalent, self.num_blocks - 1, self.config.cache.block_size, len(self.attn.groups))
+        logger.info("KV cache: %d tokens (full-attention equivalent: %d) in %d blocks of %d tokens, %d groups%s",
+                    held, full_equivalent, self.num_blocks - 1, self.config.cache.block_size, len(self.attn.groups),
+                    capacity_note(self.attn, held, self.dtype))
 
     @torch.inference_mode()
     def _capture(self) -> None:

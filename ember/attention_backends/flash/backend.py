@@ -71,12 +71,13 @@ class FlashImpl(AttentionImpl):
         o = self.options
         key_cache, value_cache = kv_cache[0], kv_cache[1]
         if o.kv_sharing_target is None:
-            write_kv(key, value, key_cache, value_cache, metadata.slot_mapping)
+            write_kv(key, value, key_cache, value_cache, metadata.slot_mapping, kv_scales=self.kv_scales)
         group = o.num_heads // o.num_kv_heads
         sinks = None if self.sinks is None else self.sinks.float().contiguous()
         layout = (query, key_cache, value_cache, out, metadata.block_table, metadata.query_start_loc,
                   metadata.seq_lens)
-        options = dict(scale=o.scale, sliding_window=o.sliding_window, soft_cap=o.logits_soft_cap, sinks=sinks)
+        options = dict(scale=o.scale, sliding_window=o.sliding_window, soft_cap=o.logits_soft_cap, sinks=sinks,
+                       kv_scales=self.kv_scales)
         block_size = key_cache.shape[2]
         flash_decode(*layout, workspace=metadata.workspace, num_rows=metadata.decode_rows,
                      tiles=decode_tiles(group, o.head_size, key_cache.dtype, block_size), **options)

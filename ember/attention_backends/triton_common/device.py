@@ -7,6 +7,7 @@ import os
 import torch
 
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+FP8_KV_DTYPE = torch.float8_e4m3fn     # both Triton backends read and write e4m3 caches with per-head scales
 
 
 def triton_device_reasons(device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype) -> list[str]:
@@ -19,6 +20,10 @@ def triton_device_reasons(device: torch.device, dtype: torch.dtype, kv_dtype: to
         reasons.append("on a CPU the Triton kernels run only under TRITON_INTERPRET=1")
     elif device.type not in ("cpu", "cuda"):
         reasons.append(f"device {device.type} is not supported (cuda, or cpu with TRITON_INTERPRET=1)")
+    if kv_dtype == FP8_KV_DTYPE:
+        if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+            reasons.append("an fp8 KV cache needs a GPU of compute capability 8.9 or newer (e4m3 conversions)")
+        kv_dtype = dtype      # the kernels attend in the model's dtype
     for what, dt in (("dtype", dtype), ("KV-cache dtype", kv_dtype)):
         if dt not in TRITON_DTYPES:
             reasons.append(f"{what} {dt} is not supported (float16, bfloat16, float32)")

@@ -6,6 +6,9 @@ is one contiguous run of block_size * head_size elements (4 KiB for 16 x 128 bf1
 contiguous reads (a single TMA box when a page holds the tile) instead of block_size short rows strided by
 num_kv_heads * head_size. The write side pays the strided access instead, once per token, which is cheap next to
 the many reads of every cached token.
+
+An fp8 (e4m3) cache stores each value divided by its KV head's scale (k_scale / v_scale, float32 [Hkv]), rounded
+to nearest and saturated at +-448; the attention kernels multiply the scale back in.
 """
 
 from __future__ import annotations
@@ -21,11 +24,13 @@ from ember.attention_backends.triton_common.interpreted import kernel_for
 
 @triton.jit
 def kv_write_kernel(
-    key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_mapping_ptr,
+    key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_mapping_ptr, k_scale_ptr, v_scale_ptr,
     stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_ch, stride_ct,
     NUM_KV_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr, HEADS_PAD: tl.constexpr, HEAD_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, PDL: tl.constexpr = False,
+    BLOCK_SIZE: tl.constexpr, PDL: tl.constexpr = False, FP8_KV: tl.constexpr = 0,
 ):
+    """FP8_KV: 0, the cache holds the inputs' values; 1, e4m3 over the per-head scales; 2, the same with the
+    rounding done in float32 first (the interpreter's conversion does not carry a rounding into the exponent)."""
     if PDL:   # launched as a programmatic dependent (ember.kernels.pdl)
         gdc_wait()
         gdc_launch_dependents()
@@ -40,16 +45,55 @@ def kv_write_kernel(
     mask = (heads < NUM_KV_HEADS) & (dims < HEAD_SIZE)
     dst = block * stride_cb + heads * stride_ch + offset * stride_ct + dims
     k = tl.load(key_ptr + token * stride_kt + heads * stride_kh + dims, mask=mask)
-    tl.store(key_cache_ptr + dst, k.to(key_cache_ptr.dtype.element_ty), mask=mask)
     v = tl.load(value_ptr + token * stride_vt + heads * stride_vh + dims, mask=mask)
+    if FP8_KV:
+        k = k.to(tl.float32) / tl.load(k_scale_ptr + heads, mask=heads < NUM_KV_HEADS, other=1.0)
+        v = v.to(tl.float32) / tl.load(v_scale_ptr + heads, mask=heads < NUM_KV_HEADS, other=1.0)
+        k = tl.minimum(tl.maximum(k, -448.0), 448.0)
+        v = tl.minimum(tl.maximum(v, -448.0), 448.0)
+        if FP8_KV == 2:
+            # e4m3's nearest value, ties to even: steps of 2**(exponent - 3), 2**-9 below 2**-6
+            a = tl.abs(k)
+            step = ((tl.maximum(((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6) + 124) << 23
+                    ).to(tl.float32, bitcast=True)
+            r = tl.floor(a / step + 0.5)
+            a = tl.where(((r - a / step) == 0.5) & ((r.to(tl.int32) & 1) == 1), r - 1.0, r) * step
+            k = tl.where(k.to(tl.int32, bitcast=True) < 0, -a, a)
+            a = tl.abs(v)
+            step = ((tl.maximum(((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6) + 124) << 23
+                    ).to(tl.float32, bitcast=True)
+            r = tl.floor(a / step + 0.5)
+            a = tl.where(((r - a / step) == 0.5) & ((r.to(tl.int32) & 1) == 1), r - 1.0, r) * step
+            v = tl.where(v.to(tl.int32, bitcast=True) < 0, -a, a)
+    tl.store(key_cache_ptr + dst, k.to(key_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(value_cache_ptr + dst, v.to(value_cache_ptr.dtype.element_ty), mask=mask)
 
 
+def fp8_kv_mode(cache: torch.Tensor) -> int:
+    """The kernels' FP8_KV for a cache: 0 unless it is e4m3; 2 for CPU tensors (interpreted), else 1."""
+    if cache.dtype != torch.float8_e4m3fn:
+        return 0
+    return 2 if cache.device.type == "cpu" else 1
+
+
+def check_kv_scales(kv_scales, cache: torch.Tensor, num_kv_heads: int):
+    """(k_scale, v_scale) float32 [Hkv] for an e4m3 cache (ValueError without them), stand-ins for another."""
+    if cache.dtype != torch.float8_e4m3fn:
+        return cache, cache
+    if kv_scales is None:
+        raise ValueError("an fp8 KV cache needs kv_scales (k_scale, v_scale), float32 [num_kv_heads] each")
+    for scale in kv_scales:
+        if scale.dtype != torch.float32 or scale.shape != (num_kv_heads,) or scale.device != cache.device:
+            raise ValueError(f"kv_scales must be float32 [{num_kv_heads}] on {cache.device}, got {scale.dtype} "
+                             f"{list(scale.shape)} on {scale.device}")
+    return kv_scales
+
+
 def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-             slot_mapping: torch.Tensor, *, pdl: bool = False) -> None:
+             slot_mapping: torch.Tensor, *, pdl: bool = False, kv_scales=None) -> None:
     """Write key/value [T, Hkv, D] into key_cache/value_cache [num_blocks, Hkv, block_size, D] at slot_mapping[:T]
     (int64, -1 = skip). One program per token; no host sync. pdl: launch it as a programmatic dependent where the
-    device allows (ember.kernels.pdl)."""
+    device allows (ember.kernels.pdl). kv_scales: (k_scale, v_scale) float32 [Hkv] for an e4m3 cache."""
     num_tokens, num_kv_heads, head_size = key.shape
     if num_tokens == 0:
         return
@@ -60,11 +104,18 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, va
         raise ValueError(f"cache shape {tuple(key_cache.shape)} does not hold keys of shape {tuple(key.shape)}")
     key = key if key.stride(2) == 1 else key.contiguous()
     value = value if value.stride(2) == 1 else value.contiguous()
+    k_scale, v_scale = check_kv_scales(kv_scales, key_cache, num_kv_heads)
     kernel = kernel_for(key.device, kv_write_kernel)
     kernel[(num_tokens,)](
-        key, value, key_cache, value_cache, slot_mapping,
+        key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         NUM_KV_HEADS=num_kv_heads, HEAD_SIZE=head_size, HEADS_PAD=triton.next_power_of_2(num_kv_heads),
         HEAD_PAD=triton.next_power_of_2(head_size), BLOCK_SIZE=key_cache.shape[2], num_warps=4,
-        **(pdl_options(key.device) if pdl else {}))
+        **(pdl_options(key.device) if pdl else {}), **_fp8_flag(key_cache))
+
+
+def _fp8_flag(cache: torch.Tensor) -> dict:
+    """FP8_KV for a launch: passed only when set, so the other caches' specializations keep their keys."""
+    mode = fp8_kv_mode(cache)
+    return dict(FP8_KV=mode) if mode else {}

@@ -185,14 +185,14 @@ class TritonUnifiedImpl(AttentionImpl):
         writes = o.kv_sharing_target is None
         fused = self._fused_write(plan, metadata)
         if writes and not fused:
-            write_kv(key, value, key_cache, value_cache, metadata.slot_mapping, pdl=True)
+            write_kv(key, value, key_cache, value_cache, metadata.slot_mapping, pdl=True, kv_scales=self.kv_scales)
         new_kv = (key, value, metadata.slot_mapping) if fused else None
         sinks = None if self.sinks is None else self.sinks.float().contiguous()
         slopes = None if self.alibi_slopes is None else self.alibi_slopes.float().contiguous()
         layout = (query, key_cache, value_cache, out, metadata.block_table, metadata.query_start_loc,
                   metadata.seq_lens)
         options = dict(scale=o.scale, sliding_window=o.sliding_window, soft_cap=o.logits_soft_cap, sinks=sinks,
-                       alibi_slopes=slopes)
+                       alibi_slopes=slopes, kv_scales=self.kv_scales)
         decode_count = metadata.num_decodes if plan.decode_count_on_device else None
         decode_rope = None if rope is None else rope.as_tuple()
         if plan.decode is not None and plan.num_segments > 1:

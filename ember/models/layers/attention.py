@@ -25,6 +25,9 @@ class Attention(nn.Module):
         # set by the runner before the model is traced, from the layer's backend (`AttentionBackend.takes_rope`):
         # the model then hands q and k over before its rotary and q/k norm
         self.fuse_rope = False
+        # the checkpoint's fp8 KV-cache scales (k_scale, v_scale: float32 [num_kv_heads]), set by the loader where
+        # it has them; an fp8 cache uses them (ember.runner.kv_cache_setup.kv_scales_of)
+        self.kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: tuple | None = None) -> torch.Tensor:
         """q [T, Hq*D], k/v [T, Hkv*D] -> [T, Hq*D]. rope: (cos, sin [T, D/2], q_norm, k_norm [D] or None, eps)

@@ -90,15 +90,15 @@ def decode_plan_kernel(
 def flash_decode_kernel(
     out_ptr, part_out_ptr, part_ml_ptr, q_ptr, k_cache_ptr, v_cache_ptr, k_desc, v_desc, block_table_ptr,
     query_start_loc_ptr, seq_lens_ptr, item_seq_ptr, item_chunk_ptr, item_part_ptr, params_ptr, sinks_ptr,
-    qk_scale, softcap_log2, window,
+    k_scale_ptr, v_scale_ptr, qk_scale, softcap_log2, window,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ch, stride_ct, stride_bt,
     NUM_KV_HEADS: tl.constexpr, NUM_QUERIES_PER_KV: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, SPLIT: tl.constexpr,
     USE_TMA: tl.constexpr, OFFSET_64: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
-    USE_SINKS: tl.constexpr, IEEE: tl.constexpr,
+    USE_SINKS: tl.constexpr, IEEE: tl.constexpr, FP8_KV: tl.constexpr = 0,
 ):
     """One work item (SPLIT) or one whole request (not SPLIT) of one KV head: the G query heads of that KV head
-    are the tile's rows."""
+    are the tile's rows. FP8_KV (an e4m3 cache): as in the prefill kernel; partials carry the value scale too."""
     item = tl.program_id(0)
     kv_head = tl.program_id(1)
     if SPLIT:
@@ -135,7 +135,10 @@ def flash_decode_kernel(
     d_ok = offs_d < HEAD_SIZE
     q = tl.load(q_ptr + token * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-    q = q.to(k_cache_ptr.dtype.element_ty)
+    if FP8_KV:
+        qk_scale = qk_scale * tl.load(k_scale_ptr + kv_head)
+    else:
+        q = q.to(k_cache_ptr.dtype.element_ty)
     q_pos = rows * 0 + q_pos_s
 
     acc = tl.full([BLOCK_M, HEAD_PAD], 0.0, dtype=tl.float32)
@@ -160,6 +163,8 @@ def flash_decode_kernel(
                                   stride_cb, stride_ct, NUM_KV_HEADS, HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, TILE_N, USE_TMA,
                                   OFFSET_64, USE_WINDOW, USE_SOFTCAP, IEEE)
 
+    if FP8_KV:
+        acc = acc * tl.load(v_scale_ptr + kv_head)
     if part < 0:
         o = acc / l_i[:, None]
         tl.store(out_ptr + token * stride_ot + head[:, None] * stride_oh + offs_d[None, :],

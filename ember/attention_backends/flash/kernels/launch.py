@@ -9,6 +9,7 @@ import torch
 import triton
 
 from ember.attention_backends.triton_common.interpreted import kernel_for
+from ember.attention_backends.triton_common.kv_write import check_kv_scales, fp8_kv_mode
 
 from .decode import decode_combine_kernel, decode_plan_kernel, flash_decode_kernel
 from .prefill import flash_prefill_kernel
@@ -90,10 +91,11 @@ def flash_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
                   num_seqs: int, num_tokens: int, scale: float, tiles: FlashTiles,
                   num_decodes: torch.Tensor | None = None, sliding_window: int | None = None,
                   soft_cap: float | None = None, sinks: torch.Tensor | None = None, lse: torch.Tensor | None = None,
-                  use_tma: bool | None = None) -> None:
+                  use_tma: bool | None = None, kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """Causal paged attention of the first `num_seqs` requests (those from num_decodes[0] on, if given) into
     out [T, Hq, D]. query [T, Hq, D]; caches [blocks, Hkv, block_size, D]; num_tokens: the (padded) token count
-    the grid covers. lse: optional fp32 [T, Hq], the rows' natural-log log-sum-exp."""
+    the grid covers. lse: optional fp32 [T, Hq], the rows' natural-log log-sum-exp. kv_scales: (k_scale, v_scale)
+    float32 [Hkv] of an e4m3 cache."""
     num_heads, num_kv_heads, head_size = _check(query, key_cache, value_cache, out)
     group = num_heads // num_kv_heads
     block_q = tiles.block_q(group)
@@ -108,7 +110,7 @@ def flash_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     kernel[(programs,)](
         out, lse if lse is not None else out, query, key_cache, value_cache, k_desc, v_desc, block_table,
         query_start_loc, seq_lens, num_decodes if num_decodes is not None else dummy,
-        sinks if sinks is not None else dummy,
+        sinks if sinks is not None else dummy, *check_kv_scales(kv_scales, key_cache, num_kv_heads),
         num_seqs, qk_scale, softcap_log2, int(sliding_window or 0),
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), lse.stride(0) if lse is not None else 0,
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_table.stride(0),
@@ -118,7 +120,13 @@ def flash_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
         USE_TMA=use_tma, OFFSET_64=offset_64, USE_WINDOW=sliding_window is not None, USE_SOFTCAP=bool(soft_cap),
         USE_SINKS=sinks is not None, WRITE_LSE=lse is not None, IEEE=query.dtype == torch.float32,
         WARP_SPECIALIZE=tiles.warp_specialize, num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages)
+        num_stages=tiles.num_stages, **_fp8_flag(key_cache))
+
+
+def _fp8_flag(cache: torch.Tensor) -> dict:
+    """FP8_KV for a launch: passed only when set, so the other caches' specializations keep their keys."""
+    mode = fp8_kv_mode(cache)
+    return dict(FP8_KV=mode) if mode else {}
 
 
 class DecodeWorkspace:
@@ -163,7 +171,7 @@ def flash_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
                  block_table: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, *,
                  workspace: DecodeWorkspace, num_rows: int, scale: float, tiles: FlashTiles,
                  sliding_window: int | None = None, soft_cap: float | None = None, sinks: torch.Tensor | None = None,
-                 use_tma: bool | None = None) -> None:
+                 use_tma: bool | None = None, kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """Single-token attention of the leading decodes (as many as the last `workspace.plan` counted) into out.
 
     num_rows: decode rows the grid covers (a bucket size >= the live decodes). Layers with more than
@@ -190,7 +198,7 @@ def flash_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
     kernel[grid](
         out, ws.part_out, ws.part_ml, query, key_cache, value_cache, k_desc, v_desc, block_table, query_start_loc,
         seq_lens, ws.item_seq, ws.item_chunk, ws.item_part, ws.params,
-        sinks if sinks is not None else query_start_loc,
+        sinks if sinks is not None else query_start_loc, *check_kv_scales(kv_scales, key_cache, num_kv_heads),
         qk_scale, softcap_log2, int(sliding_window or 0),
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_table.stride(0),
@@ -198,7 +206,7 @@ def flash_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
         BLOCK_SIZE=key_cache.shape[2], BLOCK_M=tiles.block_m, TILE_N=tiles.tile_n, SPLIT=split, USE_TMA=use_tma,
         OFFSET_64=offset_64, USE_WINDOW=sliding_window is not None, USE_SOFTCAP=bool(soft_cap),
         USE_SINKS=sinks is not None, IEEE=query.dtype == torch.float32,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **_fp8_flag(key_cache))
     if split:
         combine = kernel_for(query.device, decode_combine_kernel)
         combine[(num_rows, num_heads)](

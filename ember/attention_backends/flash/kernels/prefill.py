@@ -40,15 +40,17 @@ def _locate_block(v, query_start_loc_ptr, first, num_seqs, BLOCK_Q: tl.constexpr
 @triton.jit(do_not_specialize=["num_seqs"])
 def flash_prefill_kernel(
     out_ptr, lse_ptr, q_ptr, k_cache_ptr, v_cache_ptr, k_desc, v_desc, block_table_ptr, query_start_loc_ptr,
-    seq_lens_ptr, num_decodes_ptr, sinks_ptr,
+    seq_lens_ptr, num_decodes_ptr, sinks_ptr, k_scale_ptr, v_scale_ptr,
     num_seqs, qk_scale, softcap_log2, window,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_cb, stride_ch, stride_ct, stride_bt,
     NUM_KV_HEADS: tl.constexpr, NUM_QUERIES_PER_KV: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
     SKIP_DECODES: tl.constexpr, USE_TMA: tl.constexpr, OFFSET_64: tl.constexpr, USE_WINDOW: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, USE_SINKS: tl.constexpr, WRITE_LSE: tl.constexpr, IEEE: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr, FP8_KV: tl.constexpr = 0,
 ):
+    # FP8_KV (an e4m3 cache): q stays in its dtype, the tiles widen to it; the KV head's key scale joins qk_scale
+    # and its value scale multiplies the output
     pid = tl.program_id(0)
     kv_head = pid % NUM_KV_HEADS
     rank = pid // NUM_KV_HEADS
@@ -77,7 +79,10 @@ def flash_prefill_kernel(
     token = (q_start + token_in_seq).to(tl.int64)
     q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)                 # [BLOCK_M, HEAD_PAD]
-    q = q.to(k_cache_ptr.dtype.element_ty)
+    if FP8_KV:
+        qk_scale = qk_scale * tl.load(k_scale_ptr + kv_head)
+    else:
+        q = q.to(k_cache_ptr.dtype.element_ty)
 
     acc = tl.full([BLOCK_M, HEAD_PAD], 0.0, dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -95,6 +100,8 @@ def flash_prefill_kernel(
                                   NUM_KV_HEADS, HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, TILE_N, USE_TMA, OFFSET_64,
                                   USE_WINDOW, USE_SOFTCAP, IEEE, WARP_SPECIALIZE)
 
+    if FP8_KV:
+        acc = acc * tl.load(v_scale_ptr + kv_head)
     o = acc / l_i[:, None]
     tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])

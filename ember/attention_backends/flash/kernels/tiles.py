@@ -27,8 +27,8 @@ def load_kv_tile(k_base, v_base, k_desc, v_desc, block_table_row, t, seq_len, kv
 
     BLOCK_SIZE is a multiple of TILE_N, so the tile lies in one page: one block-table read per tile. With USE_TMA
     (HEAD_PAD == HEAD_SIZE) the tile is one TMA box of the cache viewed as [blocks * heads * block_size,
-    head_size], a row index that fits in 32 bits; otherwise a contiguous run read with 16-byte loads. In MASKED
-    tiles V rows past seq_len read as zero (stale bytes there could be NaN, and 0 * NaN would leak)."""
+    head_size], a row index that fits in 32 bits; otherwise a contiguous run read with 16-byte loads. The tiles
+    come in the cache's dtype (`_attend_tile` widens an e4m3 cache's and zeroes V rows past seq_len)."""
     tl.static_assert(BLOCK_SIZE % TILE_N == 0)
     block = tl.load(block_table_row + (t * TILE_N) // BLOCK_SIZE)
     first = (t * TILE_N) % BLOCK_SIZE
@@ -45,9 +45,6 @@ def load_kv_tile(k_base, v_base, k_desc, v_desc, block_table_row, t, seq_len, kv
         d_ok = offs_d < HEAD_SIZE
         k = tl.load(k_base + offs[:, None] + offs_d[None, :], mask=d_ok[None, :], other=0.0)
         v = tl.load(v_base + offs[:, None] + offs_d[None, :], mask=d_ok[None, :], other=0.0)
-    if MASKED:
-        keys = t * TILE_N + tl.arange(0, TILE_N)
-        v = tl.where((keys < seq_len)[:, None], v, 0.0)
     return k, v
 
 
@@ -141,5 +138,11 @@ def _attend_tile(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, block_table_r
                  OFFSET_64: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, IEEE: tl.constexpr):
     k, v = load_kv_tile(k_base, v_base, k_desc, v_desc, block_table_row, t, seq_len, kv_head, stride_cb, stride_ct,
                         NUM_KV_HEADS, HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, TILE_N, MASKED, USE_TMA, OFFSET_64)
+    # an e4m3 cache widens exactly to q's dtype (its scales are in qk_scale and applied to the output)
+    k = k.to(q.dtype)
+    v = v.to(q.dtype)
+    if MASKED:   # V rows past seq_len read as zero: stale bytes there could be NaN, and 0 * NaN would leak
+        keys = t * TILE_N + tl.arange(0, TILE_N)
+        v = tl.where((keys < seq_len)[:, None], v, 0.0)
     return softmax_step(acc, m_i, l_i, q, k, v, t, q_pos, window, qk_scale, softcap_log2, TILE_N, MASKED,
                         USE_WINDOW, USE_SOFTCAP, IEEE)

@@ -110,6 +110,9 @@ def attend_tiles(acc, m_i, l_i, q, k_base, v_base, block_table_row, tile_lo, til
             if MASKED:
                 v_mask = v_mask & in_seq[:, None]
             v = tl.load(v_base + kv_off[:, None] + offs_d[None, :], mask=v_mask, other=0.0)
+        # an e4m3 cache widens exactly to q's dtype (its scales are in qk_scale and applied to the output)
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
         if IEEE:
             s = tl.dot(q, k, input_precision="ieee")
         else:
@@ -145,8 +148,9 @@ def attend_tiles(acc, m_i, l_i, q, k_base, v_base, block_table_row, tile_lo, til
 @triton.jit
 def attend_new_key(acc, m_i, l_i, q, k_new, v_new, qk_scale, softcap, USE_SOFTCAP: tl.constexpr):
     """One more key at the query's own position, from registers: the online-softmax step of `attend_tiles` for
-    k_new/v_new [HEAD_PAD] (already in the cache's dtype). Neither ALiBi (distance 0) nor the window or the causal
-    mask can hide a token's own key, so it needs no mask."""
+    k_new/v_new [HEAD_PAD] (already in the cache's dtype: e4m3 over the head's scales, which qk_scale and the
+    output carry, for an fp8 cache). Neither ALiBi (distance 0) nor the window or the causal mask can hide a
+    token's own key, so it needs no mask."""
     s = reduce_sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1)            # [M]
     if USE_SOFTCAP:
         s = softcap * tanh(s * (qk_scale / softcap)) * LOG2E
@@ -156,8 +160,8 @@ def attend_new_key(acc, m_i, l_i, q, k_new, v_new, qk_scale, softcap, USE_SOFTCA
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new)
     l_i = l_i * alpha + p
-    # p rounded to the value dtype as attend_tiles' P @ V rounds it
-    acc = acc * alpha[:, None] + p.to(v_new.dtype).to(tl.float32)[:, None] * v_new.to(tl.float32)[None, :]
+    # p rounded to q's dtype as attend_tiles' P @ V rounds it
+    acc = acc * alpha[:, None] + p.to(q.dtype).to(tl.float32)[:, None] * v_new.to(tl.float32)[None, :]
     return acc, m_new, l_i
 
 

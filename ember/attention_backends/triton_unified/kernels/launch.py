@@ -9,6 +9,7 @@ import torch
 import triton
 
 from ember.attention_backends.triton_common.interpreted import kernel_for
+from ember.attention_backends.triton_common.kv_write import check_kv_scales, fp8_kv_mode
 from ember.kernels.pdl import pdl_options
 
 from .attention_core import MODE_ALL, MODE_DECODES, MODE_PREFILLS
@@ -91,21 +92,24 @@ def _rope_args(rope, query, new_kv):
 
 def _common_args(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, num_decodes, sinks,
                  alibi_slopes, num_seqs, scale, sliding_window, soft_cap, stride_out, new_kv=None, rope=None,
-                 single_tiles: int = 0):
+                 single_tiles: int = 0, kv_scales=None):
     # Unused optional pointers get a harmless stand-in: the kernel never dereferences them (constexpr flags).
     dummy = query_start_loc
     new_ptrs, new_strides = _new_kv_args(new_kv, query, key_cache)
     rope_ptrs, (eps, stride_cos, stride_sin), rope_flags = _rope_args(rope, query, new_kv)
+    scales = check_kv_scales(kv_scales, key_cache, key_cache.shape[1])
+    fp8 = fp8_kv_mode(key_cache)
     return ((query, key_cache, value_cache, block_table, query_start_loc, seq_lens,
              num_decodes if num_decodes is not None else dummy,
              sinks if sinks is not None else dummy, alibi_slopes if alibi_slopes is not None else dummy, *new_ptrs,
-             *rope_ptrs, num_seqs, float(scale), float(soft_cap or 0.0), int(sliding_window or 0), eps,
+             *rope_ptrs, *scales, num_seqs, float(scale), float(soft_cap or 0.0), int(sliding_window or 0), eps,
              int(single_tiles), query.stride(0), query.stride(1), *stride_out,
              key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_table.stride(0), *new_strides,
              stride_cos, stride_sin),
             dict(USE_WINDOW=sliding_window is not None, USE_SOFTCAP=bool(soft_cap), USE_SINKS=sinks is not None,
                  USE_ALIBI=alibi_slopes is not None, IEEE=query.dtype == torch.float32,
-                 BLOCK_SIZE=key_cache.shape[2], NEW_KV=new_kv is not None, **rope_flags))
+                 BLOCK_SIZE=key_cache.shape[2], NEW_KV=new_kv is not None, **rope_flags,
+                 **(dict(FP8_KV=fp8) if fp8 else {})))
 
 
 def unified_attention_2d(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, out: torch.Tensor,
@@ -115,8 +119,10 @@ def unified_attention_2d(query: torch.Tensor, key_cache: torch.Tensor, value_cac
                          soft_cap: float | None = None, sinks: torch.Tensor | None = None,
                          alibi_slopes: torch.Tensor | None = None,
                          new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                         rope: tuple | None = None) -> None:
-    """Causal paged attention into out [T, Hq, D] for query [T, Hq, D] over caches [blocks, Hkv, block_size, D].
+                         rope: tuple | None = None, kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None
+                         ) -> None:
+    """Causal paged attention into out [T, Hq, D] for query [T, Hq, D] over caches [blocks, Hkv, block_size, D];
+    an e4m3 cache with its kv_scales (k_scale, v_scale, float32 [Hkv]), as `write_kv` quantized it.
 
     num_seqs: rows of seq_lens (query_start_loc has num_seqs + 1); num_tokens: the padded token count the grid
     covers. mode: MODE_ALL, MODE_DECODES (program i is request i; config.block_m >= G) or MODE_PREFILLS (requests
@@ -146,7 +152,7 @@ def unified_attention_2d(query: torch.Tensor, key_cache: torch.Tensor, value_cac
         return
     args, flags = _common_args(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, num_decodes,
                                sinks, alibi_slopes, num_seqs, scale, sliding_window, soft_cap,
-                               (out.stride(0), out.stride(1)), new_kv, rope)
+                               (out.stride(0), out.stride(1)), new_kv, rope, kv_scales=kv_scales)
     kernel = kernel_for(query.device, unified_attention_kernel)
     kernel[(programs, num_kv_heads)](
         out, out, out, out, out, *args,
@@ -176,7 +182,8 @@ def unified_attention_3d(query: torch.Tensor, key_cache: torch.Tensor, value_cac
                          soft_cap: float | None = None, sinks: torch.Tensor | None = None,
                          alibi_slopes: torch.Tensor | None = None, counters: torch.Tensor | None = None,
                          new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                         rope: tuple | None = None, single_segment_tiles: int = 0) -> None:
+                         rope: tuple | None = None, single_segment_tiles: int = 0,
+                         kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """Split-KV decode attention over the first num_seqs requests (or the first num_decodes[0], if given), each with
     one query token: num_segments programs per (request, KV head), then a reduce. Scratch: flat fp32 tensors of at
     least segment_scratch_numel(...) elements.
@@ -207,7 +214,7 @@ def unified_attention_3d(query: torch.Tensor, key_cache: torch.Tensor, value_cac
         return
     args, flags = _common_args(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, num_decodes,
                                sinks, alibi_slopes, num_seqs, scale, sliding_window, soft_cap,
-                               (out.stride(0), out.stride(1)), new_kv, rope, single_segment_tiles)
+                               (out.stride(0), out.stride(1)), new_kv, rope, single_segment_tiles, kv_scales)
     head_pad = max(16, triton.next_power_of_2(head_size))
     limit = num_decodes is not None
     kernel = kernel_for(query.device, unified_attention_kernel)

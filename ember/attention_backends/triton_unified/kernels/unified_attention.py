@@ -42,7 +42,7 @@ def unified_attention_kernel(
     out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, counter_ptr,
     q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, query_start_loc_ptr, seq_lens_ptr, num_decodes_ptr,
     sinks_ptr, alibi_ptr, key_ptr, value_ptr, slot_mapping_ptr, cos_ptr, sin_ptr, q_norm_ptr, k_norm_ptr,
-    num_seqs, qk_scale, softcap, window, norm_eps, single_tiles,
+    k_scale_ptr, v_scale_ptr, num_seqs, qk_scale, softcap, window, norm_eps, single_tiles,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ch, stride_ct, stride_bt,
     stride_kt, stride_kh, stride_vt, stride_vh, stride_cos, stride_sin,
     NUM_QUERIES_PER_KV: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
@@ -51,8 +51,11 @@ def unified_attention_kernel(
     USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_SINKS: tl.constexpr, USE_ALIBI: tl.constexpr,
     IEEE: tl.constexpr, UNMASKED_MIDDLE: tl.constexpr, FUSED_COMBINE: tl.constexpr = False,
     NEW_KV: tl.constexpr = False, PDL: tl.constexpr = False, ROPE: tl.constexpr = False,
-    QK_NORM: tl.constexpr = False,
+    QK_NORM: tl.constexpr = False, FP8_KV: tl.constexpr = 0,
 ):
+    # FP8_KV (an e4m3 cache, as `triton_common.kv_write` writes it): the KV head's key scale joins qk_scale, its
+    # value scale multiplies the output (or the partial output) once; the new keys of NEW_KV are quantized as the
+    # cache-write kernel quantizes them (2: rounded in float32 first, for the interpreter)
     # Launched as a programmatic dependent (PDL, ember.kernels.pdl), a program reads the step's metadata (query
     # starts, lengths, slots: written before the step's first layer, so complete by the time this kernel starts)
     # before it waits for the kernel before it, and only q and the new keys and values after. A program that
@@ -125,6 +128,10 @@ def unified_attention_kernel(
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
+    if FP8_KV:
+        k_scale = tl.load(k_scale_ptr + kv_head)
+        v_scale = tl.load(v_scale_ptr + kv_head)
+        qk_scale = qk_scale * k_scale
     offs_d = tl.arange(0, HEAD_PAD)
     d_ok = offs_d < HEAD_SIZE
     # the queries, loaded once this program is known to have keys to attend (a 3D launch's programs past the
@@ -162,6 +169,24 @@ def unified_attention_kernel(
         else:
             k_new = tl.load(k_src + offs_d, mask=new_ok, other=0.0)
         v_new = tl.load(value_ptr + src * stride_vt + kv_head * stride_vh + offs_d, mask=new_ok, other=0.0)
+        if FP8_KV:
+            k_new = tl.minimum(tl.maximum(k_new.to(tl.float32) / k_scale, -448.0), 448.0)
+            v_new = tl.minimum(tl.maximum(v_new.to(tl.float32) / v_scale, -448.0), 448.0)
+            if FP8_KV == 2:
+                # e4m3's nearest value, ties to even, in float32 (the interpreter's conversion does not carry a
+                # rounding into the exponent): steps of 2**(exponent - 3), 2**-9 below 2**-6
+                a = tl.abs(k_new)
+                step = ((tl.maximum(((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6) + 124) << 23
+                        ).to(tl.float32, bitcast=True)
+                r = tl.floor(a / step + 0.5)
+                a = tl.where(((r - a / step) == 0.5) & ((r.to(tl.int32) & 1) == 1), r - 1.0, r) * step
+                k_new = tl.where(k_new.to(tl.int32, bitcast=True) < 0, -a, a)
+                a = tl.abs(v_new)
+                step = ((tl.maximum(((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6) + 124) << 23
+                        ).to(tl.float32, bitcast=True)
+                r = tl.floor(a / step + 0.5)
+                a = tl.where(((r - a / step) == 0.5) & ((r.to(tl.int32) & 1) == 1), r - 1.0, r) * step
+                v_new = tl.where(v_new.to(tl.int32, bitcast=True) < 0, -a, a)
         k_new = k_new.to(k_cache_ptr.dtype.element_ty)
         v_new = v_new.to(v_cache_ptr.dtype.element_ty)
         dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_ct + offs_d
@@ -190,6 +215,8 @@ def unified_attention_kernel(
     if NEW_KV:
         if owner:
             acc, m_i, l_i = attend_new_key(acc, m_i, l_i, q, k_new, v_new, qk_scale, softcap, USE_SOFTCAP)
+    if FP8_KV:
+        acc = acc * v_scale
 
     if final:
         if USE_SINKS and NUM_SEGMENTS > 1:
