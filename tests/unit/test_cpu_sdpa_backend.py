@@ -110,5 +110,9 @@ def test_options_it_refuses_fall_to_torch_ref_with_the_reason(monkeypatch, kwarg
 def test_refuses_cuda_and_unsupported_dtypes():
     assert CpuSdpaBackend.supports(SPEC, torch.float32, torch.device("cuda")) == ["runs on the CPU only, not on cuda"]
     spec8 = KVCacheSpec(16, 2, 64, torch.float8_e4m3fn)
-    assert "dtype torch.float8_e4m3fn is not supported (float32, bfloat16, float16)" in \
+    assert "dtype torch.float8_e4m3fn is not supported (float32, bfloat16, float16, or an fp8 cache)" in \
         CpuSdpaBackend.supports(spec8, torch.float8_e4m3fn, torch.device("cpu"))
+    # an fp8 cache under a float model is served (tests/unit/test_fp8_kv_cache.py); other cache dtypes are not
+    assert CpuSdpaBackend.supports(spec8, torch.float32, torch.device("cpu")) == []
+    assert "KV-cache dtype torch.float64 is not supported" in \
+        CpuSdpaBackend.supports(KVCacheSpec(16, 2, 64, torch.float64), torch.float32, torch.device("cpu"))[0]

@@ -256,3 +256,35 @@ def test_a_backend_without_fp8_is_refused_at_start_up(folder, monkeypatch):
     assert llm.engine.runner.attn.backends[0].name == "cpu_sdpa"
     assert llm.engine.runner.attn.refused[0]["float_pages_only"] == [
         "KV-cache dtype torch.float8_e4m3fn is not supported"]
+
+
+# ---- compiled code (no GPU needed: Triton compiles for sm_90 on the CPU) ------------------------------------------
+
+def _sm90(fn, dtypes: dict, constexprs: dict, floats=("qk_scale", "softcap", "norm_eps", "softcap_log2")):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    names = fn.fn.__code__.co_varnames[:fn.fn.__code__.co_argcount]
+    signature = {name: "constexpr" if name in constexprs else dtypes.get(name, "*bf16") if name.endswith("_ptr")
+                 or name.endswith("_desc") else "fp32" if name in floats else "i32" for name in names}
+    kernel = triton.runtime.jit.JITFunction(fn.fn)           # compiled even where TRITON_INTERPRET=1
+    return triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
+                          target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=3)).asm["ptx"]
+
+
+@pytest.mark.slow      # 10-30 s of Triton's compile on a 2-core CPU
+def test_sm90_decode_kernel_widens_e4m3_and_writes_it_with_the_hardware():
+    """The split-KV decode with the fused write, for an H100 and an e4m3 cache: K/V tiles widen from e4m3
+    (cvt.rn.f16x2.e4m3x2 / bf16 via f16), the new keys convert with the hardware's rounding."""
+    from ember.attention_backends.triton_unified.kernels import unified_attention as U
+    dtypes = {"part_out_ptr": "*fp32", "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32", "counter_ptr": "*i32",
+              "block_table_ptr": "*i32", "query_start_loc_ptr": "*i32", "seq_lens_ptr": "*i32",
+              "num_decodes_ptr": "*i32", "sinks_ptr": "*fp32", "alibi_ptr": "*fp32", "slot_mapping_ptr": "*i64",
+              "cos_ptr": "*fp32", "sin_ptr": "*fp32", "k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv",
+              "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32"}
+    constexprs = dict(NUM_QUERIES_PER_KV=4, HEAD_SIZE=128, HEAD_PAD=128, BLOCK_SIZE=16, BLOCK_M=16, BLOCK_Q=1,
+                      TILE_N=64, NUM_SEGMENTS=16, MODE=K.MODE_DECODES, LIMIT_DECODES=False, USE_WINDOW=False,
+                      USE_SOFTCAP=False, USE_SINKS=False, USE_ALIBI=False, IEEE=False, UNMASKED_MIDDLE=False,
+                      FUSED_COMBINE=True, NEW_KV=True, PDL=False, ROPE=False, QK_NORM=False, FP8_KV=1)
+    ptx = _sm90(U.unified_attention_kernel, dtypes, constexprs)
+    assert "e4m3x2" in ptx and "cvt.rn.satfinite.e4m3x2.f32" in ptx

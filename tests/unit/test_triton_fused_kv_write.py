@@ -198,7 +198,7 @@ def test_fused_write_compiles_for_sm90(segments, rope):
     constexprs = dict(NUM_QUERIES_PER_KV=2, HEAD_SIZE=128, HEAD_PAD=128, BLOCK_SIZE=16, BLOCK_M=16, BLOCK_Q=1,
                       TILE_N=64, NUM_SEGMENTS=segments, MODE=K.MODE_DECODES, LIMIT_DECODES=False, USE_WINDOW=False,
                       USE_SOFTCAP=False, USE_SINKS=False, USE_ALIBI=False, IEEE=False, UNMASKED_MIDDLE=False,
-                      FUSED_COMBINE=False, NEW_KV=True, PDL=False, ROPE=rope, QK_NORM=rope)
+                      FUSED_COMBINE=False, NEW_KV=True, PDL=False, ROPE=rope, QK_NORM=rope, FP8_KV=0)
     signature = {name: "constexpr" if name in constexprs else dtypes.get(name, "*bf16") if name.endswith("_ptr")
                  else "fp32" if name in ("qk_scale", "softcap", "norm_eps") else "i32" for name in names}
     kernel = triton.runtime.jit.JITFunction(fn)   # compiled even where TRITON_INTERPRET=1

@@ -265,7 +265,7 @@ def test_sm90_code_of_the_fused_combine_counts_with_an_acq_rel_atomic():
     constexprs = dict(NUM_QUERIES_PER_KV=2, HEAD_SIZE=128, HEAD_PAD=128, BLOCK_SIZE=16, BLOCK_M=16, BLOCK_Q=1,
                       TILE_N=64, NUM_SEGMENTS=16, MODE=K.MODE_DECODES, LIMIT_DECODES=False, USE_WINDOW=False,
                       USE_SOFTCAP=False, USE_SINKS=False, USE_ALIBI=False, IEEE=False, UNMASKED_MIDDLE=False,
-                      FUSED_COMBINE=True, NEW_KV=False, PDL=False)
+                      FUSED_COMBINE=True, NEW_KV=False, PDL=False, ROPE=False, QK_NORM=False, FP8_KV=0)
     signature = {}
     for name in names:
         if name in constexprs:
