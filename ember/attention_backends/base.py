@@ -171,6 +171,13 @@ class AttentionBackend:
         return 0
 
     @classmethod
+    def metadata_bytes(cls, bounds: StepBounds, spec: KVCacheSpec, num_queries_per_kv: int,
+                       dtype: torch.dtype) -> int:
+        """The most memory one group's metadata builder may allocate in `build` for a step within `bounds` and hold
+        through it (every group's at once); an upper bound. 0, the default: views and buffers allocated once."""
+        return 0
+
+    @classmethod
     def describe(cls) -> str:
         """One line for `ember backends`."""
         return f"{cls.name}: priority {cls.priority}, cudagraph {cls.cudagraph_support.name}"

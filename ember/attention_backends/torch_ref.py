@@ -168,17 +168,20 @@ class TorchRefBackend(AttentionBackend):
     @classmethod
     def workspace_bytes(cls, bounds: StepBounds, spec: KVCacheSpec, options: AttentionLayerOptions,
                         dtype: torch.dtype) -> int:
-        """The longest request's K and V in float32 (with one half in the cache's dtype while it converts), and one
-        chunk of its queries: its scores twice (and their softmax), three times with sinks (the scores, their
-        concatenation with the sink column, its softmax), the chunk's masks and position offsets (24 bytes a
-        score of one head at most) and five float32 copies of its rows."""
+        """The longest request's K and V in float32 (with one half in the cache's dtype while it converts, and for an
+        e4m3 cache its unscaled float32 copy too), and one chunk of its queries: its scores twice (and their
+        softmax), three times with sinks (the scores, their concatenation with the sink column, its softmax), the
+        chunk's masks and position offsets (24 bytes a score of one head at most) and five float32 copies of its
+        rows."""
         seq_len = bounds.context_len
         padded = -(-seq_len // spec.block_size) * spec.block_size
         kv_row = spec.num_kv_heads * spec.head_size
-        kv = padded * kv_row * (2 * 4 + spec.dtype.itemsize)
+        converting = spec.dtype.itemsize + (4 if spec.dtype == torch.float8_e4m3fn else 0)
+        kv = padded * kv_row * (2 * 4 + converting)
         rows = chunk_rows(bounds.longest_query, seq_len, options.num_heads, SCORE_CHUNK_ELEMENTS)
         scores = options.num_heads * rows * (seq_len + 1) * 4
-        return kv + (3 if options.use_sinks else 2) * scores + 24 * rows * seq_len + 5 * rows * options.num_heads * options.head_size * 4
+        row_copies = 5 * rows * options.num_heads * options.head_size * 4
+        return kv + (3 if options.use_sinks else 2) * scores + 24 * rows * seq_len + row_copies
 
     @classmethod
     def supports(cls, spec: KVCacheSpec, dtype, device, options=None) -> list[str]:

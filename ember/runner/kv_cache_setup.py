@@ -246,8 +246,9 @@ GRAPH_RESERVE_BYTES = 512 << 20  # left free for CUDA-graph pools and allocator 
 
 @dataclass(frozen=True)
 class AttentionWorkspace:
-    """The most memory one attention call may allocate for itself in the largest step (`bounds`), the largest any
-    layer's backend declares, and whose it is. Layers attend one after another, so it is set aside once."""
+    """The most memory the attention may allocate for itself in the largest step (`bounds`), and whose the largest
+    part is: every builder's step metadata, held through the step, and the largest one layer's call declares
+    (layers attend one after another, so that is set aside once)."""
     nbytes: int
     backend: str
     bounds: StepBounds
@@ -263,15 +264,25 @@ def _gib(nbytes: int) -> str:
     return f"{nbytes / 2**30:.2f}"
 
 
-def attention_workspace(attn: AttentionSetup, dtype: torch.dtype, bounds: StepBounds) -> AttentionWorkspace:
-    """The largest workspace any layer's backend declares for `bounds` (`AttentionBackend.workspace_bytes`)."""
-    best = AttentionWorkspace(0, attn.backends[0].name, bounds)
+def attention_workspace(attn: AttentionSetup, dtype: torch.dtype, bounds: StepBounds,
+                        builder_sets: int = 1) -> AttentionWorkspace:
+    """What the backends declare for `bounds`: the metadata of every group's builders (`builder_sets` of them a
+    group: two where KV-sharing layers have builders of their own), plus the largest one layer's call
+    (`AttentionBackend.metadata_bytes`, `AttentionBackend.workspace_bytes`)."""
+    metadata, call, owner = 0, 0, None
+    largest_step, step_owner = 0, attn.backends[0]
     for g, backend in zip(attn.groups, attn.backends):
-        for options in {attn.layers[n].options for n in g.layer_names}:
+        layers = [attn.layers[n].options for n in g.layer_names]
+        width = max(o.num_heads // o.num_kv_heads for o in layers)
+        step = builder_sets * backend.metadata_bytes(bounds, g.spec, width, dtype)
+        metadata += step
+        if step > largest_step:
+            largest_step, step_owner = step, backend
+        for options in set(layers):
             nbytes = backend.workspace_bytes(bounds, g.spec, options, dtype)
-            if nbytes > best.nbytes:
-                best = AttentionWorkspace(nbytes, backend.name, bounds)
-    return best
+            if nbytes > call:
+                call, owner = nbytes, backend
+    return AttentionWorkspace(metadata + call, (owner or step_owner).name, bounds)
 
 
 def free_dropped_engines(device: torch.device) -> None:

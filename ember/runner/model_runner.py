@@ -130,7 +130,7 @@ class ModelRunner:
                                 else 0)
         # the attention's worst case: the largest step against the longest context (docs/memory.md)
         self.attention_workspace = attention_workspace(self.attn, self.dtype, StepBounds(
-            self.max_num_tokens, self.max_num_reqs, upper_len))
+            self.max_num_tokens, self.max_num_reqs, upper_len), builder_sets=2 if self.tail_builders else 1)
         self.num_blocks = num_kv_blocks(self.attn, config.cache, self.model, self.device, upper_len,
                                         self.max_num_reqs, self.max_num_tokens, self.activation_peak,
                                         self.attention_workspace)

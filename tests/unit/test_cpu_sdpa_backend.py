@@ -27,7 +27,8 @@ SHAPES = {
 
 def _context(shape: BatchShape, dtype):
     spec = KVCacheSpec(shape.block_size, shape.num_kv_heads, shape.head_size, dtype, shape.sliding_window)
-    return BuilderContext(KVCacheGroup(("layer.0",), spec), 0, dtype, torch.device("cpu"), 16, 256, 1024)
+    return BuilderContext(KVCacheGroup(("layer.0",), spec), 0, dtype, torch.device("cpu"), 16, 256, 1024,
+                          num_queries_per_kv=shape.num_heads // shape.num_kv_heads)
 
 
 def _run(backend, shape, dtype, batch, share=False):
@@ -68,19 +69,21 @@ def test_kv_sharing_layer_writes_nothing():
 
 
 def test_one_builder_call_serves_every_layer_without_a_request_loop():
-    # the metadata holds one gather list per part: decodes then prefills
+    # an ordinary step is two pieces, one gather list each: decodes then prefills
     shape = SHAPES["mixed_medium"]
     batch = make_paged_batch(shape, torch.float32, "cpu", torch.Generator().manual_seed(2))
     md = CpuSdpaBackend.builder_cls(_context(shape, torch.float32)).build(common_metadata(batch))
-    assert (md.decodes.num_reqs, md.decodes.num_tokens, md.decodes.max_query_len) == (2, 2, 1)
-    assert (md.prefills.num_reqs, md.prefills.num_tokens, md.prefills.max_query_len) == (2, 13, 9)
-    assert md.prefills.mask.shape == (2, 1, 9, 32) and md.prefills.padded_rows.tolist() == list(range(9)) + [9, 10,
-                                                                                                               11, 12]
-    assert md.prefills.mask_for(2, torch.float32) is md.prefills.mask_for(2, torch.float32)   # built once per step
+    decodes, prefills = md.parts
+    assert (decodes.num_reqs, decodes.num_tokens, decodes.max_query_len) == (2, 2, 1)
+    assert (prefills.num_reqs, prefills.num_tokens, prefills.max_query_len) == (2, 13, 9)
+    assert prefills.padded_rows.tolist() == list(range(9)) + [9, 10, 11, 12]
+    mask = prefills.mask_for(2, torch.float32)
+    assert mask.shape == (2, 1, 18, 32) and mask is prefills.mask_for(2, torch.float32)    # built once per step
     # decodes attend with an additive mask that broadcasts over the folded query heads: 0 where a key is seen
-    decode_mask = md.decodes.mask_for(2, torch.float32)
-    assert decode_mask.shape == (2, 1, 1, md.decodes.span) and decode_mask.dtype == torch.float32
-    assert torch.equal(decode_mask == 0, md.decodes.mask) and bool(torch.isneginf(decode_mask[~md.decodes.mask]).all())
+    decode_mask = decodes.mask_for(2, torch.float32)
+    assert decode_mask.shape == (2, 1, 1, decodes.span) and decode_mask.dtype == torch.float32
+    seen = torch.arange(decodes.span) < decodes.seq_lens[:, None]
+    assert torch.equal(decode_mask[:, 0, 0] == 0, seen) and bool(torch.isneginf(decode_mask[:, 0, 0][~seen]).all())
 
 
 SPEC = KVCacheSpec(16, 2, 64, torch.float32)
