@@ -38,7 +38,7 @@ class ServerState:
     def __init__(self, llm, model_name: str, max_waiting: int):
         self.llm = llm
         self.model_name = model_name
-        self.metrics = ServerMetrics(model_name)
+        self.metrics = ServerMetrics(model_name, llm.engine.runner.device)
         self.front = AsyncEngine(llm.engine, max_waiting, self.metrics.on_tokens, self.metrics.on_finish)
         self.token_text = TokenText(llm.tokenizer)
         self.created = int(time.time())
@@ -94,7 +94,8 @@ def build_app(llm, model_name: str, max_waiting: int = 512) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics():
-        return Response(state.metrics.render(state.front.load), media_type="text/plain; version=0.0.4")
+        return Response(state.metrics.render(state.front.load, state.front.num_unfinished),
+                        media_type="text/plain; version=0.0.4")
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):

@@ -34,11 +34,14 @@ class EngineFailed(Exception):
 
 @dataclass(frozen=True)
 class EngineLoad:
-    """What the engine holds, as of its last step: requests running and waiting, KV-cache blocks in use."""
+    """What the engine holds, as of its last step: requests running and waiting, KV-cache blocks in use, requests
+    it keeps output state for, and the runner's request-table rows."""
     num_running: int = 0
     num_waiting: int = 0
     num_blocks_used: int = 0
     num_blocks_total: int = 1
+    num_tracked: int = 0
+    num_runner_rows: int = 0
 
     @property
     def kv_cache_usage(self) -> float:
@@ -316,7 +319,7 @@ class AsyncEngine:
         scheduler = self.engine.scheduler
         total = self._num_blocks_total()
         return EngineLoad(len(scheduler.running), len(scheduler.waiting), total - self.engine.kv.num_free_blocks,
-                          total)
+                          total, self.engine.num_tracked(), self.engine.runner.table.num_rows)
 
 
 def _settle(future: asyncio.Future, result, error: BaseException | None) -> None:

@@ -15,12 +15,14 @@ E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320
 
 
 class ServerMetrics:
-    """The collectors behind `/metrics`, labelled with the served model's name."""
+    """The collectors behind `/metrics`, labelled with the served model's name; with the process's own (resident
+    memory, CPU time, open files) and, for an engine on CUDA, the device memory torch holds."""
 
-    def __init__(self, model_name: str):
-        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+    def __init__(self, model_name: str, device=None):
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
         self.registry = CollectorRegistry()
         reg, label = self.registry, ["model_name"]
+        ProcessCollector(registry=reg)
 
         def gauge(name, doc):
             return Gauge(name, doc, label, registry=reg).labels(model_name)
@@ -44,6 +46,14 @@ class ServerMetrics:
         self.generation_tokens = counter("ember_generation_tokens", "Output tokens generated")
         self._finished = Counter("ember_request_success", "Finished requests, by finish reason",
                                  ["model_name", "finished_reason"], registry=reg)
+        # where requests are held: the server's streams, the engine's output state, the runner's request table
+        held = Gauge("ember_num_requests_held", "Requests held, by holder (server, engine, runner)",
+                     ["model_name", "holder"], registry=reg)
+        self._held = {holder: held.labels(model_name, holder) for holder in ("server", "engine", "runner")}
+        self._device = device if device is not None and device.type == "cuda" else None
+        if self._device is not None:
+            self.gpu_allocated = gauge("ember_gpu_memory_allocated_bytes", "Device memory torch has allocated")
+            self.gpu_reserved = gauge("ember_gpu_memory_reserved_bytes", "Device memory torch's allocator holds")
         self._model_name = model_name
 
     def on_tokens(self, stream: RequestStream, num_new: int, now: float) -> None:
@@ -69,10 +79,18 @@ class ServerMetrics:
         for completion in output.outputs:
             self._finished.labels(self._model_name, completion.finish_reason or "unknown").inc()
 
-    def render(self, load: EngineLoad) -> bytes:
-        """The text exposition format, with the load gauges set from `load`."""
+    def render(self, load: EngineLoad, num_unfinished: int = 0) -> bytes:
+        """The text exposition format, with the load gauges set from `load` and the server's `num_unfinished`
+        streams."""
         from prometheus_client import generate_latest
         self.num_running.set(load.num_running)
         self.num_waiting.set(load.num_waiting)
         self.kv_cache_usage.set(load.kv_cache_usage)
+        for holder, count in (("server", num_unfinished), ("engine", load.num_tracked),
+                              ("runner", load.num_runner_rows)):
+            self._held[holder].set(count)
+        if self._device is not None:
+            import torch
+            self.gpu_allocated.set(torch.cuda.memory_allocated(self._device))
+            self.gpu_reserved.set(torch.cuda.memory_reserved(self._device))
         return generate_latest(self.registry)

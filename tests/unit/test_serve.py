@@ -59,10 +59,10 @@ def _greedy(max_tokens: int, **extra) -> dict:
     return dict(model="test-model", max_tokens=max_tokens, temperature=0, extra_body={"ignore_eos": True, **extra})
 
 
-def _metric(server, name: str, labels: str = "") -> float:
+def _metric(server, name: str, labels: str = "", missing: float = 0.0) -> float:
     text = httpx.get(f"{server.url}/metrics").text
-    match = re.search(rf"^{name}{{[^}}]*{labels}[^}}]*}} (\S+)$", text, re.MULTILINE)
-    return float(match.group(1)) if match else 0.0
+    match = re.search(rf"^{name}(?:{{[^}}]*{labels}[^}}]*}})? (\S+)$", text, re.MULTILINE)
+    return float(match.group(1)) if match else missing
 
 
 def test_models_health_and_completions_streamed_equal_whole(server, alone):
@@ -160,6 +160,12 @@ def test_64_concurrent_streams_equal_one_at_a_time(server, alone):
     assert _metric(server, "ember_request_success_total", 'finished_reason="length"') == MAX_NUM_SEQS
 
 
+def _held(server) -> list[float]:
+    """Requests held by the server's streams, the engine's output state and the runner's table, from /metrics."""
+    return [_metric(server, "ember_num_requests_held", f'holder="{h}"', missing=-1) for h in ("server", "engine",
+                                                                                              "runner")]
+
+
 def _used_blocks(server) -> int:
     server.wait_idle()
     return server.front.load.num_blocks_used
@@ -176,8 +182,10 @@ def test_disconnect_aborts_and_frees_blocks(server):
             if events == 2:
                 break
         assert server.front.load.num_blocks_used > before
-    # the connection is closed: the request is aborted long before its 100 tokens
+    # the connection is closed: the request is aborted long before its 100 tokens, and nothing holds it
     assert _used_blocks(server) == before
+    assert _held(server) == [0, 0, 0]
+    assert _metric(server, "process_resident_memory_bytes", missing=-1) > 100 * 2**20
     assert _metric(server, "ember_generation_tokens_total") < 50
     assert _metric(server, "ember_request_success_total") == 0
 
@@ -202,6 +210,12 @@ def test_full_server_answers_503_with_retry_after(llm, alone):
                     assert time.monotonic() < deadline, f"only {server.front.num_unfinished} requests arrived"
                     await asyncio.sleep(0.01)
                 refused = await client.post("/completions", json=body)
+                while server.front.load.num_tracked < MAX_NUM_SEQS + 2:    # the engine thread takes them in
+                    assert time.monotonic() < deadline, f"the engine holds {server.front.load}"
+                    await asyncio.sleep(0.01)
+                # all are held by the server and the engine; the runner's table holds the running ones
+                held = await asyncio.to_thread(_held, server)
+                assert held == [MAX_NUM_SEQS + 2, MAX_NUM_SEQS + 2, server.front.load.num_running]
                 for task in pending:
                     task.cancel()
                 await asyncio.gather(*pending, return_exceptions=True)
