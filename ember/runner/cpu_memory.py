@@ -1,8 +1,8 @@
 """How much host memory the KV cache may take when the model runs on the CPU.
 
-On the CPU the KV cache is sized from the memory available now: a quarter of it, and never more than
-`CPU_KV_CACHE_MAX_BYTES`, so that a small model does not reserve gigabytes it will not use and the rest of the
-machine keeps room. `num_kv_blocks=` overrides it.
+On the CPU the KV cache is sized from the memory available now, less the attention's declared workspace
+(docs/memory.md): a quarter of it, and never more than `CPU_KV_CACHE_MAX_BYTES`, so that a small model does not
+reserve gigabytes it will not use and the rest of the machine keeps room. `num_kv_blocks=` overrides it.
 """
 
 from __future__ import annotations
