@@ -40,17 +40,12 @@ def _context(shape: BatchShape, dtype: torch.dtype) -> BuilderContext:
                           num_queries_per_kv=shape.num_heads // shape.num_kv_heads)
 
 
-def _run(backend, shape: BatchShape, dtype: torch.dtype, batch, measure: PeakMemory | None = None):
+def _run(backend, shape: BatchShape, dtype: torch.dtype, batch):
     cache = batch.kv_cache.transpose(2, 3).contiguous()     # the backends' [2, blocks, block_size, Hkv, D]
     cache[:, 0] = 0.0
     out = torch.full_like(batch.query, float("nan"))
     metadata = backend.builder_cls(_context(shape, dtype)).build(common_metadata(batch))
-    impl = backend.impl_cls(shape.options())
-    if measure is None:
-        impl.forward(batch.query, batch.key, batch.value, cache, metadata, out)
-    else:
-        with measure.section():
-            impl.forward(batch.query, batch.key, batch.value, cache, metadata, out)
+    backend.impl_cls(shape.options()).forward(batch.query, batch.key, batch.value, cache, metadata, out)
     return out, metadata
 
 
@@ -81,21 +76,30 @@ def test_small_pieces_give_torch_refs_output(monkeypatch, name, step_masks):
     assert err <= tolerance(dtype), f"{name}: max abs error {err:.3g}"
 
 
-def test_a_call_stays_within_the_declared_workspace(monkeypatch):
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_a_call_stays_within_the_declared_workspace(monkeypatch, kv_dtype):
     """A 512-token prefill after 512 tokens of context, 8 query heads on 2 KV heads, with pieces of 4 MiB: each
     layer call's allocations (those ops return; SDPA's own scratch is declared by thread, not seen here) and the
-    step's metadata stay within what the backend declares."""
+    step's metadata stay within what the backend declares; an e4m3 cache's pages are dequantized in each call."""
     monkeypatch.setattr(cpu_sdpa, "PIECE_BYTES", 4 << 20)
     shape, dtype = BatchShape("big", (1, 512), (600, 1024), num_heads=8, num_kv_heads=2), torch.bfloat16
     batch = make_paged_batch(shape, dtype, "cpu", torch.Generator().manual_seed(4))
-    spec = KVCacheSpec(16, 2, 64, dtype, None)
+    spec = KVCacheSpec(16, 2, 64, kv_dtype, None)
     bounds = StepBounds(513, 2, 1024)
+    cache = batch.kv_cache.transpose(2, 3).contiguous()     # the backend's [2, blocks, block_size, Hkv, D]
+    cache[:, 0] = 0.0
+    cache = cache.to(kv_dtype)
+    out = torch.full_like(batch.query, float("nan"))
+    builder = CpuSdpaBackend.builder_cls(BuilderContext(KVCacheGroup(("layer.0",), spec), 0, dtype,
+                                                        torch.device("cpu"), 16, 1024, 1024, num_queries_per_kv=4))
+    impl = CpuSdpaBackend.impl_cls(shape.options())
+    impl.kv_scales = (torch.full((2,), 0.5), torch.full((2,), 0.25))
     with PeakMemory() as memory:
-        out, metadata = _run(CpuSdpaBackend, shape, dtype, batch, memory)
-        held = memory.live - out.untyped_storage().nbytes()
-    assert len(metadata.parts) > 2
+        metadata = builder.build(common_metadata(batch))
+        held = memory.live
+        with memory.section():
+            impl.forward(batch.query, batch.key, batch.value, cache, metadata, out)
+    assert len(metadata.parts) > 2 and not out[:batch.num_tokens].isnan().any()
     assert 0 < memory.section_peaks[0] <= CpuSdpaBackend.workspace_bytes(bounds, spec, shape.options(), dtype)
     assert 0 < held <= CpuSdpaBackend.metadata_bytes(bounds, spec, 4, dtype)
-    cost = PieceCost(2, 64, 4, 2, 2)
-    whole = cost(1, 512, 1024)
-    assert whole > 4 << 20           # one piece would have taken more
+    assert PieceCost.of(spec, 4, dtype)(1, 512, 1024) > 4 << 20       # one piece would have taken more

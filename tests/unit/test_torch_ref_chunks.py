@@ -98,21 +98,27 @@ def test_many_small_chunks_give_the_unchunked_output(name, dtype):
             assert (out.float() - expected.float()).abs().max().item() <= 2 ** -7
 
 
-@pytest.mark.parametrize("query_len,seq_len,options", [(1, 3000, {}), (512, 512, {}), (300, 1000, {}),
-                                                       (512, 512, {"use_sinks": True, "use_alibi": True})])
-def test_what_it_allocates_stays_within_its_declared_workspace(monkeypatch, query_len, seq_len, options):
+@pytest.mark.parametrize("query_len,seq_len,options,kv_dtype", [
+    (1, 3000, {}, torch.bfloat16), (512, 512, {}, torch.bfloat16), (300, 1000, {}, torch.bfloat16),
+    (512, 512, {"use_sinks": True, "use_alibi": True}, torch.bfloat16), (1, 3000, {}, torch.float8_e4m3fn),
+    (512, 512, {}, torch.float8_e4m3fn)])
+def test_what_it_allocates_stays_within_its_declared_workspace(monkeypatch, query_len, seq_len, options, kv_dtype):
     """Measured on the CPU (every tensor an op returns, until freed), with chunks of 2**18 scores (1 MiB) to keep
     the shapes small: within the declaration, which is not loose by more than half, and well under what the whole
-    score matrix took."""
+    score matrix took. An e4m3 cache is dequantized as it is gathered."""
     monkeypatch.setattr(torch_ref, "SCORE_CHUNK_ELEMENTS", 1 << 18)
     args, sinks, slopes = _batch((query_len,), (seq_len,), torch.bfloat16, **options)
+    scales = None
+    if kv_dtype != torch.bfloat16:
+        scales = (torch.full((2,), 0.5), torch.full((2,), 0.25))
+        args = (args[0], args[1].float().to(kv_dtype), *args[2:])
     out = torch.empty_like(args[0])
-    spec = KVCacheSpec(16, 2, 32, torch.bfloat16, None)
+    spec = KVCacheSpec(16, 2, 32, kv_dtype, None)
     declared = TorchRefBackend.workspace_bytes(StepBounds(query_len, 1, seq_len), spec, args[-1], torch.bfloat16)
     with PeakMemory() as chunked:
-        paged_attention_ref(*args, out, sinks, slopes)
+        paged_attention_ref(*args, out, sinks, slopes, kv_scales=scales)
     assert chunked.peak <= declared <= 1.5 * chunked.peak
-    if query_len == seq_len:
+    if query_len == seq_len and scales is None:
         with PeakMemory() as whole:
             unchunked_reference(*args, out, sinks, slopes)
         # 8 heads x 512 x 512 float32 scores are 8 MiB a copy; a chunk's, 1 MiB
