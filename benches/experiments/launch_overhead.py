@@ -1,5 +1,5 @@
 """Host time of a launch of ember's Triton kernels through `ember.kernels.launcher` (ember's C launcher) against
-Triton's own `JITFunction.run` (EMBER_FAST_LAUNCH=0), on a GPU.
+Triton's own `JITFunction.run` (as with EMBER_HOOKS=fast_launch=off), on a GPU.
 
     PYTHONPATH=. python benches/experiments/launch_overhead.py [--rounds 5] [--calls 2000]
 
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 
@@ -85,18 +84,23 @@ def main() -> None:
     for call in cases.values():      # compile outside the timing
         call()
     results: dict[str, dict[str, list[float]]] = {name: {"triton": [], "ember": []} for name in cases}
+    import ember.kernels.launcher as L
+    ember_launch = L.KernelLauncher._launch
+
+    def triton_launch(self, grid, *args, **kwargs):     # JITFunction.run, as where the fast_launch hook is off
+        return self._slow(grid, args, kwargs)
+
     for _ in range(a.rounds):
-        for way, flag in (("triton", "0"), ("ember", "1")):
-            os.environ["EMBER_FAST_LAUNCH"] = flag
+        for way, launch in (("triton", triton_launch), ("ember", ember_launch)):
+            L.KernelLauncher._launch = launch
             for name, call in cases.items():
                 results[name][way].append(_time(call, a.calls))
-    os.environ["EMBER_FAST_LAUNCH"] = "1"
+    L.KernelLauncher._launch = ember_launch
     floor = _floor(cases["gemv 4x1024 @ 3072"], a.calls)
     print(f"{'call site':40s} {'JITFunction.run':>16s} {'ember launcher':>15s}   first round (triton / ember), us")
     for name, r in results.items():
         print(f"{name:40s} {statistics.median(r['triton']):13.1f} us {statistics.median(r['ember']):12.1f} us"
               f"   {r['triton'][0]:.1f} / {r['ember'][0]:.1f}")
-    import ember.kernels.launcher as L
     kept = {made.fn.__name__: len(made._kept) for made in L._launchers}
     print("rounds (us):", json.dumps({name: {w: [round(t, 1) for t in v] for w, v in r.items()}
                                       for name, r in results.items()}))

@@ -26,20 +26,23 @@ debug mode or instrumentation set; for interpreted kernels (CPU tensors); for a 
 that is not a constexpr or a launch option, or an argument that cannot be hashed; for a kernel with a parameter type
 the launcher does not pack (a scalar other than i32/u32/i64/u64/fp32, a tensor descriptor) or scratch memory; for a
 tensor that is not on a GPU (Triton's launcher names it in its error); after
-`MAX_KEYS` keys of one kernel; where ember's launcher cannot be built; and everywhere with EMBER_FAST_LAUNCH=0."""
+`MAX_KEYS` keys of one kernel; where ember's launcher cannot be built; and everywhere where the `fast_launch` hook is
+off (`EMBER_HOOKS=fast_launch=off`, or a Triton version it was not checked with: ember.kernels.hooks), when
+`launcher(fn)` hands back `fn` itself."""
 
 from __future__ import annotations
 
 import functools
 import logging
 import operator
-import os
 import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
+
+from ember.kernels.hooks import enabled
 
 __all__ = ["KernelLauncher", "MAX_KEYS", "fast_launch_count", "launcher"]
 
@@ -54,10 +57,6 @@ _INT32 = 1 << 31
 _INT64 = 1 << 63
 _UINT64 = 1 << 64
 _TRITON = "triton"      # a kept entry that says: this key launches through Triton's own path
-
-
-def _enabled() -> bool:
-    return os.environ.get("EMBER_FAST_LAUNCH", "1") != "0"
 
 
 @functools.cache
@@ -243,7 +242,7 @@ class KernelLauncher:
 
     def _launch(self, grid, *args, **kwargs):
         runtime, compilation, active = _triton_runtime()
-        if callable(grid) or not _enabled() or self.fn.pre_run_hooks or _hooks_set(runtime, compilation):
+        if callable(grid) or self.fn.pre_run_hooks or _hooks_set(runtime, compilation):
             return self._slow(grid, args, kwargs)
         device = active.get_current_device()
         made = self._key(device, args, kwargs)
@@ -289,9 +288,9 @@ def fast_launch_count() -> int:
 @functools.cache
 def launcher(fn):
     """The `KernelLauncher` of a compiled @triton.jit kernel (one per kernel); anything else, such as an interpreted
-    kernel for CPU tensors, is returned as it is."""
+    kernel for CPU tensors, is returned as it is, and so is every kernel where the `fast_launch` hook is off."""
     from triton.runtime.jit import JITFunction
-    if not isinstance(fn, JITFunction) or type(fn).__name__ == "InterpretedFunction":
+    if not isinstance(fn, JITFunction) or type(fn).__name__ == "InterpretedFunction" or not enabled("fast_launch"):
         return fn
     made = KernelLauncher(fn)
     _launchers.append(made)

@@ -26,8 +26,9 @@ one JSON line on stdout (the compiled kernel's hash, or the error).
 It never touches the GPU. A specialization it cannot compile is reported and left to compile, and to fail loudly,
 at its real launch.
 
-On by default with CUDA (`triton_compile_workers=None`: one fewer than the CPUs, at most 12; 0 turns it off). Every
-CUDA start pins TRITON_PTXAS_PATH first (`triton_key.pin_ptxas`).
+On by default with CUDA (`triton_compile_workers=None`: one fewer than the CPUs, at most 12; 0 turns it off, and so
+does `EMBER_HOOKS=compile_workers=off`: this is the `compile_workers` hook of ember.kernels.hooks). Every CUDA start
+pins TRITON_PTXAS_PATH first (`triton_key.pin_ptxas`).
 Triton keys its cache with the ptxas version it reads at a process's first compile, but runs whatever that variable
 names at each compile, and torch's Inductor points it at torch's ptxas (CUDA 13.0 on the H100 host, where Triton 3.6
 ships 12.8) only at its first kernel, after the start-up's first compiles. The launching process so keyed every kernel
@@ -46,8 +47,8 @@ kernels hash their callees before merging their constants (`triton_key.order_dep
 kernel another source hash after other kernels had compiled, so the workers, a cold start and the warm start after it
 keyed the sampler's kernels and the split-KV combine differently). Then, on one host, interleaved: cold 22.60 / 24.46 s
 with 12 workers against 30.91 / 31.48 s without; nothing compiled again in the warm starts after them. ember's kernels
-use ember's own launcher (`ember.kernels.launcher`) unless
-EMBER_FAST_LAUNCH=0, so the C launchers the workers build for Triton's path only serve that switch."""
+use ember's own launcher (`ember.kernels.launcher`) unless its `fast_launch` hook is off, so the C launchers the
+workers build for Triton's path only serve that case."""
 
 from __future__ import annotations
 

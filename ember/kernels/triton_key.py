@@ -7,7 +7,8 @@ filed under a signature of what the key hashes (each file's path, size and modif
 those folders), and puts a function returning it in place of Triton's where Triton and Inductor look it up. Any
 change to those files changes the signature and the key is computed afresh; an unreadable entry is computed
 again too. Triton's own compile-worker pools replace the key the same way; ember's (`ember.kernels.precompile`)
-hand theirs the parent's key.
+hand theirs the parent's key. This is the `triton_key` hook, and the dependency order below the `dependency_hashes`
+hook (ember.kernels.hooks: EMBER_HOOKS turns either off).
 
 `pin_cache_dir()` (called by `graphs.artifacts.inductor_cache_scope`) fixes where Triton keeps compiled kernels for
 the whole process. Left unset, Triton's cache folder follows the TRITON_CACHE_DIR variable, which Inductor sets when
@@ -23,6 +24,8 @@ import logging
 import os
 import sys
 from pathlib import Path
+
+from ember.kernels.hooks import enabled
 
 logger = logging.getLogger("ember")
 
@@ -49,7 +52,9 @@ def build_signature(triton_dir: Path) -> str:
 
 def install(cache_dir: Path) -> str | None:
     """Put a stored `triton_key` in place (computing and storing it when no entry matches); returns the key, or
-    None when Triton is absent or the key cannot be had."""
+    None when Triton is absent, the key cannot be had, or the `triton_key` hook is off (ember.kernels.hooks)."""
+    if not enabled("triton_key"):
+        return None
     try:
         import triton
         import triton.runtime.cache as cache
@@ -119,7 +124,10 @@ def order_dependency_hashes() -> bool:
     H100 host the compile workers, a cold start and the warm start after it keyed the sampler's kernels and the
     split-KV combine three ways, and each start compiled again what another had compiled. Here the callee of one of
     ember's functions is hashed before the merge, as later Triton versions do; other functions (Inductor's, whose
-    compile workers do not import this) keep Triton's order. Returns whether the order was put in place."""
+    compile workers do not import this) keep Triton's order. Returns whether the order was put in place (never
+    where the `dependency_hashes` hook is off: ember.kernels.hooks)."""
+    if not enabled("dependency_hashes"):
+        return False
     try:
         from triton.runtime.jit import DependenciesFinder
     except ImportError:

@@ -243,16 +243,17 @@ def precompile(runner) -> float:
     each sampling mix of the profile run and the warm-up (`_dry_sample`), then wait for the workers. The real
     steps afterwards load every kernel from Triton's cache. Returns the seconds it took beyond the model's
     compile (which the first dry step triggers). On CUDA it first pins the ptxas Triton runs
-    (`triton_key.pin_ptxas`), with workers or not. Nothing runs (0.0) off CUDA, with 0 workers, or when an
-    earlier start of the same build left its marker; kernels the dry pass misses compile where
-    they first launch, as without workers."""
+    (`triton_key.pin_ptxas`), with workers or not. Nothing runs (0.0) off CUDA, with 0 workers, where the
+    `compile_workers` hook is off (ember.kernels.hooks), or when an earlier start of the same build left its marker;
+    kernels the dry pass misses compile where they first launch, as without workers."""
+    from ember.kernels import hooks
     from ember.kernels import precompile as P
     from ember.kernels import triton_key
     workers = runner.config.compile.triton_compile_workers
     if runner.device.type != "cuda":
         return 0.0
     triton_key.pin_ptxas()      # every CUDA start, workers or not: all starts key Triton's cache alike
-    if not workers:
+    if not workers or not hooks.enabled("compile_workers"):
         return 0.0
     marker = _marker(runner)
     if marker.exists():

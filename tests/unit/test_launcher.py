@@ -151,20 +151,25 @@ def test_tritons_own_launch_for_hooks_options_odd_arguments_and_unpacked_types(m
         r.runtime.launch_exit_hook.add(lambda *a: None)
         r.launch[(1,)](*args, B=8)
         r.runtime.launch_exit_hook = None
-    monkeypatch.setenv("EMBER_FAST_LAUNCH", "0")
-    r.launch[(1,)](*args, B=8)
-    monkeypatch.delenv("EMBER_FAST_LAUNCH")
     r.launch[lambda meta: (1,)](*args, B=8)                         # a callable grid
     r.launch[(1,)](*args, B=8, eps_like=3)                          # a keyword that is not a constexpr or option
     r.launch[(1,)](x, x, 32, 5, 1.0, [1], B=8)                      # a list cannot be a key
     r.launch.fn.pre_run_hooks.append(lambda *a, **k: None)
     r.launch[(1,)](*args, B=8)
     r.launch.fn.pre_run_hooks.clear()
-    expected_slow = 6 + int(hasattr(knobs, "HookChain"))
+    expected_slow = 5 + int(hasattr(knobs, "HookChain"))
     assert len(r.slow) == expected_slow and len(r.launches) == int(hasattr(knobs, "HookChain"))
     r.launch[(1,)](x, x, 32, 5, 1.0, True, B=8)                     # a u1 parameter: not packed by ember's launcher
     r.launch[(1,)](x, x, 32, 5, 1.0, True, B=8)
     assert len(r.slow) == expected_slow + 2 and len(r.compiles) == 2 and len(r.loads) == 1
+
+
+def test_with_the_fast_launch_hook_off_a_kernel_is_launched_by_triton_itself(hooks_env):
+    fn = _toy_jit()
+    assert isinstance(L.launcher(fn), L.KernelLauncher)
+    hooks_env("fast_launch=off")
+    other = _toy_jit()
+    assert L.launcher(other) is other
 
 
 def test_scratch_memory_or_no_launcher_module_leave_the_launch_to_triton(monkeypatch):
