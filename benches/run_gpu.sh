@@ -86,7 +86,7 @@ PY
 # PYTHONDONTWRITEBYTECODE compiles every imported module in every process. With it a first start ("bytecode")
 # writes the bytecode, so that the cold start after it finds bytecode and empty ember/Triton caches, and a second
 # warm start ("warm2") follows. STAMP_AB=1 adds, per model, a cold start that traces every decoder layer
-# (EMBER_STAMP_LAYERS=0) beside the default one that traces three and stamps the rest (JSON "traced_layers").
+# (EMBER_HOOKS=layer_stamp=off) beside the default one that traces three and stamps the rest (JSON "traced_layers").
 part_startup() {
   local models=${*:-qwen3-0.6b llama-3.1-8b} labels="cold warm" cache model label
   if [ "${PYC:-0}" = 1 ]; then
@@ -112,7 +112,7 @@ part_startup() {
     if [ "${STAMP_AB:-0}" = 1 ]; then
       cache=$(mktemp -d)
       echo "== $model cold_whole_trace"
-      EMBER_CACHE=$cache/ember TRITON_CACHE_DIR=$cache/triton EMBER_STAMP_LAYERS=0 timeout 280 \
+      EMBER_CACHE=$cache/ember TRITON_CACHE_DIR=$cache/triton EMBER_HOOKS=layer_stamp=off timeout 280 \
         python3 benches/startup.py --model "$model" --label cold_whole_trace \
         > "$OUT/startup_${model}_cold_whole_trace.log" 2>&1
       grep -h "start-up\|captured\|STARTUP" "$OUT/startup_${model}_cold_whole_trace.log" | cut -c1-600

@@ -1,7 +1,8 @@
 """Piecewise torch.compile: trace the forward once with a dynamic token count, split the FX graph at every
 `ember::attention` call, compile each distinct piece between with Inductor, and run attention eagerly in between.
 A piece left with nothing but ember's ops and views after the fusion passes runs as its aten graph instead, without
-Inductor (ember.graphs.plain_pieces; `plain_pieces=False` sends every piece to Inductor).
+Inductor (ember.graphs.plain_pieces; `plain_pieces=False`, or the `plain_pieces` hook off, sends every piece to
+Inductor).
 
 API:
     resolve_compile_mode(compile_mode, device, enforce_eager=False) -> "none" | "default"
@@ -33,13 +34,13 @@ With a `graph_manager` (ember.graphs.cuda_graph), each compiled piece is wrapped
 
 A model whose `stamp_layers_path()` names its decoder layer list is traced cut to its first TRACED_LAYERS layers,
 and the backend stamps the whole graph out of that trace (ember.graphs.layer_stamp), a fraction of the trace time;
-where the stamping cannot vouch for the result, or with EMBER_STAMP_LAYERS=0, the whole model is traced.
+where the stamping cannot vouch for the result, or where the `layer_stamp` hook is off (ember.kernels.hooks:
+`EMBER_HOOKS=layer_stamp=off`, or a torch it was not checked with), the whole model is traced.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import time
 import weakref
 from collections.abc import Callable, Mapping
@@ -56,6 +57,7 @@ from ember.graphs.artifacts import compile_cache_key  # noqa: F401  (part of thi
 from ember.graphs.layer_stamp import TRACED_LAYERS, cut_layers, stamp_failure, stamp_plan
 from ember.graphs.piecewise import (CompileStats, PiecewiseBackend, install_pieces, split_names,  # noqa: F401
                                     is_attention_node, split_at_attention, uninstall_pieces)   # (part of this API)
+from ember.kernels import hooks
 from ember.kernels.triton_key import pin_cache_dir
 
 logger = logging.getLogger("ember")
@@ -92,6 +94,7 @@ class CompiledModel:
                  inductor_options: Mapping[str, Any] | None = None, use_artifacts: bool = True,
                  plain_pieces: bool = True):
         from ember.graphs.passes.registry import PASSES, check_pass_names, passes_digest
+        plain_pieces = plain_pieces and hooks.enabled("plain_pieces")
         self.model = model
         self.stats = CompileStats()
         self.disabled_fusions = check_pass_names(disabled_fusions)
@@ -109,7 +112,7 @@ class CompiledModel:
         self.backend = PiecewiseBackend(self.stats, graph_manager, dedupe=dedupe, inductor_options=None,
                                         store=self.store, describe_inputs=self._describe_inputs,
                                         plain_pieces=plain_pieces)
-        self.stamp_layers = os.environ.get("EMBER_STAMP_LAYERS", "1") != "0"
+        self.stamp_layers = hooks.enabled("layer_stamp")
         self._compiled: Callable | None = None   # the dynamo frame, made when a trace is needed (not on a load)
         self.split_module: torch.fx.GraphModule | None = None
         self._ready = False

@@ -15,6 +15,9 @@ to add), which is why the template is the third layer and not the second.
 `nn_module_stack`) or the epilogue, in that order; the template and the layer before it are the same program node
 for node (same targets, constants equal up to the layer's name, inputs at the same positions); the epilogue reads
 no layer but the last. Anything else returns the reason, and the caller traces the whole model instead.
+
+It reads dynamo's `nn_module_stack` node metadata and the shape of dynamo's graphs: it is the `layer_stamp` hook of
+ember.kernels.hooks (docs/hooks.md), off with `EMBER_HOOKS=layer_stamp=off` or on a torch it was not checked with.
 """
 
 from __future__ import annotations

@@ -7,7 +7,9 @@ remainder; its import, its compile and the load of its code cost seconds at ever
 graph (Inductor's decompositions, the fusion passes, and the final RMSNorm as `ember::rms_norm`) calls only
 `PLAIN_TARGETS` runs as that graph, eagerly (inside a CUDA graph when captured), and is saved as the pickled FX
 graph. Any other piece (arithmetic the passes do not take: Llama's rotary where the attention backend does not
-take it, Gemma's norms) goes to Inductor as before.
+take it, Gemma's norms) goes to Inductor as before. The trace borrows Inductor's decomposition table and its no-op
+removal pass: this is the `plain_pieces` hook of ember.kernels.hooks (docs/hooks.md), off with
+`EMBER_HOOKS=plain_pieces=off` or on a torch it was not checked with.
 
     plain_piece(piece, example_inputs, disabled_fusions) -> PlainPiece | None
     PlainPiece(gm)(*args);  .save(path, format);  PlainPiece.load(path)

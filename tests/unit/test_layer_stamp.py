@@ -150,14 +150,14 @@ def eager_pieces(monkeypatch):
 
 
 @pytest.mark.parametrize("case", ["layers_differ", "stamp_fails", "switched_off", "opted_out"])
-def test_fallbacks_trace_the_whole_model(eager_pieces, monkeypatch, tmp_path, caplog, case):
+def test_fallbacks_trace_the_whole_model(eager_pieces, monkeypatch, hooks_env, tmp_path, caplog, case):
     model = make_model()
     if case == "layers_differ":
         model.layers[5].attn.scale_hint = 2.0
     elif case == "stamp_fails":
         monkeypatch.setattr(layer_stamp, "stamp_layers", lambda *args: "forced for the test")
     elif case == "switched_off":
-        monkeypatch.setenv("EMBER_STAMP_LAYERS", "0")
+        hooks_env("layer_stamp=off")
     else:
         monkeypatch.setattr(StampableToy, "stamp_layers_path", lambda self: None)
     seen = []
@@ -176,7 +176,7 @@ def test_fallbacks_trace_the_whole_model(eager_pieces, monkeypatch, tmp_path, ca
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
-def test_llama_family_engine_stamps_the_whole_trace(eager_pieces, monkeypatch, tmp_path, family):
+def test_llama_family_engine_stamps_the_whole_trace(eager_pieces, monkeypatch, hooks_env, tmp_path, family):
     """Through the engine (profile run, runner, attention by layer name): with stamping the graph the backend
     compiles is the whole trace's node for node, and prompt logprobs and greedy tokens are the same."""
     from transformers import LlamaConfig, Qwen3Config
@@ -196,7 +196,7 @@ def test_llama_family_engine_stamps_the_whole_trace(eager_pieces, monkeypatch, t
     monkeypatch.setattr(C.PiecewiseBackend, "_save", save)
     results = {}
     for mode in ("1", "0"):
-        monkeypatch.setenv("EMBER_STAMP_LAYERS", mode)
+        hooks_env("" if mode == "1" else "layer_stamp=off")
         monkeypatch.setenv("EMBER_CACHE", str(tmp_path / f"cache-{mode}"))
         llm = LLM(str(tmp_path / "model"), load_format="dummy", device="cpu", compile_mode="default",
                   max_model_len=128, max_num_seqs=2, max_num_batched_tokens=64, seed=0)
