@@ -22,17 +22,27 @@ import triton.language as tl
 
 __all__ = ["moe_gemv", "routed_moe_gemv"]
 
+# programmatic dependent launch (Hopper): the caller passes PDL=True and launch_pdl=True where it applies
+_cuda = getattr(getattr(tl, "extra", None), "cuda", None)
+gdc_wait = getattr(_cuda, "gdc_wait", None)
+gdc_launch_dependents = getattr(_cuda, "gdc_launch_dependents", None)
+
 
 @triton.jit
 def _gate_up_gemv_kernel(x_ptr, w_ptr, logits_ptr, ids_ptr, weights_ptr, out_ptr, N, K, num_experts, stride_xm,
                          stride_lm, stride_we, stride_wn, stride_om, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, ROUTE: tl.constexpr, E_P2: tl.constexpr,
-                         RENORMALIZE: tl.constexpr):
+                         RENORMALIZE: tl.constexpr, PDL: tl.constexpr = False):
     """out[slot, n block] = silu(gate) * up for one token-slot; N is the expert's intermediate size.
 
     ROUTE: the slot's expert comes from the token's router logits (softmax, top-k, renormalise: the arithmetic of
     ember.kernels.moe_router, redone by every program of the token, which costs a few reductions over E values),
-    and the programs of column block 0 store each slot's expert and weight for the down kernel. Else from ids."""
+    and the programs of column block 0 store each slot's expert and weight for the down kernel. Else from ids.
+    PDL: launched as a programmatic dependent; every input but the weights comes from the kernels before, and the
+    weights to read depend on the routing, so it waits first, then lets the next kernel's programs start."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     slot = tl.program_id(0)
     token = slot // TOP_K
     if ROUTE:
@@ -91,10 +101,15 @@ def _gate_up_gemv_kernel(x_ptr, w_ptr, logits_ptr, ids_ptr, weights_ptr, out_ptr
 
 
 @triton.jit
-def _down_gemv_kernel(a_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, N, K, stride_am, stride_we, stride_wn,
-                      stride_om, TOP_K: tl.constexpr, K_P2: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-    """out[token, n block] = the weighted sum over the token's TOP_K slots; N is the hidden size."""
+def _down_gemv_kernel(a_ptr, w_ptr, ids_ptr, weights_ptr, residual_ptr, out_ptr, N, K, stride_am, stride_we,
+                      stride_wn, stride_rm, stride_om, TOP_K: tl.constexpr, K_P2: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                      HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr = False):
+    """out[token, n block] = the weighted sum over the token's TOP_K slots (+ the residual, added to the rounded
+    sum and rounded again, as the unfused add); N is the hidden size. PDL: as the gate_up kernel."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     token = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     lanes = tl.arange(0, K_P2)
@@ -122,6 +137,9 @@ def _down_gemv_kernel(a_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, N, K, stride_
     routing = tl.load(weights_ptr + slots, mask=lane_ok, other=0.0)                                # [K_P2]
     weighted = (y * routing[:, None]).to(dtype).to(tl.float32)
     total = tl.reduce(tl.where(lane_ok[:, None], weighted, 0.0), 0, tl.standard._sum_combine)      # [BN]
+    if HAS_RESIDUAL:
+        residual = tl.load(residual_ptr + token.to(tl.int64) * stride_rm + cols, mask=cols < N, other=0.0)
+        total = total.to(dtype).to(tl.float32) + residual.to(tl.float32)
     tl.store(out_ptr + token.to(tl.int64) * stride_om + cols, total.to(dtype), mask=cols < N)
 
 
@@ -136,7 +154,7 @@ def _kernel(kernel, device: torch.device):
     return _interpreted(kernel) if device.type == "cpu" else kernel
 
 
-def _launch_gate_up(x, w13, logits, ids, weights, act, config, top_k, renormalize) -> None:
+def _launch_gate_up(x, w13, logits, ids, weights, act, config, top_k, renormalize, options) -> None:
     num_slots, intermediate = act.shape
     hidden = w13.shape[2]
     route = logits is not None
@@ -145,40 +163,48 @@ def _launch_gate_up(x, w13, logits, ids, weights, act, config, top_k, renormaliz
         logits.stride(0) if route else 0, w13.stride(0), w13.stride(1), act.stride(0), TOP_K=top_k,
         BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"], EVEN_K=hidden % config["BLOCK_K"] == 0,
         ROUTE=route, E_P2=triton.next_power_of_2(w13.shape[0]), RENORMALIZE=renormalize,
-        num_warps=config["num_warps"])
+        num_warps=config["num_warps"], **options)
 
 
-def _launch_down(act, w2, ids, weights, out, config, top_k) -> None:
+def _launch_down(act, w2, ids, weights, out, config, top_k, residual, options) -> None:
     num_tokens, hidden = out.shape
     intermediate = w2.shape[2]
     _kernel(_down_gemv_kernel, act.device)[(num_tokens, triton.cdiv(hidden, config["BLOCK_N"]))](
-        act, w2, ids, weights, out, hidden, intermediate, act.stride(0), w2.stride(0), w2.stride(1),
-        out.stride(0), TOP_K=top_k, K_P2=triton.next_power_of_2(top_k), BLOCK_N=config["BLOCK_N"],
-        BLOCK_K=config["BLOCK_K"], EVEN_K=intermediate % config["BLOCK_K"] == 0, num_warps=config["num_warps"])
+        act, w2, ids, weights, residual if residual is not None else out, out, hidden, intermediate, act.stride(0),
+        w2.stride(0), w2.stride(1), residual.stride(0) if residual is not None else 0, out.stride(0), TOP_K=top_k,
+        K_P2=triton.next_power_of_2(top_k), BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"],
+        EVEN_K=intermediate % config["BLOCK_K"] == 0, HAS_RESIDUAL=residual is not None,
+        num_warps=config["num_warps"], **options)
 
 
 def moe_gemv(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor,
-             w2: torch.Tensor, gate_up_config: dict, down_config: dict) -> torch.Tensor:
+             w2: torch.Tensor, gate_up_config: dict, down_config: dict, launch_options: dict | None = None
+             ) -> torch.Tensor:
     """x [T, H] through each token's top_k experts (w13 [E, 2I, H], w2 [E, H, I]), weighted and summed -> [T, H];
-    configs: BLOCK_N, BLOCK_K, num_warps (each kernel its own)."""
+    configs: BLOCK_N, BLOCK_K, num_warps (each kernel its own); launch_options: e.g. PDL=True, launch_pdl=True."""
     num_tokens, top_k = topk_ids.shape
     act = torch.empty(num_tokens * top_k, w13.shape[1] // 2, dtype=x.dtype, device=x.device)     # [T * top_k, I]
     out = torch.empty(num_tokens, w13.shape[2], dtype=x.dtype, device=x.device)                  # [T, H]
-    _launch_gate_up(x, w13, None, topk_ids, topk_weights, act, gate_up_config, top_k, False)
-    _launch_down(act, w2, topk_ids, topk_weights, out, down_config, top_k)
+    options = launch_options or {}
+    _launch_gate_up(x, w13, None, topk_ids, topk_weights, act, gate_up_config, top_k, False, options)
+    _launch_down(act, w2, topk_ids, topk_weights, out, down_config, top_k, None, options)
     return out
 
 
 def routed_moe_gemv(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
-                    renormalize: bool, gate_up_config: dict, down_config: dict) -> torch.Tensor:
+                    renormalize: bool, gate_up_config: dict, down_config: dict,
+                    residual: torch.Tensor | None = None, launch_options: dict | None = None) -> torch.Tensor:
     """`moe_gemv` with the routing (ember.kernels.moe_router's) done inside the gate_up kernel: the whole MoE
-    layer in two launches. router_logits [T, E] -> [T, H]."""
+    layer in two launches. router_logits [T, E] -> [T, H], plus `residual` [T, H] when given."""
     num_tokens = x.shape[0]
     act = torch.empty(num_tokens * top_k, w13.shape[1] // 2, dtype=x.dtype, device=x.device)     # [T * top_k, I]
     ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=x.device)                     # [T, top_k]
     weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=x.device)               # [T, top_k]
     out = torch.empty(num_tokens, w13.shape[2], dtype=x.dtype, device=x.device)                  # [T, H]
     logits = router_logits if router_logits.stride(1) == 1 else router_logits.contiguous()
-    _launch_gate_up(x, w13, logits, ids, weights, act, gate_up_config, top_k, renormalize)
-    _launch_down(act, w2, ids, weights, out, down_config, top_k)
+    options = launch_options or {}
+    _launch_gate_up(x, w13, logits, ids, weights, act, gate_up_config, top_k, renormalize, options)
+    if residual is not None and residual.stride(1) != 1:
+        residual = residual.contiguous()
+    _launch_down(act, w2, ids, weights, out, down_config, top_k, residual, options)
     return out

@@ -1,7 +1,7 @@
 """`ember::moe`: a mixture-of-experts MLP as one op that dynamo traces (a fake gives its output's shape), so the
 pieces around it compile with fullgraph=True and FULL CUDA graphs capture it in decode buckets.
 
-    moe(hidden [T, H], router_logits [T, E], w13 [E, 2I, H], w2 [E, H, I], top_k, renormalize) -> [T, H]
+    moe(hidden [T, H], router_logits [T, E], w13 [E, 2I, H], w2 [E, H, I], top_k, renormalize, residual) -> [T, H]
 
 On CUDA, by the launch table (ember.kernels.moe_configs) for the token count, either the decode path that reads
 only the chosen experts (ember.kernels.moe_gemv: two launches, the routing (softmax, top-k, renormalise) inside the
@@ -21,6 +21,7 @@ from ember.kernels.moe_configs import MoeLaunch, MoeShape, moe_launch
 from ember.kernels.moe_gemm import moe_down, moe_gate_up, moe_reference
 from ember.kernels.moe_gemv import moe_gemv, routed_moe_gemv
 from ember.kernels.moe_router import route, route_reference
+from ember.kernels.pdl import pdl_options
 
 __all__ = ["DTYPES", "fused_experts", "moe", "moe_kernels", "set_moe_kernels"]
 
@@ -65,7 +66,7 @@ def fused_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.T
     num_tokens, top_k = topk_ids.shape
     launch = launch or launch_for(x, w13, top_k)
     if launch.path == "gemv":
-        return moe_gemv(x, topk_weights, topk_ids, w13, w2, launch.gate_up, launch.down)
+        return moe_gemv(x, topk_weights, topk_ids, w13, w2, launch.gate_up, launch.down, pdl_options(x.device))
     if launch.gate_up["BLOCK_M"] != launch.down["BLOCK_M"]:
         raise ValueError(f"the two grouped GEMMs must share BLOCK_M (the alignment's block), got "
                          f"{launch.gate_up['BLOCK_M']} and {launch.down['BLOCK_M']}")
@@ -75,8 +76,8 @@ def fused_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.T
     return out if top_k == 1 else out.view(num_tokens, top_k, -1).sum(dim=1)
 
 
-def _check(hidden: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-           top_k: int) -> None:
+def _check(hidden: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
+           residual: torch.Tensor | None) -> None:
     num_tokens, size = hidden.shape
     num_experts, two_i, h = w13.shape
     if (h != size or w2.shape != (num_experts, size, two_i // 2) or router_logits.shape != (num_tokens, num_experts)
@@ -86,6 +87,9 @@ def _check(hidden: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor,
                          f"{tuple(w2.shape)}")
     if not 1 <= top_k <= num_experts:
         raise ValueError(f"top_k must be between 1 and the {num_experts} experts, got {top_k}")
+    if residual is not None and (residual.shape != hidden.shape or residual.dtype != hidden.dtype):
+        raise ValueError(f"the residual must be {tuple(hidden.shape)} {hidden.dtype}, got {tuple(residual.shape)} "
+                         f"{residual.dtype}")
     if hidden.dtype not in DTYPES or w13.dtype != hidden.dtype or w2.dtype != hidden.dtype:
         raise ValueError(f"the MoE kernels take bfloat16, float16 or float32 activations and weights of one dtype, "
                          f"got {hidden.dtype}, {w13.dtype} and {w2.dtype}")
@@ -93,28 +97,33 @@ def _check(hidden: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor,
 
 @define("moe")
 def _moe_op(hidden: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
-            renormalize: bool) -> torch.Tensor:
-    """A sparse MoE MLP with SiLU-gated experts: the kernels or the torch reference (see set_moe_kernels)."""
+            renormalize: bool, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """A sparse MoE MLP with SiLU-gated experts: the kernels or the torch reference (see set_moe_kernels); with
+    `residual` [T, H], the output plus it, rounded as the unfused add rounds."""
     if not moe_kernels(hidden.device):
         topk_weights, topk_ids = route_reference(router_logits, top_k, renormalize)
-        return moe_reference(hidden, topk_weights, topk_ids, w13, w2)
-    _check(hidden, router_logits, w13, w2, top_k)
+        out = moe_reference(hidden, topk_weights, topk_ids, w13, w2)
+        return out if residual is None else out + residual
+    _check(hidden, router_logits, w13, w2, top_k, residual)
     if hidden.shape[0] == 0:
         return hidden.new_empty(hidden.shape)
     hidden = hidden if hidden.stride(1) == 1 else hidden.contiguous()
     launch = launch_for(hidden, w13, top_k)
-    if launch.path == "gemv":          # the routing inside the first GEMV: two launches for the layer
-        return routed_moe_gemv(hidden, router_logits, w13, w2, top_k, renormalize, launch.gate_up, launch.down)
+    if launch.path == "gemv":          # the routing inside the first GEMV, the residual in the second's epilogue
+        return routed_moe_gemv(hidden, router_logits, w13, w2, top_k, renormalize, launch.gate_up, launch.down,
+                               residual, pdl_options(hidden.device))
     topk_weights, topk_ids = route(router_logits, top_k, renormalize)
-    return fused_experts(hidden, topk_weights, topk_ids, w13, w2, launch)
+    out = fused_experts(hidden, topk_weights, topk_ids, w13, w2, launch)
+    return out if residual is None else out + residual
 
 
 @register_fake("moe")
-def _moe_fake(hidden, router_logits, w13, w2, top_k, renormalize):
+def _moe_fake(hidden, router_logits, w13, w2, top_k, renormalize, residual=None):
     return hidden.new_empty(hidden.shape)
 
 
 def moe(hidden: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
-        renormalize: bool) -> torch.Tensor:
-    """hidden [T, H] -> [T, H] through `ember::moe` (the module docstring)."""
-    return torch.ops.ember.moe(hidden, router_logits, w13, w2, top_k, renormalize)
+        renormalize: bool, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """hidden [T, H] -> [T, H] (plus `residual`) through `ember::moe` (the module docstring). Models call it
+    without a residual; the residual_epilogue pass folds the add after it in."""
+    return torch.ops.ember.moe(hidden, router_logits, w13, w2, top_k, renormalize, residual)

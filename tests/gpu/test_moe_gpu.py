@@ -110,6 +110,8 @@ def test_op_replays_in_a_cuda_graph_and_compiles(layer, num_tokens):
     x, logits = _inputs(num_tokens, w13.shape[2], router, seed=4, logits_dtype=torch.float32)
     ref32 = moe_reference(x.float(), *route_reference(logits, top_k, True), w13.float(), w2.float())
     _close(moe_op.moe(x, logits, w13, w2, top_k, True), ref32)
+    residual = torch.randn_like(x)                  # the add the fusion pass folds in
+    _close(moe_op.moe(x, logits, w13, w2, top_k, True, residual), ref32 + residual.float())
 
 
 # ---- models through the engine ----------------------------------------------------------------------------------

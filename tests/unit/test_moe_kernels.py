@@ -152,9 +152,12 @@ def test_op_runs_the_kernels_when_asked(num_tokens, path, renormalize, kernels_o
     w2 = torch.randn(32, 32, 24, generator=g) / 24 ** 0.5
     weights, ids = route_reference(logits, 2, renormalize)
     ref = moe_reference(x, weights, ids, w13, w2)
+    residual = torch.randn(num_tokens, 32, generator=g)
     # 2 of 32 experts a token: the constants take the decode path up to 32 // (4 * 2) tokens
     assert moe_op.launch_for(x, w13, 2).path == path
     _close(moe_op.moe(x, logits, w13, w2, 2, renormalize), ref, torch.float32)
+    # the residual the fusion pass folds in: the decode path adds it in its down kernel's epilogue
+    _close(moe_op.moe(x, logits, w13, w2, 2, renormalize, residual), ref + residual, torch.float32)
     moe_op.set_moe_kernels("auto")
     assert torch.equal(moe_op.moe(x, logits, w13, w2, 2, renormalize), ref)      # the CPU default: the reference
     with pytest.raises(ValueError, match="'fast'"):
@@ -165,6 +168,8 @@ def test_op_names_shapes_it_cannot_take(kernels_on_cpu):
     x, w13, w2 = torch.randn(2, 32), torch.randn(4, 48, 32), torch.randn(4, 32, 20)
     with pytest.raises(ValueError, match=r"w2 \[E, H, I\].*\(4, 32, 20\)"):
         moe_op.moe(x, torch.randn(2, 4), w13, w2, 2, True)
+    with pytest.raises(ValueError, match=r"the residual must be \(2, 32\) torch.float32, got \(2, 16\)"):
+        moe_op.moe(x, torch.randn(2, 4), w13, torch.randn(4, 32, 24), 2, True, torch.randn(2, 16))
     with pytest.raises(ValueError, match="top_k must be between 1 and the 4 experts, got 5"):
         moe_op.moe(x, torch.randn(2, 4), w13, torch.randn(4, 32, 24), 5, True)
 

@@ -189,3 +189,53 @@ def test_fp8_experts_are_refused():
     model = build_on_meta(tiny_config("qwen3_moe"), torch.bfloat16, bf16_experts)
     assert type(model.model.layers[0].self_attn.qkv_proj).__name__ == "ScaledLinear"
     assert model.model.layers[0].mlp.experts.w13.dtype == torch.bfloat16
+
+
+def test_the_residual_add_after_the_moe_op_folds_into_it():
+    """residual_epilogue rewrites `ember::moe(...) + residual` into the op with the residual, where the add is the
+    op's only user; the graph computes the same."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from ember.graphs.passes.residual_epilogue import fuse_residual_epilogue
+    from ember.kernels.moe_op import moe
+
+    g = torch.Generator().manual_seed(0)
+    x, logits, residual = torch.randn(3, 16, generator=g), torch.randn(3, 4, generator=g), torch.randn(3, 16)
+    w13, w2 = torch.randn(4, 24, 16, generator=g) * 0.2, torch.randn(4, 16, 12, generator=g) * 0.2
+
+    def layer(x, logits, residual, w13, w2):
+        return moe(x, logits, w13, w2, 2, True) + residual
+
+    def used_twice(x, logits, residual, w13, w2):
+        out = moe(x, logits, w13, w2, 2, True)
+        return out + residual, out * 2
+
+    args = (x, logits, residual, w13, w2)
+    gm = make_fx(layer, tracing_mode="fake")(*args)
+    assert fuse_residual_epilogue(gm.graph) == 1
+    calls = [n for n in gm.graph.nodes if n.op == "call_function"]
+    assert [str(n.target) for n in calls] == ["ember.moe.default"] and calls[0].args[6].name == "residual_1"
+    gm.recompile()
+    assert torch.equal(gm(*args), layer(*args))
+    twice = make_fx(used_twice, tracing_mode="fake")(*args)
+    assert fuse_residual_epilogue(twice.graph) == 0
+
+
+@pytest.mark.slow   # ~20 s of CPU: a plain trace of every piece
+def test_qwen3_moe_pieces_are_plain():
+    """With the residual folded into `ember::moe`, a Qwen3-MoE's pieces hold only ember ops and views (no Inductor),
+    and they compute what the eager model does."""
+    import tempfile
+    from pathlib import Path
+
+    from ember.attention_backends.op import forward_context
+    from tests.helpers.model_harness import tiny_model_step
+    from tests.unit.test_plain_pieces import _manifest, _run
+
+    with tempfile.TemporaryDirectory() as root:
+        plain, out = _run("qwen3_moe", Path(root), True)
+        assert _manifest(plain)["plain"] == [True] * plain.stats.num_distinct
+        assert plain.fusion.counts["residual_epilogue"] == 6     # o_proj in 3 layers, down in 1, the MoE op in 2
+    model, ids, positions, context = tiny_model_step("qwen3_moe", torch.bfloat16, seed=0)
+    with torch.inference_mode(), forward_context(context):
+        assert torch.equal(out, model(ids, positions))

@@ -1,11 +1,11 @@
 """The residual add as the epilogue of the projection before it: `linear(x) + residual` ->
 `fused_linear(x, residual=residual)`, so o_proj and down write the new residual stream directly (added in float32,
-rounded once)."""
+rounded once); likewise `ember::moe(...) + residual` -> `ember::moe(..., residual)` for a mixture-of-experts MLP."""
 
 from __future__ import annotations
 
 import torch
-from torch.fx import Graph
+from torch.fx import Graph, Node
 
 from ember.graphs.passes.match import (LinearCall, aten, is_call, replace_with, same_shape, skip_noop_views,
                                        sole_user, value)
@@ -21,6 +21,9 @@ def fuse_residual_epilogue(graph: Graph) -> int:
             continue
         for operand, residual in (node.args, node.args[::-1]):
             projection = skip_noop_views(operand)
+            if _fuse_moe_residual(graph, node, projection, residual):
+                count += 1
+                break
             call = LinearCall.of(projection)
             if call is None or call.residual is not None or sole_user(projection)[0] is not node:
                 continue
@@ -36,3 +39,28 @@ def fuse_residual_epilogue(graph: Graph) -> int:
             count += 1
             break
     return count
+
+
+def _is_moe(node) -> bool:
+    """An `ember::moe` call without a residual (matched by name: the op exists only where a model has MoE)."""
+    return (getattr(node, "op", None) == "call_function" and str(node.target) == "ember.moe.default"
+            and not node.kwargs and len(node.args) in (6, 7) and (len(node.args) == 6 or node.args[6] is None))
+
+
+def _fuse_moe_residual(graph: Graph, add: Node, moe: Node, residual) -> bool:
+    """Rewrite `add` = moe + residual into the MoE op with the residual when the add is the op's one user and the
+    shapes and dtypes agree; whether it did."""
+    if not _is_moe(moe) or sole_user(moe)[0] is not add:
+        return False
+    out_val, residual_val, sum_val = value(moe), value(residual), value(add)
+    if out_val is None or residual_val is None or sum_val is None:
+        return False
+    if not same_shape(out_val, residual_val) or not same_shape(out_val, sum_val) or \
+            not residual_val.dtype == out_val.dtype == sum_val.dtype:
+        return False
+    args = tuple(moe.args[:6]) + (residual,)
+    replace_with(graph, add, moe.target, args, lambda: sum_val)
+    graph.erase_node(add)
+    graph.erase_node(moe)
+    return True
+
