@@ -176,7 +176,9 @@ def test_bfloat16_teacher_forced_logits(family):
     llm = LLM(path, dtype="bfloat16", max_model_len=512, gpu_memory_utilization=0.5)
     hf16 = copy.deepcopy(hf).to(torch.bfloat16)
     got, ref16, ref32 = [], [], []
-    for tokens in _prompts((128, 160, 200, 256)):
+    # random weights leave few positions decided (a clear top-1 in float32): about 5% for the Mixtral shape, so
+    # about 2,000 positions give the 64 the agreement is counted over
+    for tokens in _prompts((128, 160, 200, 256, 300, 360, 400, 480)):
         got.append(llm.engine.score(tokens))
         ids = torch.tensor([tokens], device="cuda")
         with torch.no_grad():
