@@ -83,6 +83,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "than the CPUs, at most 12, with CUDA; 0: each compiles at its first launch)")
     p.add_argument("--disable-fusion", action="append", default=[], metavar="NAME",
                    help="leave a fusion pass out of the compile (repeatable; 'all' for every pass)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
+                   help="split every layer over N GPUs, one process each (ember.distributed)")
+    p.add_argument("--symm-mem-all-reduce", action="store_true",
+                   help="small all-reduces through PyTorch's symmetric-memory one-shot kernel instead of NCCL")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("-v", "--verbose", action="store_true", help="log start-up decisions")
 
@@ -99,4 +103,5 @@ def engine_kwargs(args) -> dict:
                 disabled_fusions=tuple(args.disable_fusion), cudagraph_capture=args.cudagraph_capture,
                 jit_warmup=args.jit_warmup, triton_compile_workers=args.triton_compile_workers,
                 attention_backend_options=dict(args.attention_backend_options) or None, tokenizer=args.tokenizer,
-                tokenizer_mode=args.tokenizer_mode, tokenizer_revision=args.tokenizer_revision)
+                tokenizer_mode=args.tokenizer_mode, tokenizer_revision=args.tokenizer_revision,
+                tensor_parallel_size=args.tensor_parallel_size, symm_mem_all_reduce=args.symm_mem_all_reduce)

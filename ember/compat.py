@@ -20,7 +20,7 @@ LLM_HINTS: dict[str, str] = {
     "structured_outputs_config": STRUCTURED_OUTPUT_UNSUPPORTED,
     "swap_space": "ember preempts by recomputation and keeps no CPU swap space; drop swap_space",
     "cpu_offload_gb": "ember keeps all weights on the device; drop cpu_offload_gb",
-    "pipeline_parallel_size": "ember runs on one device; drop pipeline_parallel_size",
+    "pipeline_parallel_size": "ember splits a model over GPUs by tensor parallelism only; use tensor_parallel_size",
     "max_seq_len_to_capture": "use cudagraph_capture_sizes=[...] to choose the CUDA-graph batch sizes",
     "max_num_partial_prefills": "ember chunks prefills within max_num_batched_tokens; drop it",
     "enable_lora": "LoRA adapters are not supported; merge the adapter into the weights first",
@@ -31,15 +31,15 @@ LLM_HINTS: dict[str, str] = {
     "hf_overrides": "edit the model folder's config.json instead",
     "hf_token": "log in with `huggingface-cli login` or set HF_TOKEN in the environment",
     "compilation_config": "use compile_mode=, cudagraph_mode= and cudagraph_capture_sizes=",
-    "disable_custom_all_reduce": "ember runs on one device; drop it",
+    "disable_custom_all_reduce": "ember's all-reduce is NCCL unless symm_mem_all_reduce=True; drop it",
     "disable_async_output_proc": "use async_scheduling=False",
     "task": "ember generates text only; drop task",
     "limit_mm_per_prompt": "ember runs text-only models; drop it",
     "mm_processor_kwargs": "ember runs text-only models; drop it",
     "enable_chunked_prefill": "ember always chunks long prefills within max_num_batched_tokens; drop it",
     "use_v2_block_manager": "ember has one block manager; drop it",
-    "distributed_executor_backend": "ember runs on one device; drop it",
-    "worker_cls": "ember runs in-process; drop it",
+    "distributed_executor_backend": "ember starts one worker process a further GPU itself; drop it",
+    "worker_cls": "ember's workers are its own; drop it",
     "load_format": "use load_format='auto' (safetensors) or 'dummy'",
 }
 
@@ -91,12 +91,12 @@ def check_kwargs(owner: str, kwargs: Mapping[str, object], known: Iterable[str],
 
 
 def check_llm_arguments(kwargs: Mapping[str, object], known: Iterable[str], tensor_parallel_size: int = 1) -> None:
-    """Refuse what `LLM(...)` cannot honour before anything loads: unknown arguments, tensor parallelism."""
+    """Refuse what `LLM(...)` cannot honour before anything loads: unknown arguments, a tensor-parallel size that is
+    not a positive int."""
     check_kwargs("LLM()", kwargs, known, LLM_HINTS)
     if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int):
         raise TypeError(f"tensor_parallel_size must be an int, got {type(tensor_parallel_size).__name__} "
                         f"{tensor_parallel_size!r}")
-    if tensor_parallel_size != 1:
-        raise ValueError(f"tensor_parallel_size {tensor_parallel_size} is not supported: ember runs a model on one "
-                         f"device; use tensor_parallel_size=1 (or leave it out)")
+    if tensor_parallel_size < 1:
+        raise ValueError(f"tensor_parallel_size {tensor_parallel_size} must be at least 1")
 

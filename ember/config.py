@@ -106,14 +106,42 @@ class CompileConfig:
     triton_compile_workers: int | None = None
 
 
-def default_compile_workers(device_type: str) -> int:
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How many processes serve the model: `tensor_parallel_size` ranks, one a GPU, each holding a shard of every
+    layer (ember.distributed); `data_parallel_size` engine cores, each with its own ranks."""
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    # how long rank 0 waits for the other ranks (their start-up, a step's result) before it reports them hung
+    worker_timeout_s: float = 600.0
+    # small all-reduces on CUDA through PyTorch's symmetric-memory one-shot kernel instead of NCCL
+    # (ember.distributed.symm_mem); off until its crossover is measured
+    symm_mem_all_reduce: bool = False
+
+    def validate(self, device_type: str) -> None:
+        """Raise ValueError naming the value when the degrees cannot be served on `device_type`."""
+        for name in ("tensor_parallel_size", "data_parallel_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} {value!r} must be an integer of at least 1")
+        if not self.worker_timeout_s > 0:
+            raise ValueError(f"worker_timeout_s {self.worker_timeout_s} must be positive")
+        tp = self.tensor_parallel_size
+        if device_type == "cuda" and tp > torch.cuda.device_count():
+            raise ValueError(f"tensor_parallel_size {tp} needs {tp} GPUs, and this process sees "
+                             f"{torch.cuda.device_count()}; lower it or make more GPUs visible (CUDA_VISIBLE_DEVICES)")
+        if self.symm_mem_all_reduce and device_type != "cuda":
+            raise ValueError("symm_mem_all_reduce needs CUDA; turn it off on the CPU, where gloo reduces")
+
+
+def default_compile_workers(device_type: str, ranks_per_host: int = 1) -> int:
     """The compile workers of `triton_compile_workers=None`: none off CUDA (nothing compiles ahead there) or on
     fewer than 4 CPUs (the workers would take the launching process's own); else one fewer than the CPUs this
     process may use, at most 12 (a cold start holds about thirty specializations; 12 workers finished them in
-    1.7-2.4 s after the dry steps on an H100 host)."""
+    1.7-2.4 s after the dry steps on an H100 host). Ranks of one host share its CPUs."""
     if device_type != "cuda":
         return 0
-    cpus = usable_cpus()
+    cpus = usable_cpus() // max(1, ranks_per_host)
     return 0 if cpus < 4 else min(12, cpus - 1)
 
 
@@ -133,6 +161,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     # backend-specific switches handed to every metadata builder, e.g. (("split_launch", True),)
     attention_backend_options: tuple[tuple[str, object], ...] = ()
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def resolve(self) -> "EngineConfig":
         """Return a copy with device and dtype made concrete and every limit validated."""
@@ -167,6 +196,7 @@ class EngineConfig:
         from ember.quant import check_kv_cache_dtype, check_quantization
         check_quantization(self.model.quantization)
         check_kv_cache_dtype(c.kv_cache_dtype)
+        self.parallel.validate(dev.type)
         if self.model.max_model_len is not None and self.model.max_model_len < 1:
             raise ValueError(f"max_model_len {self.model.max_model_len} must be at least 1")
         if s.async_scheduling is None:
@@ -175,5 +205,6 @@ class EngineConfig:
         if comp.jit_warmup is None:
             comp = dataclasses.replace(comp, jit_warmup=dev.type == "cuda")
         if comp.triton_compile_workers is None:
-            comp = dataclasses.replace(comp, triton_compile_workers=default_compile_workers(dev.type))
+            comp = dataclasses.replace(comp, triton_compile_workers=default_compile_workers(
+                dev.type, self.parallel.tensor_parallel_size))
         return dataclasses.replace(self, device=str(dev), scheduler=s, compile=comp)

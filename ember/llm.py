@@ -13,7 +13,7 @@ from typing import Iterator, Sequence
 from ember.chat_input import check_conversations, check_text
 from ember.compat import GENERATE_HINTS, check_kwargs, check_llm_arguments
 from ember.models.architecture_check import check_architecture
-from ember.config import CacheConfig, CompileConfig, EngineConfig, ModelConfig, SchedulerConfig
+from ember.config import CacheConfig, CompileConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from ember.engine.engine import Engine, EngineStepError, token_id_list
 from ember.quant import check_kv_cache_dtype, check_quantization
 from ember.sampling_params import SamplingParams
@@ -80,6 +80,7 @@ class LLM:
                  async_scheduling: bool | None = None, disabled_fusions: Sequence[str] = (),
                  cudagraph_capture: str = "eager", jit_warmup: bool | None = None,
                  triton_compile_workers: int | None = None, tensor_parallel_size: int = 1,
+                 worker_timeout_s: float = 600.0, symm_mem_all_reduce: bool = False,
                  trust_remote_code: bool = False, revision: str | None = None, download_dir: str | None = None,
                  quantization: str | None = None, kv_cache_dtype: str = "auto", **kwargs):
         check_llm_arguments(kwargs, _LLM_PARAMETERS, tensor_parallel_size)
@@ -122,6 +123,8 @@ class LLM:
                                   triton_compile_workers),
             device=device, attention_backend=attention_backend,
             attention_backend_options=tuple(sorted(dict(attention_backend_options or {}).items())),
+            parallel=ParallelConfig(tensor_parallel_size, worker_timeout_s=worker_timeout_s,
+                                    symm_mem_all_reduce=symm_mem_all_reduce),
         ).resolve()
         self.config = config
         if tokenizer_path is None and hf_config is None:     # the model folder's own

@@ -14,7 +14,7 @@ from ember.engine.detokenizer import IncrementalDetokenizer
 from ember.engine.kv_manager import KVCacheCoordinator
 from ember.engine.prompt_fork import PromptFork
 from ember.engine.sample_group import SampleGroup, sample_request_id, sample_seeds
-from ember.runner.model_runner import ModelRunner
+from ember.distributed.executor import make_executor
 from ember.runner.output import ModelRunnerOutput
 from ember.runner.step_input import NewRequest, StepInput
 from ember.sampling_params import SamplingParams, as_int
@@ -60,7 +60,8 @@ class Engine:
                  load_format: str = "auto"):
         self.config = config
         self.tokenizer = tokenizer
-        self.runner = ModelRunner(config, model_path, hf_config=hf_config, load_format=load_format)
+        # rank 0's ModelRunner, or the executor of every tensor-parallel rank with the same surface
+        self.runner = make_executor(config, model_path, hf_config=hf_config, load_format=load_format)
         self.max_model_len = self.runner.max_model_len
         self.vocab_size = self.runner.vocab_size
         self.kv = KVCacheCoordinator(self.runner.attn.groups, self.runner.num_blocks,

@@ -19,6 +19,7 @@ import torch
 from ember.attention_backends.base import StepBounds
 from ember.attention_backends.op import ForwardContext, forward_context
 from ember.config import EngineConfig, cache_dir, resolve_dtype
+from ember.distributed.parallel_state import agree, joined_shard
 from ember.graphs.buckets import resolve_capture_sizes
 from ember.graphs.compile import compile_cache_key, compile_model
 from ember.graphs.cuda_graph import CUDAGraphManager
@@ -75,6 +76,7 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.model.dtype, self.device, self.hf_config)
         self.quant = resolve_quant_config(self.hf_config, config.model.quantization, self.dtype, self.device)
         free_dropped_engines(self.device)
+        self.tp, _ = joined_shard(config.parallel.tensor_parallel_size)   # this process's rank
         if load_format == "dummy":
             self.model = random_model(self.hf_config, self.dtype, self.device, config.model.seed, self.quant)
         else:
@@ -131,9 +133,10 @@ class ModelRunner:
         # the attention's worst case: the largest step against the longest context (docs/memory.md)
         self.attention_workspace = attention_workspace(self.attn, self.dtype, StepBounds(
             self.max_num_tokens, self.max_num_reqs, upper_len), builder_sets=2 if self.tail_builders else 1)
-        self.num_blocks = num_kv_blocks(self.attn, config.cache, self.model, self.device, upper_len,
-                                        self.max_num_reqs, self.max_num_tokens, self.activation_peak,
-                                        self.attention_workspace)
+        # every rank holds the same block ids: the fewest any rank's memory allows
+        self.num_blocks = agree([num_kv_blocks(self.attn, config.cache, self.model, self.device, upper_len,
+                                               self.max_num_reqs, self.max_num_tokens, self.activation_peak,
+                                               self.attention_workspace)], "min")[0]
         self.max_model_len = resolve_max_model_len(self.attn, config.model.max_model_len, self.model_max_len(),
                                                    self.num_blocks, self.max_num_tokens)
         self._log_capacity()
@@ -154,6 +157,9 @@ class ModelRunner:
         bounds = [n for b in self.builders + self.tail_builders if (n := b.short_context_len(num_reqs_padded))]
         return min(bounds) if bounds else None
 
+    def shutdown(self) -> None:
+        """Nothing to stop: one process (the multi-process executor's counterpart stops its workers)."""
+
     def model_max_len(self) -> int:
         return int(getattr(self.hf_config, "max_position_embeddings", 0) or 1 << 20)
 
@@ -163,6 +169,7 @@ class ModelRunner:
                                  settings={"capture_sizes": list(self.capture_sizes), "prefill_skip": self.skip_prefill,
                                            "quantization": repr(self.quant),
                                            "disabled_fusions": list(self.config.compile.disabled_fusions),
+                                           "tensor_parallel": [self.tp.rank, self.tp.size],   # a rank's own shard
                                            # which layers hand q and k to their backend unrotated (traced code)
                                            "fuse_rope": sorted(n for n, a in self.attn.layers.items() if a.fuse_rope)})
                if mode != "none" else None)
@@ -372,6 +379,8 @@ class ModelRunner:
                                          batch.common.seq_lens[:num_reqs], prepared.buf)
                 sampled = self.sampler(logits, meta)
                 self.table.write_sampled(batch.sample_index[:num_reqs], sampled.sampled_token_ids)
+        if not self.tp.is_driver:       # every rank samples the same tokens into its table; rank 0 reports them
+            return None
         with section("ember.to_host"):
             return AsyncModelRunnerOutput(sampled, self.device, self.host_ring)
 

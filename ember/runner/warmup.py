@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from ember.config import usable_cpus
+from ember.distributed.parallel_state import agree
 from ember.graphs.modes import CUDAGraphMode
 from ember.kernels.gemv import GEMV_MAX_M
 from ember.runner.sampler import SamplingMetadata
@@ -188,7 +189,7 @@ def _marker(runner) -> Path:
                 "capture": c.compile.cudagraph_capture, "jit_warmup": c.compile.jit_warmup,
                 "disabled_fusions": list(c.compile.disabled_fusions), "backend": c.attention_backend,
                 "backend_options": list(c.attention_backend_options), "block_size": c.cache.block_size,
-                "triton_cache": str(knobs.cache.dir)}
+                "triton_cache": str(knobs.cache.dir), "tensor_parallel": [runner.tp.rank, runner.tp.size]}
     key = compile_cache_key(runner.hf_config.to_dict(), runner.dtype, device=runner.device, settings=settings)
     return cache_dir() / "triton-precompiled" / key
 
@@ -245,7 +246,8 @@ def precompile(runner) -> float:
     compile (which the first dry step triggers). On CUDA it first pins the ptxas Triton runs
     (`triton_key.pin_ptxas`), with workers or not. Nothing runs (0.0) off CUDA, with 0 workers, where the
     `compile_workers` hook is off (ember.kernels.hooks), or when an earlier start of the same build left its marker;
-    kernels the dry pass misses compile where they first launch, as without workers."""
+    kernels the dry pass misses compile where they first launch, as without workers. Tensor-parallel ranks decide
+    together (the dry steps run collectives): all run it where one lacks its marker, none where one cannot."""
     from ember.kernels import hooks
     from ember.kernels import precompile as P
     from ember.kernels import triton_key
@@ -256,7 +258,7 @@ def precompile(runner) -> float:
     if not workers or not hooks.enabled("compile_workers"):
         return 0.0
     marker = _marker(runner)
-    if marker.exists():
+    if not agree([int(not marker.exists())], "max")[0]:
         logger.info("Triton kernels compiled by an earlier start of this build: no worker compiles (%s)", marker)
         return 0.0
     t0 = time.perf_counter()
@@ -267,8 +269,8 @@ def precompile(runner) -> float:
         return time.perf_counter() - t0 - ((stats.seconds if stats is not None else 0.0) - compile_before)
 
     target = P.current_target()
-    if target[0] == "cuda" and not P.keys_name_current_ptxas(target[1]):
-        logger.warning("Triton's cache keys in this process name another ptxas than it runs now "
+    if not agree([int(target[0] != "cuda" or P.keys_name_current_ptxas(target[1]))], "min")[0]:
+        logger.warning("Triton's cache keys in this process (or another rank's) name another ptxas than it runs now "
                        "(TRITON_PTXAS_PATH changed after its first compile): no worker compiles, each kernel "
                        "compiles at its first launch")
         return 0.0

@@ -1,8 +1,8 @@
 """Imports point down the layers: ground floor (config, sampling_params, kv_spec, args, kernels) -> attention_backends,
-graphs -> models -> runner -> engine -> llm, serve, bench, cli. A module may import its own layer and those below,
-never one above; kernels import nothing from ember, and attention_backends.triton_common nothing but itself and
-kernels. The package root (the public API) sits with llm; only its
-`__version__` may be read from below. Every import counts, lazy ones inside functions included.
+graphs, distributed (its executor and worker sit with the runner) -> models -> runner -> engine -> llm, serve, bench,
+cli. A module may import its own layer and those below, never one above; kernels import nothing from ember, and
+attention_backends.triton_common nothing but itself and kernels. The package root (the public API) sits with llm;
+only its `__version__` may be read from below. Every import counts, lazy ones inside functions included.
 
 No module-level import circles either: a module that imports, through others, a module that imports it back works
 only while the order of first imports happens to suit it. Imports inside functions and under `if TYPE_CHECKING:`
@@ -18,7 +18,9 @@ ROOT = Path(__file__).resolve().parents[2] / "ember"
 LAYERS = {
     "config": 0, "sampling_params": 0, "kv_spec": 0, "args": 0, "kernels": 0, "compat": 0, "inputs": 0,
     "profiling": 0, "quant": 0,
-    "attention_backends": 1, "graphs": 1,
+    "attention_backends": 1, "graphs": 1, "distributed": 1,
+    # the tensor-parallel executor and its workers run ModelRunners: the runner's layer
+    "distributed.executor": 3, "distributed.worker": 3,
     "models": 2,
     "runner": 3,
     "engine": 4,
@@ -35,8 +37,11 @@ def _within(module: str, package: str) -> bool:
 
 
 def _part(module: str) -> str:
-    """The top-level part of an `ember.` module name ("" for the package root)."""
+    """The key of LAYERS an `ember.` module name falls under: its top-level part ("" for the package root), or
+    `part.module` where LAYERS names that module apart."""
     parts = module.split(".")
+    if len(parts) > 2 and f"{parts[1]}.{parts[2]}" in LAYERS:
+        return f"{parts[1]}.{parts[2]}"
     return parts[1] if len(parts) > 1 else ""
 
 

@@ -31,7 +31,7 @@ def llm(folder):
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(tensor_parallel_size=2), r"tensor_parallel_size 2 is not supported.*tensor_parallel_size=1"),
+    (dict(tensor_parallel_size=0), r"tensor_parallel_size 0 must be at least 1"),
     (dict(quantization="awq"), r"quantization 'awq' is not supported; use 'fp8'"),
     (dict(kv_cache_dtype="int8"), r"kv_cache_dtype 'int8' is not supported; use 'auto'"),
     (dict(swap_space=4), r"'swap_space': ember preempts by recomputation"),

@@ -1,0 +1,142 @@
+"""This process's place among the tensor-parallel ranks, and the process group they share.
+
+One process a GPU. `init_tensor_parallel` joins the group once, at start-up, before the model is built; after that
+`tensor_parallel()` says (rank, size), the model's collectives (`ember.distributed.ops`) reduce over the group
+named `TP_GROUP`, and `agree` settles a start-up decision the same way on every rank (the KV-cache size each
+measured, whether the Triton kernels need a dry pass). A process that never joins one is rank 0 of 1: its model is
+built whole and holds no collective.
+
+On CUDA the group has two backends, NCCL for device tensors and gloo for host ones; on the CPU, gloo only.
+The ranks meet at a TCP store: its host is MASTER_ADDR where that is set (ranks on several hosts), else this host's
+loopback, and its port MASTER_PORT, else one the store picks (`Rendezvous`). Nothing here assumes one host: the
+local rank (which GPU) is given apart from the rank.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from ember.distributed.shard import ShardSpec
+
+logger = logging.getLogger("ember")
+
+TP_GROUP = "tp"     # the name the model's collectives reduce over (ember.distributed.ops)
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """Where the ranks of one replica meet: a TCP store at (host, port); port 0 lets rank 0's store pick one."""
+    host: str = "127.0.0.1"
+    port: int = 0
+
+    @classmethod
+    def from_environment(cls) -> "Rendezvous":
+        """MASTER_ADDR and MASTER_PORT where they are set (as torchrun sets them), else this host, any port."""
+        port = os.environ.get("MASTER_PORT", "0")
+        if not port.isdigit():
+            raise ValueError(f"MASTER_PORT {port!r} is not a port number; set it to a free TCP port or unset it")
+        return cls(os.environ.get("MASTER_ADDR", "127.0.0.1"), int(port))
+
+
+def open_store(rendezvous: Rendezvous, rank: int, world_size: int, timeout_s: float):
+    """The TCP store of a rendezvous: rank 0 serves it (on the port it was given, or a free one: its `.port`),
+    every other rank connects to it."""
+    import torch.distributed as dist
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if rank == 0:
+        return dist.TCPStore(rendezvous.host, rendezvous.port, world_size, is_master=True, timeout=timeout,
+                             wait_for_workers=False)
+    return dist.TCPStore(rendezvous.host, rendezvous.port, world_size, is_master=False, timeout=timeout)
+
+
+@dataclass(frozen=True)
+class TensorParallelInfo:
+    """This process's rank among `size` tensor-parallel ranks, and the GPU it drives on its host."""
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+
+    @property
+    def is_driver(self) -> bool:
+        """Rank 0: the one whose step results go to the host."""
+        return self.rank == 0
+
+
+_joined: TensorParallelInfo | None = None
+
+
+def tensor_parallel() -> TensorParallelInfo:
+    """This process's rank and group size (rank 0 of 1 when it joined no group)."""
+    return _joined if _joined is not None else TensorParallelInfo()
+
+
+def joined_shard(tensor_parallel_size: int) -> tuple[TensorParallelInfo, ShardSpec]:
+    """This process's rank and the model shard it holds; RuntimeError when its group is not of the configured size
+    (a runner of a tensor-parallel engine starts only in a process that joined the group: `make_executor`)."""
+    info = tensor_parallel()
+    if info.size != tensor_parallel_size:
+        raise RuntimeError(f"tensor_parallel_size {tensor_parallel_size}, but this process is rank {info.rank} of "
+                           f"{info.size}; start tensor-parallel runners through ember.distributed.executor")
+    return info, ShardSpec(info.rank, info.size)
+
+
+def init_tensor_parallel(rank: int, size: int, local_rank: int, device_type: str, store, timeout_s: float,
+                         symm_mem_all_reduce: bool = False) -> TensorParallelInfo:
+    """Join the tensor-parallel group of `size` ranks as `rank` through `store` (see `open_store`); on CUDA this
+    process's device becomes GPU `local_rank` first, and NCCL connects eagerly (a CUDA graph cannot capture its
+    set-up). Once per process."""
+    global _joined
+    import torch.distributed as dist
+    from ember.distributed import ops
+    if _joined is not None or dist.is_initialized():
+        raise RuntimeError(f"this process already belongs to a process group; ember's tensor-parallel rank {rank} "
+                           f"must start in a process of its own")
+    if not 0 <= rank < size:
+        raise ValueError(f"rank {rank} is outside a group of {size}")
+    kwargs = {}
+    if device_type == "cuda":
+        torch.cuda.set_device(local_rank)
+        backend = "cpu:gloo,cuda:nccl"
+        kwargs["device_id"] = torch.device("cuda", local_rank)
+    else:
+        backend = "gloo"
+    dist.init_process_group(backend, store=store, rank=rank, world_size=size,
+                            timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+    group = dist.group.WORLD
+    ops.register_group(TP_GROUP, group, torch.device(device_type, local_rank) if device_type == "cuda" else None,
+                       symm_mem_all_reduce)
+    _joined = TensorParallelInfo(rank, size, local_rank)
+    logger.info("tensor-parallel rank %d of %d (%s, local rank %d) joined", rank, size, backend, local_rank)
+    return _joined
+
+
+def agree(values: list[int], op: str) -> list[int]:
+    """Each value's minimum ("min") or maximum ("max") over the ranks, on the host (gloo): a start-up decision
+    every rank must take alike. The values themselves without a group."""
+    if _joined is None or _joined.size == 1:
+        return list(values)
+    import torch.distributed as dist
+    reduce_op = {"min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}[op]
+    tensor = torch.tensor(values, dtype=torch.int64)
+    dist.all_reduce(tensor, op=reduce_op)
+    return tensor.tolist()
+
+
+def leave_tensor_parallel() -> None:
+    """Leave the group (at shutdown, after a failure too: no collective teardown); a later `tensor_parallel()`
+    says rank 0 of 1."""
+    global _joined
+    import torch.distributed as dist
+    from ember.distributed import ops
+    ops.unregister_group(TP_GROUP)
+    _joined = None
+    try:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception as e:      # noqa: BLE001 - a group whose peers are gone: nothing is left to release with them
+        logger.warning("leaving the tensor-parallel group: %s", e)

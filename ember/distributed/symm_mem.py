@@ -1,0 +1,51 @@
+"""The one-shot all-reduce over PyTorch's symmetric memory, for small messages on CUDA (`ops.all_reduce` routes).
+
+Every rank of the group maps one buffer of every other rank (peer to peer, over NVLink). One kernel a rank copies
+its message into its own buffer, waits at a barrier in the buffers' signal pads, and sums every peer's copy as it
+reads them: one launch and one round of peer loads, where NCCL's ring pays several steps of latency that a small
+message cannot hide. The decode step's all-reduces (a few rows of the hidden size) are such messages.
+
+NVLink multicast (NVLS) stays off: no multimem op is called, and the executor starts every rank with
+TORCH_SYMM_MEM_DISABLE_MULTICAST=1 and NCCL_NVLS_ENABLE=0 (`executor.COLLECTIVE_ENV`).
+
+A message takes this kernel when it is of the buffer's dtype and at most `max_bytes`: a function of the shape, so
+a CUDA graph's capture and its replays take the same path. `MAX_BYTES` is a first guess until
+`benches/all_reduce_graph.py` measures the crossover against NCCL inside a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+logger = logging.getLogger("ember")
+
+MAX_BYTES = 256 * 1024
+
+
+class OneShotAllReduce:
+    """A symmetric buffer of `max_bytes` in `dtype` on `device`, set up on every rank of `process_group` at once
+    (a collective); calling it reduces one message through the buffer."""
+
+    def __init__(self, process_group, device: torch.device, max_bytes: int = MAX_BYTES,
+                 dtype: torch.dtype = torch.bfloat16):
+        import torch.distributed._symmetric_memory as symm
+        if device is None or device.type != "cuda":
+            raise ValueError(f"the symmetric-memory all-reduce needs a CUDA device, got {device}")
+        self.group_name = process_group.group_name
+        self.dtype, self.max_bytes = dtype, max_bytes
+        self.buffer = symm.empty(max_bytes // dtype.itemsize, dtype=dtype, device=device)   # [max_bytes / size]
+        symm.rendezvous(self.buffer, self.group_name)
+        logger.info("all-reduces of at most %d bytes of %s take the symmetric-memory one-shot kernel", max_bytes,
+                    dtype)
+
+    def applies(self, x: torch.Tensor) -> bool:
+        """Whether `x` is a message for this buffer: on CUDA, of its dtype, contiguous, at most max_bytes."""
+        return (x.is_cuda and x.dtype == self.dtype and x.is_contiguous()
+                and x.numel() * x.element_size() <= self.max_bytes)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of `x` over the ranks, a new tensor; the kernel copies x into this rank's buffer itself."""
+        slot = self.buffer.narrow(0, 0, x.numel()).view(x.shape)
+        return torch.ops.symm_mem.one_shot_all_reduce_copy(slot, x, "sum", self.group_name)

@@ -1,0 +1,117 @@
+"""A tensor-parallel worker: rank r > 0 of an engine, in a process of its own (`python -m ember.distributed.worker`,
+started by `executor.MultiprocExecutor`).
+
+It joins the group, builds its `ModelRunner` (its shard of the weights and KV heads, its own request table and
+graphs), reports ready, then applies every message rank 0 writes to the step ring in order: a step to run, a
+table update, a scoring step, or the end. Each step it runs exactly what rank 0 runs (the same collectives, the
+same sampled tokens into its own table) and copies nothing to the host. It reports an error on its status pipe
+before it exits, and it exits when rank 0's process is gone.
+
+Its arguments come pickled on stdin: a fresh interpreter, which imports nothing of the launching program (a
+script without a `__main__` guard starts no second engine).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import sys
+import traceback
+from dataclasses import dataclass
+
+from ember.config import EngineConfig, usable_cpus
+from ember.distributed.channel import ChannelClosed, RingHandle, RingReader
+from ember.distributed.parallel_state import Rendezvous, init_tensor_parallel, leave_tensor_parallel, open_store
+
+logger = logging.getLogger("ember")
+
+
+@dataclass(frozen=True)
+class WorkerArgs:
+    """Everything rank `rank` needs to start: where the ranks meet, what to load, where its steps come from."""
+    rank: int
+    size: int
+    local_rank: int
+    rendezvous: Rendezvous
+    config: EngineConfig
+    model_path: str
+    hf_config: object
+    load_format: str
+    ring: RingHandle
+    busy_wait_s: float
+    log_level: int
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to kill this process when its parent (rank 0) goes, however it goes; elsewhere the step loop's
+    check finds out within a tenth of a second of its next wait."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)     # PR_SET_PDEATHSIG
+        except OSError:
+            pass
+
+
+def serve(args: WorkerArgs, status) -> None:
+    """Start rank `args.rank` and run the messages of the step ring until the end (or rank 0's exit)."""
+    import torch
+    from ember.runner.model_runner import ModelRunner
+    parent = os.getppid()
+
+    def check() -> None:
+        if os.getppid() != parent:
+            raise ChannelClosed("rank 0's process is gone")
+
+    config = args.config
+    if config.device.startswith("cpu"):
+        torch.set_num_threads(max(1, usable_cpus() // args.size))   # the ranks share the host's cores
+    status.send(("joining", None))
+    store = open_store(args.rendezvous, args.rank, args.size, config.parallel.worker_timeout_s)
+    init_tensor_parallel(args.rank, args.size, args.local_rank, torch.device(config.device).type, store,
+                         config.parallel.worker_timeout_s, config.parallel.symm_mem_all_reduce)
+    runner = ModelRunner(config, args.model_path, hf_config=args.hf_config, load_format=args.load_format)
+    reader = RingReader(args.ring, args.rank - 1, busy_wait_s=args.busy_wait_s)
+    status.send(("ready", runner.num_blocks))
+    try:
+        while True:
+            kind, step = pickle.loads(reader.recv(check))
+            if kind == "execute":
+                runner.execute_async(step)
+            elif kind == "update":
+                runner.update_table(step)
+            elif kind == "logits":
+                runner.all_logits(step)
+            elif kind == "shutdown":
+                break
+            else:
+                raise ValueError(f"unknown message {kind!r} from rank 0")
+    finally:
+        reader.close()
+    leave_tensor_parallel()
+
+
+def main() -> None:
+    from multiprocessing.connection import Connection
+    args, status_fd = pickle.load(sys.stdin.buffer)
+    _die_with_parent()
+    logging.basicConfig(level=args.log_level, format=f"%(asctime)s rank {args.rank} %(levelname)s %(message)s")
+    status = Connection(status_fd, readable=False)
+    try:
+        serve(args, status)
+    except ChannelClosed:
+        os._exit(1)
+    except BaseException as e:
+        try:
+            status.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        finally:
+            os._exit(1)     # no process-group teardown: a peer may be gone, and NCCL's would wait for it
+    status.close()
+    logging.shutdown()
+    os._exit(0)             # the group is left; the interpreter's teardown (about a second) gives nothing more
+
+
+if __name__ == "__main__":
+    main()
