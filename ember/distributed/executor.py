@@ -88,6 +88,7 @@ class MultiprocExecutor:
     def __init__(self, config: EngineConfig, model_path: str, hf_config=None, load_format: str = "auto"):
         size = config.parallel.tensor_parallel_size
         device_type = torch.device(config.device).type
+        _check_shardable(config, model_path, hf_config)
         for name, value in COLLECTIVE_ENV.items():
             os.environ.setdefault(name, value)
         timeout = config.parallel.worker_timeout_s
@@ -216,6 +217,20 @@ class MultiprocExecutor:
             slow = [w.rank for w in shared.workers if w.state != state]
             raise WorkerFailure(f"tensor-parallel ranks {slow} did not report {state!r} within worker_timeout_s "
                                 f"{shared.timeout_s:.0f} s")
+
+
+def _check_shardable(config: EngineConfig, model_path: str, hf_config) -> None:
+    """Build rank 0's shard on the meta device (no memory): a model the ranks cannot split (heads, KV heads, MLP
+    width; experts and fp8 layers, not split yet) is refused before any worker starts, with the reason."""
+    from ember.config import resolve_dtype
+    from ember.distributed.shard import ShardSpec
+    from ember.models.loader import build_on_meta, load_config
+    from ember.quant import resolve_quant_config
+    hf_config = hf_config if hf_config is not None else load_config(model_path)
+    device = torch.device(config.device)
+    dtype = resolve_dtype(config.model.dtype, device, hf_config)
+    quant = resolve_quant_config(hf_config, config.model.quantization, dtype, device)
+    build_on_meta(hf_config, dtype, quant, ShardSpec(0, config.parallel.tensor_parallel_size))
 
 
 class _WatchedOutput:

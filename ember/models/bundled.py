@@ -16,8 +16,9 @@ def bundled_config_names() -> list[str]:
 
 def bundled_config(name: str, **overrides):
     """The resolved config (a `ConfigSnapshot`) of a bundled model ("qwen3-0.6b", "llama-3.2-1b", "llama-3.1-8b",
-    "gemma-3-1b", "qwen3-30b-a3b", "mixtral-8x7b"), with `overrides` applied before transformers builds it (so derived fields such as per-layer
-    types follow them). `.to_transformers()` gives the transformers config."""
+    "llama-3.1-70b", "gemma-3-1b", "qwen3-30b-a3b", "mixtral-8x7b"), with `overrides` applied before transformers
+    builds it (so derived fields such as per-layer types follow them). `.to_transformers()` gives the transformers
+    config."""
     path = CONFIG_DIR / f"{name.lower()}.json"
     if not path.is_file():
         raise ValueError(f"no bundled config {name!r}; bundled: {bundled_config_names()}")

@@ -11,7 +11,7 @@ from torch import nn
 from ember.models.layers.activation import get_act_and_mul
 from ember.models.layers.attention import Attention
 from ember.models.layers.embedding import LMHead, VocabEmbedding
-from ember.models.layers.linear import GateUpLinear, Linear, QKVLinear
+from ember.models.layers.linear import GateUpLinear, QKVLinear, RowParallelLinear
 from ember.models.layers.norm import RMSNorm
 from ember.models.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters_from_config
 
@@ -76,16 +76,17 @@ def _attn_layer_name(prefix: str, layer_idx: int) -> str:
 
 
 class LlamaAttention(nn.Module):
-    """Packed q/k/v projection, optional per-head q/k norm, rotary, paged attention through `ember::attention`."""
+    """Packed q/k/v projection, optional per-head q/k norm, rotary, paged attention through `ember::attention`.
+    Under tensor parallelism it holds this rank's heads (`num_heads`, `num_kv_heads`) and o_proj reduces."""
 
     def __init__(self, config, layer_idx: int, options: BlockOptions, prefix: str = ""):
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        num_heads = config.num_attention_heads
         self.head_size = head_size_of(config)
-        self.qkv_proj = QKVLinear(config.hidden_size, self.head_size, self.num_heads, self.num_kv_heads,
-                                  bias=options.qkv_bias)
-        self.o_proj = Linear(self.num_heads * self.head_size, config.hidden_size, bias=options.o_bias)
+        self.qkv_proj = QKVLinear(config.hidden_size, self.head_size, num_heads,
+                                  getattr(config, "num_key_value_heads", None) or num_heads, bias=options.qkv_bias)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads   # this rank's
+        self.o_proj = RowParallelLinear(num_heads * self.head_size, config.hidden_size, bias=options.o_bias)
         self.q_norm = options.norm_cls(self.head_size, config.rms_norm_eps) if options.qk_norm else None
         self.k_norm = options.norm_cls(self.head_size, config.rms_norm_eps) if options.qk_norm else None
         # the plain (Llama-form) RMSNorm on q and k can run as one joint norm; other forms run per projection
@@ -147,7 +148,7 @@ class LlamaMLP(nn.Module):
         super().__init__()
         self.gate_up_proj = GateUpLinear(hidden_size, intermediate_size, bias=options.mlp_bias)
         self.act_fn = get_act_and_mul(options.hidden_act)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias=options.mlp_bias)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=options.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))

@@ -5,6 +5,10 @@ the tensor (experts' tensors into stacked parameters), else its `packed_modules`
 gate_up_proj); each parameter's `weight_loader` places its tensor. A plain tensor is assigned (the parameter takes
 the checkpoint tensor's storage); a packed parameter is allocated once and its shards copied in. Non-persistent
 buffers (rotary tables) are created on the real device afterwards.
+
+A tensor-parallel rank builds its shard of the model (`shard=`, see ember.distributed.shard) and reads only its
+slice of each sharded tensor: a parameter's `checkpoint_slice(shard_id)` names the range, and safetensors'
+`get_slice` reads just those bytes.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from ember.distributed.shard import CheckpointSlice, ShardSpec, building
 from ember.models.config_snapshot import snapshot_config
 from ember.models.layers.attention import Attention
 from ember.models.layers.linear import check_shape, default_weight_loader
@@ -98,11 +103,16 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
-def build_on_meta(config, dtype: torch.dtype, quant: QuantConfig | None = None) -> nn.Module:
-    """Construct the config's model with every parameter on the meta device in `dtype` (no memory, no init); with
-    `quant`, the linear layers it quantizes are fp8 layers (ember.models.layers.scaled_linear)."""
+def build_on_meta(config, dtype: torch.dtype, quant: QuantConfig | None = None,
+                  shard: ShardSpec = ShardSpec()) -> nn.Module:
+    """Construct the config's model (or its tensor-parallel `shard`) with every parameter on the meta device in
+    `dtype` (no memory, no init); with `quant`, the linear layers it quantizes are fp8 layers
+    (ember.models.layers.scaled_linear)."""
     model_cls = get_model_class(config)
-    with torch.device("meta"), _default_dtype(dtype):
+    if quant is not None and shard.size > 1:
+        raise QuantConfigError(f"fp8 layers are not split over tensor-parallel ranks yet (tensor_parallel_size "
+                               f"{shard.size}); run an fp8 model with tensor_parallel_size=1")
+    with torch.device("meta"), _default_dtype(dtype), building(shard):
         model = model_cls(config)
         if quant is not None:
             from ember.models.layers.moe import refuse_quantized_experts   # its kernels only where a model has MoE
@@ -236,13 +246,24 @@ def load_weights(model: nn.Module, config, files: list[Path], device: torch.devi
         with _open_safetensors(file) as f:
             for name in by_file.get(file, []):
                 _, target, shard_id = plan[name]
+                rule = getattr(model.get_parameter(target), "checkpoint_slice", None)
+                piece = rule(shard_id) if rule is not None else None
                 try:
-                    loaded = f.get_tensor(name)
+                    loaded = f.get_tensor(name) if piece is None else _read_slice(f, name, piece)
+                except ValueError as e:      # the tensor is not of the size this rank's slice was cut from
+                    raise CheckpointError(f"tensor {name!r}: {e}") from None
                 except Exception as e:
                     raise CheckpointError(f"tensor {name!r} of {str(file)!r} cannot be read ({e}); the file is "
                                           f"truncated or corrupt") from None
                 _load_tensor(model, name, target, shard_id, loaded, device)
     _check_kv_scales(model)
+
+
+def _read_slice(f, name: str, piece: CheckpointSlice) -> torch.Tensor:
+    """Only the bytes of `piece` of tensor `name` (safetensors reads a slice without the rest)."""
+    view = f.get_slice(name)
+    piece.check(tuple(view.get_shape()))
+    return view[(slice(None),) * piece.dim + (slice(piece.start, piece.start + piece.length),)]
 
 
 def _open_safetensors(file: Path):
@@ -300,10 +321,10 @@ def _load_tensor(model: nn.Module, name: str, target: str, shard_id, loaded: tor
 
 
 def load_model(path: str | Path, config=None, dtype: torch.dtype = torch.bfloat16,
-               device: torch.device | str = "cpu", progress: bool = True, quant: QuantConfig | None = None
-               ) -> nn.Module:
-    """Load a local HF model folder into its ember model class, in `dtype` on `device`, in eval mode; `quant`: its
-    fp8 layers (ember.quant)."""
+               device: torch.device | str = "cpu", progress: bool = True, quant: QuantConfig | None = None,
+               shard: ShardSpec = ShardSpec()) -> nn.Module:
+    """Load a local HF model folder into its ember model class (or this rank's `shard` of it), in `dtype` on
+    `device`, in eval mode; `quant`: its fp8 layers (ember.quant)."""
     path = Path(path)
     if config is None:
         config = load_config(path)
@@ -311,7 +332,7 @@ def load_model(path: str | Path, config=None, dtype: torch.dtype = torch.bfloat1
         raise CheckpointError(f"model folder {str(path)!r} has no config.json")
     device = torch.device(device)
     files = checkpoint_files(path)
-    model = build_on_meta(config, dtype, quant)
+    model = build_on_meta(config, dtype, quant, shard)
     load_weights(model, config, files, device, progress)
     init_buffers(model, device)
     return model.eval()
@@ -319,14 +340,15 @@ def load_model(path: str | Path, config=None, dtype: torch.dtype = torch.bfloat1
 
 @torch.no_grad()
 def random_model(config, dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu",
-                 seed: int = 0, quant: QuantConfig | None = None) -> nn.Module:
+                 seed: int = 0, quant: QuantConfig | None = None, shard: ShardSpec = ShardSpec()) -> nn.Module:
     """The config's model with random weights (normal, std `initializer_range`; norms at identity), for benchmarks.
     Each parameter draws from a generator of its own, seeded by `seed` and its place in the model, so that on a CPU
     the parameters fill in parallel (one thread a core: the Qwen3-0.6B config in bf16 in 2.8-2.9 s instead of
     4.7-5.2 s on two cores) and the weights do not depend on the thread count. An fp8 layer (`quant`) draws its
-    weights in `dtype` and quantizes them."""
+    weights in `dtype` and quantizes them. A tensor-parallel `shard` draws its own shapes from the same seeds:
+    replicated parameters (norms, rotary) are alike on every rank."""
     device = torch.device(device)
-    model = build_on_meta(config, dtype, quant)
+    model = build_on_meta(config, dtype, quant, shard)
     materialise(model, device)
     std = float(getattr(config, "initializer_range", 0.02))
     params = []

@@ -76,11 +76,12 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.model.dtype, self.device, self.hf_config)
         self.quant = resolve_quant_config(self.hf_config, config.model.quantization, self.dtype, self.device)
         free_dropped_engines(self.device)
-        self.tp, _ = joined_shard(config.parallel.tensor_parallel_size)   # this process's rank
+        self.tp, shard = joined_shard(config.parallel.tensor_parallel_size)   # this process's rank and its shard
         if load_format == "dummy":
-            self.model = random_model(self.hf_config, self.dtype, self.device, config.model.seed, self.quant)
+            self.model = random_model(self.hf_config, self.dtype, self.device, config.model.seed, self.quant,
+                                      shard=shard)
         else:
-            self.model = load_model(model_path, self.hf_config, self.dtype, self.device, quant=self.quant)
+            self.model = load_model(model_path, self.hf_config, self.dtype, self.device, quant=self.quant, shard=shard)
         if self.quant is not None:
             logger.info("linear layers: %s", self.quant.describe())
         self.vocab_size = self.hf_config.vocab_size

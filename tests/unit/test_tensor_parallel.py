@@ -1,5 +1,7 @@
 """Tensor parallelism end to end on the CPU: two ranks (this process and a worker) over gloo, tiny random models in
-float32. A worker killed mid-run is reported, and the engine raises instead of hanging."""
+float32. Greedy tokens equal one rank's over 32 tokens with chunked prefill, prefix-cache hits and preemptions;
+logits within 1e-4; a KV head replicated on both ranks; a worker killed mid-run is reported, and the engine raises
+instead of hanging."""
 
 import os
 import signal
@@ -8,7 +10,54 @@ import sys
 import textwrap
 import time
 
+from ember import LLM, SamplingParams
 from tests.helpers.model_harness import random_hf_model, tiny_config
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+PROMPTS = [[1, 5, 9, 33, 7], list(range(40, 66)), list(range(40, 64)) + [9, 9]]
+# chunks of 8 tokens, a pool too small for the three requests at once (preemption), prompts sharing a prefix
+SMALL = dict(device="cpu", max_num_batched_tokens=8, block_size=8, num_kv_blocks=10, max_model_len=64)
+LOGITS_ATOL = 1e-4
+SCORED = list(range(100, 108))
+
+
+def generate(llm, prompts=PROMPTS, params=GREEDY):
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def run_both(path, prompts=PROMPTS, params=GREEDY, **kwargs):
+    """(tokens, stats, logits) of one rank and of two ranks on the same settings."""
+    results = []
+    for tp in (1, 2):
+        llm = LLM(path, tensor_parallel_size=tp, **kwargs)
+        try:
+            tokens = generate(llm, prompts, params)
+            stats = llm.engine.stats
+            results.append((tokens, (stats.num_preemptions, stats.num_prefix_cache_hits), llm.engine.score(SCORED)))
+        finally:
+            llm.engine.runner.shutdown()
+    return results
+
+
+def test_two_ranks_give_one_ranks_tokens_and_logits(tmp_path):
+    # vocabulary 317: two ranks hold 159 and 158 ids (one padding row)
+    random_hf_model(tiny_config("llama", vocab_size=317)).save_pretrained(tmp_path)
+    (one, one_stats, one_logits), (two, two_stats, two_logits) = run_both(str(tmp_path), **SMALL)
+    assert all(len(t) == 32 for t in two)
+    assert two == one
+    assert one_stats == two_stats and one_stats[0] > 0 and one_stats[1] > 0     # preempted, prefix-cache hits
+    assert two_logits.shape == (len(SCORED), 317) and one_logits.std() > 0.1
+    assert (two_logits - one_logits).abs().max().item() <= LOGITS_ATOL
+
+
+def test_a_kv_head_replicated_on_both_ranks(tmp_path):
+    # Gemma 2 with one KV head: each rank holds it, with its two query heads; soft caps and a sliding window too
+    random_hf_model(tiny_config("gemma2", num_key_value_heads=1)).save_pretrained(tmp_path)
+    (one, _, one_logits), (two, _, two_logits) = run_both(str(tmp_path), PROMPTS[:2], SamplingParams(
+        temperature=0.0, max_tokens=16, ignore_eos=True), device="cpu")
+    assert two == one
+    assert (two_logits - one_logits).abs().max().item() <= LOGITS_ATOL
+
 
 KILL_SCRIPT = textwrap.dedent("""
     import os, signal, sys, time

@@ -1,4 +1,10 @@
-"""Token embedding and LM head; a tied head reads the embedding's weight instead of holding its own."""
+"""Token embedding and LM head; a tied head reads the embedding's weight instead of holding its own.
+
+Under tensor parallelism both are vocabulary-parallel: rank r holds the rows of token ids [r * R, (r + 1) * R),
+R = ceil(V / ranks) (`ember.distributed.shard.vocab_range`; the last range padded with zero rows). The embedding
+looks up the ids in its range, zeroes the others' rows and all-reduces; the LM head computes its range's logits and
+all-gathers them, so that every rank holds the whole [N, V] logits and samples the same tokens from them.
+"""
 
 from __future__ import annotations
 
@@ -6,9 +12,35 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ember.distributed.ops import all_gather, all_reduce
+from ember.distributed.parallel_state import TP_GROUP
+from ember.distributed.shard import CheckpointSlice, current_shard, vocab_range
 from ember.kernels.linear_op import logits
-from ember.models.layers.linear import make_param
+from ember.models.layers.linear import check_shape, make_param
 from ember.models.layers.onednn import onednn_linear
+
+
+def _vocab_param(vocab_size: int, hidden_size: int) -> tuple[nn.Parameter, int, int, int]:
+    """The [rows, hidden] weight of this rank's vocabulary range, with its checkpoint slice and loader when the
+    vocabulary is split; and (first id, ids held, tensor-parallel size)."""
+    spec = current_shard()
+    start, held, rows = vocab_range(vocab_size, spec)
+    param = make_param((rows, hidden_size))
+    if spec.size > 1:
+        param.checkpoint_slice = lambda shard_id: CheckpointSlice(0, start, held, vocab_size)
+        param.weight_loader = _vocab_loader(held)
+    return param, start, held, spec.size
+
+
+def _vocab_loader(held: int):
+    def load(param: torch.Tensor, loaded: torch.Tensor, shard_id: int | None = None) -> None:
+        """Copy this rank's `held` rows in and zero the padding rows after them."""
+        if shard_id is not None:
+            raise ValueError(f"a vocabulary-parallel weight is not packed; got shard {shard_id}")
+        check_shape(param, loaded, (held, *param.shape[1:]))
+        param.data[:held].copy_(loaded)
+        param.data[held:].zero_()
+    return load
 
 
 class VocabEmbedding(nn.Module):
@@ -17,13 +49,19 @@ class VocabEmbedding(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int, scale: float | None = None):
         super().__init__()
         self.vocab_size, self.hidden_size = vocab_size, hidden_size
-        self.weight = make_param((vocab_size, hidden_size))
+        self.weight, self.vocab_start, self.vocab_held, self.tp_size = _vocab_param(vocab_size, hidden_size)
         # Round the scale to the weight dtype once, so the product equals the reference's (it multiplies by a
         # tensor of the model dtype, e.g. sqrt(2048) becomes 45.25 in bfloat16).
         self.scale = None if scale is None else torch.tensor(scale, dtype=self.weight.dtype, device="cpu").item()
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        hidden = F.embedding(input_ids, self.weight)
+        if self.tp_size == 1:
+            hidden = F.embedding(input_ids, self.weight)
+        else:
+            local = input_ids - self.vocab_start
+            outside = (local < 0) | (local >= self.vocab_held)                        # [T]
+            hidden = F.embedding(local.masked_fill(outside, 0), self.weight)        # [T, hidden]
+            hidden = all_reduce(hidden.masked_fill(outside[:, None], 0), TP_GROUP)
         if self.scale is not None:
             hidden = hidden * self.scale
         return hidden
@@ -40,7 +78,10 @@ class LMHead(nn.Module):
         self.vocab_size, self.hidden_size = vocab_size, hidden_size
         # A list keeps the embedding out of this module's children, so its weight is loaded and listed once.
         self._tied = [tied_to] if tied_to is not None else []
-        self.weight = make_param((vocab_size, hidden_size)) if tied_to is None else None
+        if tied_to is None:
+            self.weight, _, _, self.tp_size = _vocab_param(vocab_size, hidden_size)
+        else:
+            self.weight, self.tp_size = None, tied_to.tp_size
         self.packed_weight: torch.Tensor | None = None    # oneDNN's copy on the CPU (ember.models.layers.onednn)
 
     @property
@@ -52,6 +93,14 @@ class LMHead(nn.Module):
         return self._tied[0].weight if self._tied else self.weight
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, H] -> logits [N, V] float32 (this rank's vocabulary range gathered with the others')."""
+        out = self._local_logits(hidden)
+        if self.tp_size == 1:
+            return out
+        out = all_gather(out, TP_GROUP)                   # [N, ranks * R]
+        return out if out.shape[1] == self.vocab_size else out[:, :self.vocab_size].contiguous()
+
+    def _local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.packed_weight is not None:
             return onednn_linear(hidden, self.packed_weight).float()
         weight = self.weight_to_pack()

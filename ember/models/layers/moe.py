@@ -18,6 +18,7 @@ import re
 import torch
 from torch import nn
 
+from ember.distributed.shard import current_shard
 from ember.kernels.moe_op import moe
 from ember.models.layers.linear import Linear, check_shape, default_weight_loader, make_param
 from ember.quant import QuantConfig, QuantConfigError
@@ -106,6 +107,9 @@ class SparseMoeBlock(nn.Module):
                              f"fuse SiLU (silu / swish)")
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok {top_k} must be between 1 and num_experts {num_experts}")
+        if current_shard().size > 1:
+            raise ValueError(f"MoE experts are not split over tensor-parallel ranks yet (tensor_parallel_size "
+                             f"{current_shard().size}); run this model with tensor_parallel_size=1")
         self.top_k, self.renormalize = int(top_k), bool(renormalize)
         self.gate = Linear(hidden_size, num_experts)
         self.experts = FusedMoE(num_experts, hidden_size, intermediate_size)
