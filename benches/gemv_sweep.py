@@ -6,6 +6,15 @@ CUDA graph (benches/bench_decode_linears.py), against the measured copy bandwidt
     PYTHONPATH=. python benches/gemv_sweep.py resident --configs qwen3-0.6b llama-3.2-1b llama-3.1-8b
     PYTHONPATH=. python benches/gemv_sweep.py shapes --configs qwen3-0.6b llama-3.2-1b llama-3.1-8b [--write]
 
+With `--tensor-parallel-sizes 1 2 4`, crossover, shapes and resident also measure each tensor-parallel rank's
+shard of every projection (the tables then hold rows for those shapes too; a shape missing from a table takes
+the nearest entry's crossover and the launch constants):
+
+    PYTHONPATH=. python benches/gemv_sweep.py crossover --configs qwen3-0.6b llama-3.2-1b llama-3.1-8b \
+        llama-3.1-70b --tensor-parallel-sizes 1 2 4 --write
+    PYTHONPATH=. python benches/gemv_sweep.py shapes --configs qwen3-0.6b llama-3.2-1b llama-3.1-8b \
+        llama-3.1-70b --tensor-parallel-sizes 1 2 4 --write
+
 `tiles`: every (programs per SM, W tile bytes, warps) at one row, the current constants first.
 `resident`: each projection alone at one row, its weights read from HBM (rotated out of L2) and from L2 (the same
 weights every call); the difference bounds what prefetching weights into L2 could save, and what is left is the
@@ -105,29 +114,43 @@ _OPS = {"qkv": (False, True, False), "o": (False, False, True), "gate_up": (True
         "down": (False, False, True), "lm_head": None}
 
 
-def _projections(configs):
-    """(config name, projection, (gated, norm, residual), weight) for each distinct weight shape of the configs, one
-    config's layers alive at a time."""
+def _projections(configs, tp_sizes=(1,)):
+    """(label, projection, (gated, norm, residual), weight) for each distinct weight shape of the configs at each
+    tensor-parallel size, one weight alive at a time. A rank's shard (ember.distributed.shard): q/k/v and gate/up
+    split their rows (KV heads replicated below one a rank), o and down their columns, the LM head its vocabulary;
+    under tensor parallelism o and down fuse no residual add (their all-reduce comes between)."""
     from ember.models.bundled import bundled_config
     seen: set[tuple[int, int, bool]] = set()
     for name in configs:
-        layers, _, _ = _layers(name, torch.device("cuda"))
         cfg = bundled_config(name)
-        layers[0]["lm_head"] = torch.randn(cfg.vocab_size, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
-        for proj, op in _OPS.items():
-            weight = layers[0][proj]
-            key = (weight.shape[0], weight.shape[1], bool(op and op[0]))
-            if key not in seen:
+        hidden, inter, heads = cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+        head_dim = getattr(cfg, "head_dim", None) or hidden // heads
+        for tp in tp_sizes:
+            if heads % tp or inter % tp or (kv_heads % tp and tp % kv_heads):
+                print(f"{name} does not split over {tp} ranks; skipped", flush=True)
+                continue
+            rows = {"qkv": ((heads // tp + 2 * max(1, kv_heads // tp)) * head_dim, hidden),
+                    "o": (hidden, heads * head_dim // tp), "gate_up": (2 * inter // tp, hidden),
+                    "down": (hidden, inter // tp), "lm_head": (-(-cfg.vocab_size // tp), hidden)}
+            for proj, op in _OPS.items():
+                if tp > 1 and proj in ("o", "down"):
+                    op = (False, False, False)
+                n, k = rows[proj]
+                key = (n, k, bool(op and op[0]))
+                if key in seen:
+                    continue
                 seen.add(key)
-                yield name, proj, op, weight
-        del layers, weight
-        torch.cuda.empty_cache()
+                weight = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5
+                yield (name if tp == 1 else f"{name} tp{tp}"), proj, op, weight
+                del weight
+                torch.cuda.empty_cache()
 
 
-def resident(configs, bw) -> None:
+def resident(configs, bw, tp_sizes=(1,)) -> None:
     """Each projection at one row: weights from HBM against weights already in L2."""
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
-    for name, proj, op, weight in _projections(configs):
+    for name, proj, op, weight in _projections(configs, tp_sizes):
         nbytes = weight.numel() * weight.element_size()
         hbm_us = _projection_us(op, weight, 1, l2, True)
         l2_us = _projection_us(op, weight, 1, l2, True, rotate=False)
@@ -144,7 +167,7 @@ TMA_MARGIN = 0.02
 TMA_CANDIDATES = [(block_n, 256, stages) for block_n in (8, 16, 32) for stages in (3, 4, 6)]
 
 
-def shapes(configs, bw, rounds: int = 2, write: bool = False) -> None:
+def shapes(configs, bw, rounds: int = 2, write: bool = False, tp_sizes=(1,)) -> None:
     """Each projection at one row under every (programs per SM, W tile bytes), `rounds` interleaved passes: its
     own best launch shape, against the constants (the first candidate), then each of TMA_CANDIDATES on the TMA
     kernel. `write`: store the shapes whose best took at least SHAPES_MARGIN less time for
@@ -159,7 +182,7 @@ def shapes(configs, bw, rounds: int = 2, write: bool = False) -> None:
     G.launch_shape = lambda *args: None      # every candidate as the constants give it, not the stored table's
     G.tma_shape = lambda *args: None
     try:
-        for name, proj, op, weight in _projections(configs):
+        for name, proj, op, weight in _projections(configs, tp_sizes):
             floor = 1e6 * weight.numel() * weight.element_size() / bw
             times: dict[tuple[int, int], list[float]] = {c: [] for c in grid}
             for _ in range(rounds):
@@ -191,7 +214,7 @@ def shapes(configs, bw, rounds: int = 2, write: bool = False) -> None:
         G.launch_shape, G.tma_shape = table_lookup, tma_lookup
     if write:
         table = dict(command="PYTHONPATH=. python benches/gemv_sweep.py shapes --configs "
-                             + " ".join(configs) + " --write",
+                             + " ".join(configs) + _tp_flag(tp_sizes) + " --write",
                      device=props.name, num_sms=props.multi_processor_count, element_size=2, shapes=stored,
                      tma_shapes=tma_stored)
         gemv_routing.SHAPES_PATH.write_text(json.dumps(table, indent=1) + "\n")
@@ -219,12 +242,16 @@ def _tma_candidates(op, weight, l2: int, floor: float, label: str) -> tuple[floa
     return best
 
 
-def crossover(configs, bw, rows, write: bool) -> None:
+def _tp_flag(tp_sizes) -> str:
+    return "" if list(tp_sizes) == [1] else " --tensor-parallel-sizes " + " ".join(map(str, tp_sizes))
+
+
+def crossover(configs, bw, rows, write: bool, tp_sizes=(1,)) -> None:
     """Each projection alone: the largest row count up to which the GEMV beats cuBLAS at every row count."""
     from ember.kernels import gemv_routing
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     found: dict[tuple[int, int, bool], int] = {}
-    for name, proj, op, weight in _projections(configs):
+    for name, proj, op, weight in _projections(configs, tp_sizes):
         best, losses = 0, 0
         for m in rows:
             gemv_us = _projection_us(op, weight, m, l2, True)
@@ -242,7 +269,7 @@ def crossover(configs, bw, rows, write: bool) -> None:
         print(f"crossover {name} {proj}: GEMV up to {best} rows")
     if write:
         table = dict(command="PYTHONPATH=. python benches/gemv_sweep.py crossover --configs " + " ".join(configs)
-                     + " --write",
+                     + _tp_flag(tp_sizes) + " --write",
                      device=torch.cuda.get_device_name(0), torch=torch.__version__,
                      shapes=[dict(n=n, k=k, gated=g, max_rows=r) for (n, k, g), r in sorted(found.items())])
         gemv_routing.TABLE_PATH.write_text(json.dumps(table, indent=1) + "\n")
@@ -256,6 +283,8 @@ def main() -> None:
                    help="crossover, shapes: store the table for ember.kernels.gemv_routing")
     p.add_argument("--configs", nargs="+", default=["qwen3-0.6b", "llama-3.2-1b"])
     p.add_argument("--rows", type=int, nargs="+", default=list(range(1, G.GEMV_MAX_M + 1)))
+    p.add_argument("--tensor-parallel-sizes", type=int, nargs="+", default=[1], metavar="N",
+                   help="crossover, shapes, resident: also each rank's shard of the projections at these sizes")
     args = p.parse_args()
     import ember.kernels.fused_linear  # noqa: F401  (registers ember::fused_linear)
     bw = copy_bandwidth()
@@ -263,13 +292,13 @@ def main() -> None:
     if args.what == "tiles":
         tiles(args.configs, bw)
     elif args.what == "shapes":
-        shapes(args.configs, bw, write=args.write)
+        shapes(args.configs, bw, write=args.write, tp_sizes=args.tensor_parallel_sizes)
     elif args.what == "resident":
-        resident(args.configs, bw)
+        resident(args.configs, bw, args.tensor_parallel_sizes)
     elif args.what == "chain":
         chain(args.configs, bw, args.rows)
     else:
-        crossover(args.configs, bw, args.rows, args.write)
+        crossover(args.configs, bw, args.rows, args.write, args.tensor_parallel_sizes)
 
 
 if __name__ == "__main__":

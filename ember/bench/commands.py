@@ -50,11 +50,11 @@ class CompileWatch:
 
 
 def model_bytes(llm, tokens_per_step: int | None = None) -> tuple[int, int]:
-    """(weight bytes read per step, KV bytes per token) of the loaded model; with `tokens_per_step`, a MoE layer
-    counts only the experts that many tokens choose (roofline.decode_weight_bytes)."""
+    """(weight bytes read per step, KV bytes per token) of the loaded model, on one GPU (rank 0's shard); with
+    `tokens_per_step`, a MoE layer counts only the experts that many tokens choose (roofline.decode_weight_bytes)."""
     runner = llm.engine.runner
     return (decode_weight_bytes(runner.model, runner.hf_config, tokens_per_step),
-            kv_bytes_per_token(runner.hf_config, runner.dtype))
+            kv_bytes_per_token(runner.hf_config, runner.dtype, runner.config.parallel.tensor_parallel_size))
 
 
 def run_throughput(llm, workload: Workload, temperature: float = 0.6, warmup: bool = True) -> dict:

@@ -15,24 +15,30 @@ from torch import nn
 
 
 # ---- what a step reads ------------------------------------------------------------------------------------------
-def kv_bytes_per_token(hf_config, dtype: torch.dtype) -> int:
-    """Bytes of K and V one token keeps across all layers: 2 x layers x kv_heads x head_dim x dtype size."""
+def kv_bytes_per_token(hf_config, dtype: torch.dtype, tensor_parallel_size: int = 1) -> int:
+    """Bytes of K and V one token keeps across all layers on one GPU: 2 x layers x kv_heads x head_dim x dtype size,
+    kv_heads being one rank's (a head replicated where there are fewer than ranks)."""
     num_heads = int(hf_config.num_attention_heads)
     num_kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or num_heads)
+    num_kv_heads = max(1, num_kv_heads // tensor_parallel_size)
     head_dim = int(getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads)
     element = torch.empty((), dtype=dtype).element_size()
     return 2 * int(hf_config.num_hidden_layers) * num_kv_heads * head_dim * element
 
 
 def decode_weight_bytes(model: nn.Module, hf_config, tokens_per_step: int | None = None) -> int:
-    """Bytes of weights one step reads: every distinct parameter once, less the input embedding table when it is
-    not tied to the LM head (a step gathers only its own rows of it). With `tokens_per_step`, a mixture-of-experts
-    layer counts only the experts that many tokens choose: exactly top_k at one token, and for B tokens the
-    expected number of distinct experts under uniform routing, E * (1 - (1 - top_k / E) ** B)."""
+    """Bytes of weights one step reads (on one GPU: a tensor-parallel rank's shard): every distinct parameter once,
+    less the input embedding table when it is not tied to the LM head (a step gathers only its own rows of it).
+    With `tokens_per_step`, a mixture-of-experts layer counts only the experts that many tokens choose: exactly
+    top_k at one token, and for B tokens the expected number of distinct experts under uniform routing,
+    E * (1 - (1 - top_k / E) ** B)."""
     total = sum(p.numel() * p.element_size() for p in model.parameters())   # parameters() drops tied duplicates
     if not getattr(hf_config, "tie_word_embeddings", False):
-        element = next(model.parameters()).element_size()
-        total -= int(hf_config.vocab_size) * int(hf_config.hidden_size) * element
+        embedding = next((m.weight for m in model.modules() if type(m).__name__ == "VocabEmbedding"), None)
+        if embedding is not None:
+            total -= embedding.numel() * embedding.element_size()
+        else:
+            total -= int(hf_config.vocab_size) * int(hf_config.hidden_size) * next(model.parameters()).element_size()
     if tokens_per_step is not None:
         total -= sum(all_bytes - touched for all_bytes, touched in expert_bytes(model, tokens_per_step))
     return total

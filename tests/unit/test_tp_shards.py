@@ -168,3 +168,17 @@ def test_experts_and_fp8_layers_are_refused_on_a_shard():
         build_on_meta(tiny_config("llama"), torch.bfloat16, fp8, ShardSpec(1, 2))
     assert build_on_meta(tiny_config("llama"), torch.bfloat16, fp8).model.layers[0].mlp.down_proj.weight.dtype == \
         torch.float8_e4m3fn                                  # one rank: as before
+
+
+def test_the_roofline_counts_one_ranks_bytes():
+    from ember.bench.roofline import decode_weight_bytes, kv_bytes_per_token
+    from ember.models.bundled import bundled_config
+    from ember.models.loader import build_on_meta
+    cfg = bundled_config("llama-3.1-8b", num_hidden_layers=2)
+    whole = kv_bytes_per_token(cfg, torch.bfloat16)
+    assert kv_bytes_per_token(cfg, torch.bfloat16, 2) * 2 == whole
+    assert kv_bytes_per_token(cfg, torch.bfloat16, 16) * 8 == whole        # 8 KV heads, each on two of 16 ranks
+    one = decode_weight_bytes(build_on_meta(cfg, torch.bfloat16), cfg)
+    two = decode_weight_bytes(build_on_meta(cfg, torch.bfloat16, shard=ShardSpec(1, 2)), cfg)
+    norms = 2 * (2 * 2 + 1) * cfg.hidden_size           # replicated: two norms a layer and the final one, bf16
+    assert two == (one - norms) // 2 + norms
