@@ -99,6 +99,7 @@ class LlamaAttention(nn.Module):
                               num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_size=self.head_size,
                               scale=scale, sliding_window=sliding_window_of(config, layer_idx),
                               logits_soft_cap=options.attn_logit_softcap, kv_sharing_target=source)
+        self.attn.kv_heads_in_model = (self.qkv_proj.first_kv_head, self.qkv_proj.num_kv_heads_in_model)
 
     def forward(self, cos: torch.Tensor, sin: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [T, hidden] -> [T, hidden]; cos/sin [T, rotary_dim / 2] for the tokens' positions."""

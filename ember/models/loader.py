@@ -14,6 +14,7 @@ slice of each sharded tensor: a parameter's `checkpoint_slice(shard_id)` names t
 from __future__ import annotations
 
 import contextlib
+import logging
 import json
 import sys
 from pathlib import Path
@@ -29,6 +30,8 @@ from ember.models.layers.linear import check_shape, default_weight_loader
 from ember.models.layers.scaled_linear import quantize_linear_layers
 from ember.models.registry import get_model_class
 from ember.quant import QuantConfig, QuantConfigError
+
+logger = logging.getLogger("ember")
 
 # Checkpoint tensors that carry nothing ember needs: precomputed rotary tables of older exports.
 _HARMLESS_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
@@ -246,7 +249,8 @@ def load_weights(model: nn.Module, config, files: list[Path], device: torch.devi
         with _open_safetensors(file) as f:
             for name in by_file.get(file, []):
                 _, target, shard_id = plan[name]
-                rule = getattr(model.get_parameter(target), "checkpoint_slice", None)
+                # a KV-cache scale ("<attention path>:k") has no parameter, and is read whole
+                rule = None if ":" in target else getattr(model.get_parameter(target), "checkpoint_slice", None)
                 piece = rule(shard_id) if rule is not None else None
                 try:
                     loaded = f.get_tensor(name) if piece is None else _read_slice(f, name, piece)
@@ -281,9 +285,12 @@ def _load_kv_scale(model: nn.Module, name: str, target: str, loaded: torch.Tenso
     path, _, which = target.rpartition(":")
     layer = model.get_submodule(path)
     heads = layer.options.num_kv_heads
+    first, model_heads = layer.kv_heads_in_model
+    if loaded.numel() == model_heads != heads:      # per head, and this rank holds a range of the heads
+        loaded = loaded.reshape(-1)[first:first + heads]
     if loaded.numel() not in (1, heads):
         raise CheckpointError(f"KV-cache scale {name!r} has shape {tuple(loaded.shape)}; expected one value or one "
-                              f"per KV head ({heads})")
+                              f"per KV head ({model_heads})")
     scale = loaded.to(device=device, dtype=torch.float32).reshape(-1).expand(heads).contiguous()
     k, v = layer.kv_scales or (None, None)
     layer.kv_scales = (scale, v) if which == "k" else (k, scale)
@@ -336,6 +343,19 @@ def load_model(path: str | Path, config=None, dtype: torch.dtype = torch.bfloat1
     load_weights(model, config, files, device, progress)
     init_buffers(model, device)
     return model.eval()
+
+
+def build_model(path: str | Path, config, dtype: torch.dtype, device: torch.device | str, load_format: str = "auto",
+                seed: int = 0, quant: QuantConfig | None = None, shard: ShardSpec = ShardSpec()) -> nn.Module:
+    """The model of a runner: `load_model` of the folder, or for load_format "dummy" `random_model` (random weights
+    of the config's shapes, no checkpoint read); logs its fp8 layers."""
+    if load_format == "dummy":
+        model = random_model(config, dtype, device, seed, quant, shard)
+    else:
+        model = load_model(path, config, dtype, device, quant=quant, shard=shard)
+    if quant is not None:
+        logger.info("linear layers: %s", quant.describe())
+    return model
 
 
 @torch.no_grad()

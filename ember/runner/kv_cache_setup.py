@@ -16,6 +16,7 @@ from ember.attention_backends.base import (AttentionBackend, AttentionLayerOptio
                                            StepBounds)
 from ember.attention_backends.op import AttentionLayerState
 from ember.attention_backends.registry import BackendSelectionError, select_backend
+from ember.distributed.parallel_state import agree
 from ember.models.layers.attention import Attention
 from ember.kv_spec import KVCacheGroup, KVCacheSpec, blocks_per_request
 from ember.runner.cpu_memory import available_memory_bytes, cpu_kv_cache_bytes
@@ -219,6 +220,16 @@ def kv_scales_of(layer: Attention, device: torch.device) -> tuple[torch.Tensor, 
     return ones, ones.clone()
 
 
+def log_capacity(attn: AttentionSetup, num_blocks: int, max_model_len: int, block_size: int,
+                 dtype: torch.dtype) -> tuple[int, int]:
+    """Log and return how many tokens the cache holds as requests of max_model_len tokens, beside what it would hold
+    if every layer kept every token (the two differ when sliding-window groups free what they no longer see)."""
+    held, full_equivalent = attn.capacity_tokens(num_blocks - 1, max_model_len)
+    logger.info("KV cache: %d tokens (full-attention equivalent: %d) in %d blocks of %d tokens, %d groups%s",
+                held, full_equivalent, num_blocks - 1, block_size, len(attn.groups), capacity_note(attn, held, dtype))
+    return held, full_equivalent
+
+
 def capacity_note(attn: AttentionSetup, held: int, dtype: torch.dtype) -> str:
     """For an fp8 cache: the tokens the same memory would hold in the model's `dtype` (for the start-up log)."""
     spec = attn.groups[0].spec
@@ -299,6 +310,15 @@ def free_dropped_engines(device: torch.device) -> None:
 def num_kv_blocks(attn: AttentionSetup, cache_config, model: nn.Module, device: torch.device, wanted_len: int,
                   max_num_reqs: int, max_num_tokens: int, activation_peak: int,
                   workspace: AttentionWorkspace | None = None) -> int:
+    """`_rank_num_kv_blocks` of this rank, made the same on every tensor-parallel rank: the fewest any rank's memory
+    allows (every rank holds the same block ids)."""
+    return agree([_rank_num_kv_blocks(attn, cache_config, model, device, wanted_len, max_num_reqs, max_num_tokens,
+                                      activation_peak, workspace)], "min")[0]
+
+
+def _rank_num_kv_blocks(attn: AttentionSetup, cache_config, model: nn.Module, device: torch.device, wanted_len: int,
+                        max_num_reqs: int, max_num_tokens: int, activation_peak: int,
+                        workspace: AttentionWorkspace | None = None) -> int:
     """Blocks of the shared pool, the reserved null block 0 included: `num_kv_blocks` when asked; on the CPU
     enough for `max_num_reqs` requests of `wanted_len` tokens within the CPU budget, taken from the memory the
     attention's `workspace` leaves; on CUDA what `gpu_memory_utilization` leaves after the weights, a full-size

@@ -19,7 +19,7 @@ import torch
 from ember.attention_backends.base import StepBounds
 from ember.attention_backends.op import ForwardContext, forward_context
 from ember.config import EngineConfig, cache_dir, resolve_dtype
-from ember.distributed.parallel_state import agree, joined_shard
+from ember.distributed.parallel_state import joined_shard
 from ember.graphs.buckets import resolve_capture_sizes
 from ember.graphs.compile import compile_cache_key, compile_model
 from ember.graphs.cuda_graph import CUDAGraphManager
@@ -27,11 +27,11 @@ from ember.graphs.dispatcher import CudaGraphDispatcher, resolve_modes
 from ember.graphs.modes import BatchDescriptor, CUDAGraphMode
 from ember.kernels.triton_key import install as install_triton_key
 from ember.models.layers.onednn import onednn_packing_supported, pack_if_it_fits
-from ember.models.loader import load_config, load_model, random_model
+from ember.models.loader import build_model, load_config
 from ember.runner.cpu_memory import available_memory_bytes
 from ember.runner.decode_tail import DecodeTail, with_decode_tail
 from ember.runner.input_batch import BatchLayout, InputBatch, PreparedBatch
-from ember.runner.kv_cache_setup import (allocate_kv_caches, attention_workspace, capacity_note, free_dropped_engines,
+from ember.runner.kv_cache_setup import (allocate_kv_caches, attention_workspace, free_dropped_engines, log_capacity,
                                         make_builders, num_kv_blocks, resolve_max_model_len, select_backends)
 from ember.runner.output import AsyncModelRunnerOutput, HostRing, ModelRunnerOutput, StartupTimes
 from ember.runner.request_table import RequestTable
@@ -77,13 +77,8 @@ class ModelRunner:
         self.quant = resolve_quant_config(self.hf_config, config.model.quantization, self.dtype, self.device)
         free_dropped_engines(self.device)
         self.tp, shard = joined_shard(config.parallel.tensor_parallel_size)   # this process's rank and its shard
-        if load_format == "dummy":
-            self.model = random_model(self.hf_config, self.dtype, self.device, config.model.seed, self.quant,
-                                      shard=shard)
-        else:
-            self.model = load_model(model_path, self.hf_config, self.dtype, self.device, quant=self.quant, shard=shard)
-        if self.quant is not None:
-            logger.info("linear layers: %s", self.quant.describe())
+        self.model = build_model(model_path, self.hf_config, self.dtype, self.device, load_format, config.model.seed,
+                                 self.quant, shard)
         self.vocab_size = self.hf_config.vocab_size
         self.times.load_s = time.perf_counter() - t0
 
@@ -134,10 +129,9 @@ class ModelRunner:
         # the attention's worst case: the largest step against the longest context (docs/memory.md)
         self.attention_workspace = attention_workspace(self.attn, self.dtype, StepBounds(
             self.max_num_tokens, self.max_num_reqs, upper_len), builder_sets=2 if self.tail_builders else 1)
-        # every rank holds the same block ids: the fewest any rank's memory allows
-        self.num_blocks = agree([num_kv_blocks(self.attn, config.cache, self.model, self.device, upper_len,
-                                               self.max_num_reqs, self.max_num_tokens, self.activation_peak,
-                                               self.attention_workspace)], "min")[0]
+        self.num_blocks = num_kv_blocks(self.attn, config.cache, self.model, self.device, upper_len,
+                                        self.max_num_reqs, self.max_num_tokens, self.activation_peak,
+                                        self.attention_workspace)
         self.max_model_len = resolve_max_model_len(self.attn, config.model.max_model_len, self.model_max_len(),
                                                    self.num_blocks, self.max_num_tokens)
         self._log_capacity()
@@ -241,13 +235,8 @@ class ModelRunner:
         return torch.cuda.max_memory_allocated(self.device) - before
 
     def _log_capacity(self) -> None:
-        """How many tokens the cache holds as requests of max_model_len tokens, beside what it would hold if
-        every layer kept every token (the two differ when sliding-window groups free what they no longer see)."""
-        held, full_equivalent = self.attn.capacity_tokens(self.num_blocks - 1, self.max_model_len)
-        self.kv_capacity_tokens, self.kv_full_equivalent_tokens = held, full_equivalent
-        logger.info("KV cache: %d tokens (full-attention equivalent: %d) in %d blocks of %d tokens, %d groups%s",
-                    held, full_equivalent, self.num_blocks - 1, self.config.cache.block_size, len(self.attn.groups),
-                    capacity_note(self.attn, held, self.dtype))
+        self.kv_capacity_tokens, self.kv_full_equivalent_tokens = log_capacity(
+            self.attn, self.num_blocks, self.max_model_len, self.config.cache.block_size, self.dtype)
 
     @torch.inference_mode()
     def _capture(self) -> None:

@@ -182,3 +182,18 @@ def test_the_roofline_counts_one_ranks_bytes():
     two = decode_weight_bytes(build_on_meta(cfg, torch.bfloat16, shard=ShardSpec(1, 2)), cfg)
     norms = 2 * (2 * 2 + 1) * cfg.hidden_size           # replicated: two norms a layer and the final one, bf16
     assert two == (one - norms) // 2 + norms
+
+
+def test_each_rank_reads_its_kv_heads_of_per_head_kv_cache_scales(tmp_path):
+    from safetensors.torch import load_file, save_file
+    random_hf_model(tiny_config("llama")).save_pretrained(tmp_path)          # 2 KV heads
+    tensors = load_file(tmp_path / "model.safetensors")
+    for i in range(2):
+        tensors[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor([0.5, 2.0])
+        tensors[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor(0.25)
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    for rank, k in enumerate((0.5, 2.0)):
+        shard = load_model(tmp_path, None, torch.float32, "cpu", progress=False, shard=ShardSpec(rank, 2))
+        attn = shard.model.layers[1].self_attn.attn
+        assert attn.kv_heads_in_model == (rank, 2)
+        assert attn.kv_scales[0].tolist() == [k] and attn.kv_scales[1].tolist() == [0.25]

@@ -28,6 +28,9 @@ class Attention(nn.Module):
         # the checkpoint's fp8 KV-cache scales (k_scale, v_scale: float32 [num_kv_heads]), set by the loader where
         # it has them; an fp8 cache uses them (ember.runner.kv_cache_setup.kv_scales_of)
         self.kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None
+        # (the first of this layer's KV heads, the model's KV-head count): a tensor-parallel rank holds a range of
+        # them, and reads its range of a checkpoint's per-head scales
+        self.kv_heads_in_model = (0, num_kv_heads)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: tuple | None = None) -> torch.Tensor:
         """q [T, Hq*D], k/v [T, Hkv*D] -> [T, Hq*D]. rope: (cos, sin [T, D/2], q_norm, k_norm [D] or None, eps)

@@ -151,11 +151,12 @@ class QKVLinear(PackedLinear):
 
     def __init__(self, hidden_size: int, head_size: int, num_heads: int, num_kv_heads: int, bias: bool = False):
         spec = current_shard()
-        self.num_kv_heads, first_kv = kv_heads(num_kv_heads, num_heads, spec)
+        self.num_kv_heads, self.first_kv_head = kv_heads(num_kv_heads, num_heads, spec)
+        self.num_kv_heads_in_model = num_kv_heads
         self.num_heads = split(num_heads, spec, "num_attention_heads")
         self.q_size = self.num_heads * head_size
         self.kv_size = self.num_kv_heads * head_size
-        kv_range = (first_kv * head_size, self.kv_size)
+        kv_range = (self.first_kv_head * head_size, self.kv_size)
         super().__init__(hidden_size, [num_heads * head_size, num_kv_heads * head_size, num_kv_heads * head_size],
                          bias, [(spec.rank * self.q_size, self.q_size), kv_range, kv_range])
 
