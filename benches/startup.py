@@ -1,7 +1,7 @@
 """Start-up of `LLM(...)` in a fresh process, from the call to ready, split into load / compile / capture / rest.
 
-    python benches/startup.py --model qwen3-0.6b --label cold [--cudagraph-capture lazy] [--replay-table
-        [--replay-context N]] [--step-times]
+    python benches/startup.py --model qwen3-0.6b --label cold [--tensor-parallel-size N] [--cudagraph-capture lazy]
+        [--replay-table [--replay-context N]] [--step-times]
         [--tokens-out FILE] [--tokens-ref FILE] [--profile N | --sample N]
 
 Cold or warm is the caller's choice: point EMBER_CACHE and TRITON_CACHE_DIR at empty or at filled folders. The
@@ -157,6 +157,8 @@ def main() -> None:
                         help="each request of a replayed step has N tokens of context (default 0)")
     parser.add_argument("--triton-compile-workers", type=int, default=None, metavar="N",
                         help="processes compiling the start-up's Triton kernels (0: each at its first launch)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                        help="start N ranks, one a GPU (the time to ready counts every rank's start-up)")
     parser.add_argument("--num-prompts", type=int, default=128)
     parser.add_argument("--lengths-seeds", type=int, nargs="+", default=[0, 0], metavar="SEED",
                         help="one run per seed; a seed draws the prompt lengths (default 0 0: two runs of the same "
@@ -178,7 +180,9 @@ def main() -> None:
     import torch
     from ember import LLM, SamplingParams
     import_s = time.perf_counter() - t0
-    kwargs = {"load_format": "dummy"}
+    if args.replay_table and args.tensor_parallel_size > 1:
+        parser.error("--replay-table replays rank 0's graphs alone; it runs with --tensor-parallel-size 1 only")
+    kwargs = {"load_format": "dummy", "tensor_parallel_size": args.tensor_parallel_size}
     if args.cudagraph_capture is not None:
         kwargs["cudagraph_capture"] = args.cudagraph_capture
     if args.triton_compile_workers is not None:

@@ -39,8 +39,10 @@ from ember.runner.model_runner import ModelRunner
 logger = logging.getLogger("ember")
 
 # every rank's environment (defaults: a value the user set stands): NVLink multicast (NVLS) off, in NCCL and in
-# PyTorch's symmetric memory
-COLLECTIVE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+# PyTorch's symmetric memory; NCCL's tensors kept by their work objects rather than by record_stream, which a CUDA
+# graph's capture does not take
+COLLECTIVE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                  "TORCH_NCCL_AVOID_RECORD_STREAMS": "1"}
 STUCK_GRACE_S = 15.0        # how long rank 0 may stay inside a call after a worker failed, before the process exits
 JOIN_S = 10.0               # how long a worker has to exit at shutdown before it is killed
 

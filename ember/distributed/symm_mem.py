@@ -35,6 +35,8 @@ class OneShotAllReduce:
             raise ValueError(f"the symmetric-memory all-reduce needs a CUDA device, got {device}")
         self.group_name = process_group.group_name
         self.dtype, self.max_bytes = dtype, max_bytes
+        if hasattr(symm, "enable_symm_mem_for_group"):      # required before torch 2.8, a no-op after
+            symm.enable_symm_mem_for_group(self.group_name)
         self.buffer = symm.empty(max_bytes // dtype.itemsize, dtype=dtype, device=device)   # [max_bytes / size]
         symm.rendezvous(self.buffer, self.group_name)
         logger.info("all-reduces of at most %d bytes of %s take the symmetric-memory one-shot kernel", max_bytes,
