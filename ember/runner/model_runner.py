@@ -33,7 +33,7 @@ from ember.runner.decode_tail import DecodeTail, with_decode_tail
 from ember.runner.input_batch import BatchLayout, InputBatch, PreparedBatch
 from ember.runner.kv_cache_setup import (allocate_kv_caches, attention_workspace, free_dropped_engines, log_capacity,
                                         make_builders, num_kv_blocks, resolve_max_model_len, select_backends)
-from ember.runner.output import AsyncModelRunnerOutput, HostRing, ModelRunnerOutput, StartupTimes
+from ember.runner.output import AsyncModelRunnerOutput, DeviceOnlyOutput, HostRing, ModelRunnerOutput, StartupTimes
 from ember.runner.request_table import RequestTable
 from ember.runner.sampler import Sampler, SamplerOutput, SamplingMetadata
 from ember.runner.sampling_inputs import SamplingPlan, fits_graph_tail, plan_sampling, sampling_metadata
@@ -370,7 +370,7 @@ class ModelRunner:
                 sampled = self.sampler(logits, meta)
                 self.table.write_sampled(batch.sample_index[:num_reqs], sampled.sampled_token_ids)
         if not self.tp.is_driver:       # every rank samples the same tokens into its table; rank 0 reports them
-            return None
+            return DeviceOnlyOutput()
         with section("ember.to_host"):
             return AsyncModelRunnerOutput(sampled, self.device, self.host_ring)
 

@@ -58,6 +58,14 @@ class HostRing:
         return self._buffers[self._turn], self._events[self._turn]
 
 
+class DeviceOnlyOutput:
+    """A step of a tensor-parallel rank other than 0: its tokens stay in its request table on the device (rank 0
+    reports them), so there is nothing to wait for."""
+
+    def result(self) -> None:
+        return None
+
+
 class AsyncModelRunnerOutput:
     """A launched step's sampled tokens (and logprobs) on their way to the host: the step's single device-to-host
     transfer, into pinned memory (a `HostRing` buffer for plain tokens), with an event to wait on. `result()`

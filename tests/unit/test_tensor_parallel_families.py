@@ -74,3 +74,13 @@ def test_a_worker_that_stops_answering_fails_the_step_after_the_timeout(tmp_path
     finally:
         os.kill(worker, signal.SIGKILL)
         llm.engine.runner.shutdown()
+
+
+def test_the_jit_warm_up_runs_on_every_rank(tmp_path):
+    # the warm-up's steps (CUDA's default, asked for here on the CPU) run through each rank's own runner: a worker's
+    # steps leave nothing to wait for on the host
+    random_hf_model(tiny_config("llama")).save_pretrained(tmp_path)
+    (one, _, one_logits), (two, _, two_logits) = run_both(str(tmp_path), PROMPTS[:2], device="cpu", jit_warmup=True,
+                                                          max_num_seqs=4, max_num_batched_tokens=64)
+    assert two == one
+    assert (two_logits - one_logits).abs().max().item() <= LOGITS_ATOL
