@@ -42,6 +42,7 @@ import triton.language as tl
 
 from ember.kernels.gemv_routing import launch_shape, tma_shape
 from ember.kernels.gemv_tma import gemv_tma, tma_applies
+from ember.kernels.interpret import interpreted
 from ember.kernels.launcher import launcher
 from ember.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_options
 
@@ -405,16 +406,8 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-@functools.cache
-def _interpreted(kernel):
-    """The same kernel run by Triton's interpreter, for CPU tensors. triton.jit fixes compiled vs interpreted at
-    decoration time (TRITON_INTERPRET), so wrap the plain function again rather than depend on import order."""
-    from triton.runtime.interpreter import InterpretedFunction
-    return InterpretedFunction(kernel.fn)
-
-
 def _kernel(kernel, device: torch.device):
-    return _interpreted(kernel) if device.type == "cpu" else launcher(kernel)
+    return interpreted(kernel) if device.type == "cpu" else launcher(kernel)
 
 
 def _check_scale(weight: torch.Tensor, scale: torch.Tensor | None, block: tuple[int, int] | None,

@@ -22,11 +22,11 @@ num_padded. Positions follow slot order, so the result is deterministic and equa
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
+
+from ember.kernels.interpret import interpreted
 
 __all__ = ["CHUNK", "align_capacity", "align_reference", "moe_align"]
 
@@ -123,16 +123,8 @@ def _scatter_kernel(topk_ids_ptr, chunk_base_ptr, totals_ptr, sorted_ptr, block_
         tl.store(block_experts_ptr + blocks, expert, mask=in_share)
 
 
-@functools.cache
-def _interpreted(kernel):
-    """The same kernel run by Triton's interpreter, for CPU tensors (triton.jit fixes compiled or interpreted when
-    the module is imported; wrapping the plain function again does not depend on that)."""
-    from triton.runtime.interpreter import InterpretedFunction
-    return InterpretedFunction(kernel.fn)
-
-
 def _kernel(kernel, device: torch.device):
-    return _interpreted(kernel) if device.type == "cpu" else kernel
+    return interpreted(kernel) if device.type == "cpu" else kernel
 
 
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int

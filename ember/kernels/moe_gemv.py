@@ -14,11 +14,11 @@ the layer's output. Roundings are those of ember.kernels.moe_gemm.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
+
+from ember.kernels.interpret import interpreted
 
 __all__ = ["moe_gemv", "routed_moe_gemv"]
 
@@ -143,15 +143,8 @@ def _down_gemv_kernel(a_ptr, w_ptr, ids_ptr, weights_ptr, residual_ptr, out_ptr,
     tl.store(out_ptr + token.to(tl.int64) * stride_om + cols, total.to(dtype), mask=cols < N)
 
 
-@functools.cache
-def _interpreted(kernel):
-    """The same kernel run by Triton's interpreter, for CPU tensors."""
-    from triton.runtime.interpreter import InterpretedFunction
-    return InterpretedFunction(kernel.fn)
-
-
 def _kernel(kernel, device: torch.device):
-    return _interpreted(kernel) if device.type == "cpu" else kernel
+    return interpreted(kernel) if device.type == "cpu" else kernel
 
 
 def _launch_gate_up(x, w13, logits, ids, weights, act, config, top_k, renormalize, options) -> None:

@@ -7,11 +7,11 @@ scales each expert's output.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
+
+from ember.kernels.interpret import interpreted
 
 __all__ = ["route", "route_reference"]
 
@@ -54,13 +54,6 @@ def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_tokens, num_experts, str
     tl.store(ids_ptr + offsets, top_ids, mask=kept)
 
 
-@functools.cache
-def _interpreted(kernel):
-    """The same kernel run by Triton's interpreter, for CPU tensors."""
-    from triton.runtime.interpreter import InterpretedFunction
-    return InterpretedFunction(kernel.fn)
-
-
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """router_logits [T, E] -> (weights [T, top_k] float32, expert ids [T, top_k] int32), one launch."""
     num_tokens, num_experts = router_logits.shape
@@ -69,7 +62,7 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
     logits = router_logits if router_logits.stride(1) == 1 else router_logits.contiguous()
     weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=logits.device)   # [T, top_k]
     ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=logits.device)         # [T, top_k]
-    kernel = _interpreted(_route_kernel) if logits.device.type == "cpu" else _route_kernel
+    kernel = interpreted(_route_kernel) if logits.device.type == "cpu" else _route_kernel
     kernel[(triton.cdiv(num_tokens, BLOCK_T),)](
         logits, weights, ids, num_tokens, num_experts, logits.stride(0), TOP_K=top_k,
         K_P2=triton.next_power_of_2(top_k), E_P2=triton.next_power_of_2(num_experts), BLOCK_T=BLOCK_T,

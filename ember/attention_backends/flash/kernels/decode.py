@@ -18,9 +18,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ember.attention_backends.triton_common.tiles import LOG2E, cdiv, reduce_max, reduce_sum
 from ember.kernels.precompile import launch_always
 
-from ...triton_common.tiles import LOG2E, cdiv, reduce_max, reduce_sum
 from .tiles import attend_ranges
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ...triton_common.tiles import LOG2E, kv_tile_bounds, query_block_rows
+from ember.attention_backends.triton_common.tiles import LOG2E, kv_tile_bounds, query_block_rows
 from .tiles import attend_ranges
 
 

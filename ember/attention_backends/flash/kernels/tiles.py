@@ -13,7 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ...triton_common.tiles import reduce_max, reduce_sum, tanh
+from ember.attention_backends.triton_common.tiles import reduce_max, reduce_sum, tanh
 
 NEG_BIG = tl.constexpr(-1.0e6)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ...triton_common.tiles import LOG2E, reduce_max, reduce_sum, tanh
+from ember.attention_backends.triton_common.tiles import LOG2E, reduce_max, reduce_sum, tanh
 
 # How programs map to sequences (a kernel's MODE).
 MODE_ALL = 0        # every request; programs are query blocks found by binary search over query_start_loc
