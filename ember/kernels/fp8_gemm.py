@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ember.kernels.e4m3 import scale_to_e4m3
 from ember.kernels.fp8 import FP8, FP8_MAX, MIN_AMAX
 from ember.kernels.gemv import _kernel
 
@@ -61,18 +62,9 @@ def _quantize_rows_kernel(x_ptr, norm_weight_ptr, static_scale_ptr, out_ptr, sca
         x = tl.load(x_row + k + cols, mask=ok, other=0.0).to(tl.float32)
         if NORM:
             x = x * tl.load(norm_weight_ptr + k + cols, mask=ok, other=0.0).to(tl.float32) * rstd
-        # a division, as the torch reference (ember.kernels.fp8) divides: the same e4m3 values without the norm
-        q = tl.minimum(tl.maximum(x / scale, -FP8_LIMIT), FP8_LIMIT)
-        if EXACT_E4M3:
-            # the interpreter's float32 -> e4m3 conversion does not carry a rounding into the exponent: round to
-            # e4m3's values here (nearest, ties to even; steps of 2**(exponent - 3), 2**-9 below 2**-6)
-            a = tl.abs(q)
-            step = ((tl.maximum(((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6) + 124) << 23
-                    ).to(tl.float32, bitcast=True)
-            t = a / step
-            r = tl.floor(t + 0.5)
-            a = tl.where(((r - t) == 0.5) & ((r.to(tl.int32) & 1) == 1), r - 1.0, r) * step
-            q = tl.where(q.to(tl.int32, bitcast=True) < 0, -a, a)
+        # a division, as the torch reference (ember.kernels.fp8) divides: the same e4m3 values without the norm;
+        # under the interpreter rounded to e4m3's values here (its conversion does not carry into the exponent)
+        q = scale_to_e4m3(x, scale, EXACT_E4M3)
         tl.store(out_ptr + row * stride_om + k + cols, q.to(out_ptr.dtype.element_ty), mask=ok)
 
 
@@ -129,19 +121,12 @@ def _block_gemm_kernel(x_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, M, N, K, st
         k_ok = (k + ks) < K
         x = tl.load(x_ptrs + k, mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
         x_scale = tl.maximum(tl.reduce(tl.abs(x), 1, _max_combine), AMAX_FLOOR) / FP8_LIMIT     # [BLOCK_M]
-        q = tl.minimum(tl.maximum(x / x_scale[:, None], -FP8_LIMIT), FP8_LIMIT)
+        # the interpreter has no fp8 dot: there x is rounded to e4m3's values in float32, whose products with the
+        # widened weights are exact
+        q = scale_to_e4m3(x, x_scale[:, None], DOT_IN_FP32)
         w = tl.load(w_ptrs + k, mask=k_ok[:, None], other=0.0)
         w_scale = tl.load(s_ptr + k // BLOCK_K)
         if DOT_IN_FP32:
-            # the interpreter has no fp8 dot: x rounded to e4m3's values in float32 (as in _quantize_rows_kernel),
-            # whose products with the widened weights are exact
-            a = tl.abs(q)
-            step = ((tl.maximum(((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6) + 124) << 23
-                    ).to(tl.float32, bitcast=True)
-            t = a / step
-            r = tl.floor(t + 0.5)
-            a = tl.where(((r - t) == 0.5) & ((r.to(tl.int32) & 1) == 1), r - 1.0, r) * step
-            q = tl.where(q.to(tl.int32, bitcast=True) < 0, -a, a)
             part = tl.dot(q, w.to(tl.float32), input_precision="ieee")
         else:
             part = tl.dot(q.to(w_ptr.dtype.element_ty), w)

@@ -17,9 +17,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ember.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_options
-
 from ember.attention_backends.triton_common.interpreted import kernel_for
+from ember.kernels.e4m3 import scale_to_e4m3
+from ember.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_options
 
 
 @triton.jit
@@ -47,24 +47,8 @@ def kv_write_kernel(
     k = tl.load(key_ptr + token * stride_kt + heads * stride_kh + dims, mask=mask)
     v = tl.load(value_ptr + token * stride_vt + heads * stride_vh + dims, mask=mask)
     if FP8_KV:
-        k = k.to(tl.float32) / tl.load(k_scale_ptr + heads, mask=heads < NUM_KV_HEADS, other=1.0)
-        v = v.to(tl.float32) / tl.load(v_scale_ptr + heads, mask=heads < NUM_KV_HEADS, other=1.0)
-        k = tl.minimum(tl.maximum(k, -448.0), 448.0)
-        v = tl.minimum(tl.maximum(v, -448.0), 448.0)
-        if FP8_KV == 2:
-            # e4m3's nearest value, ties to even: steps of 2**(exponent - 3), 2**-9 below 2**-6
-            a = tl.abs(k)
-            step = ((tl.maximum(((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6) + 124) << 23
-                    ).to(tl.float32, bitcast=True)
-            r = tl.floor(a / step + 0.5)
-            a = tl.where(((r - a / step) == 0.5) & ((r.to(tl.int32) & 1) == 1), r - 1.0, r) * step
-            k = tl.where(k.to(tl.int32, bitcast=True) < 0, -a, a)
-            a = tl.abs(v)
-            step = ((tl.maximum(((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6) + 124) << 23
-                    ).to(tl.float32, bitcast=True)
-            r = tl.floor(a / step + 0.5)
-            a = tl.where(((r - a / step) == 0.5) & ((r.to(tl.int32) & 1) == 1), r - 1.0, r) * step
-            v = tl.where(v.to(tl.int32, bitcast=True) < 0, -a, a)
+        k = scale_to_e4m3(k, tl.load(k_scale_ptr + heads, mask=heads < NUM_KV_HEADS, other=1.0), FP8_KV == 2)
+        v = scale_to_e4m3(v, tl.load(v_scale_ptr + heads, mask=heads < NUM_KV_HEADS, other=1.0), FP8_KV == 2)
     tl.store(key_cache_ptr + dst, k.to(key_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(value_cache_ptr + dst, v.to(value_cache_ptr.dtype.element_ty), mask=mask)
 

@@ -28,9 +28,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ember.attention_backends.triton_common.tiles import LOG2E, cdiv, kv_tile_bounds, query_block_rows
+from ember.kernels.e4m3 import scale_to_e4m3
 from ember.kernels.pdl import gdc_launch_dependents, gdc_wait
 
-from ...triton_common.tiles import LOG2E, cdiv, kv_tile_bounds, query_block_rows
 from .attention_core import attend_new_key, attend_tiles, combine_segments, locate_query_block, norm_rope
 
 
@@ -169,24 +170,9 @@ def unified_attention_kernel(
         else:
             k_new = tl.load(k_src + offs_d, mask=new_ok, other=0.0)
         v_new = tl.load(value_ptr + src * stride_vt + kv_head * stride_vh + offs_d, mask=new_ok, other=0.0)
-        if FP8_KV:
-            k_new = tl.minimum(tl.maximum(k_new.to(tl.float32) / k_scale, -448.0), 448.0)
-            v_new = tl.minimum(tl.maximum(v_new.to(tl.float32) / v_scale, -448.0), 448.0)
-            if FP8_KV == 2:
-                # e4m3's nearest value, ties to even, in float32 (the interpreter's conversion does not carry a
-                # rounding into the exponent): steps of 2**(exponent - 3), 2**-9 below 2**-6
-                a = tl.abs(k_new)
-                step = ((tl.maximum(((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6) + 124) << 23
-                        ).to(tl.float32, bitcast=True)
-                r = tl.floor(a / step + 0.5)
-                a = tl.where(((r - a / step) == 0.5) & ((r.to(tl.int32) & 1) == 1), r - 1.0, r) * step
-                k_new = tl.where(k_new.to(tl.int32, bitcast=True) < 0, -a, a)
-                a = tl.abs(v_new)
-                step = ((tl.maximum(((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6) + 124) << 23
-                        ).to(tl.float32, bitcast=True)
-                r = tl.floor(a / step + 0.5)
-                a = tl.where(((r - a / step) == 0.5) & ((r.to(tl.int32) & 1) == 1), r - 1.0, r) * step
-                v_new = tl.where(v_new.to(tl.int32, bitcast=True) < 0, -a, a)
+        if FP8_KV:   # FP8_KV 2 (interpreted): rounded to e4m3's values in float32 first
+            k_new = scale_to_e4m3(k_new, k_scale, FP8_KV == 2)
+            v_new = scale_to_e4m3(v_new, v_scale, FP8_KV == 2)
         k_new = k_new.to(k_cache_ptr.dtype.element_ty)
         v_new = v_new.to(v_cache_ptr.dtype.element_ty)
         dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_ct + offs_d
