@@ -18,13 +18,34 @@ as torch's ops do, the weighted output rounds once, and the top_k sum runs in fl
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
+from ember.kernels.interpret import interpreted
+
 __all__ = ["moe_down", "moe_gate_up", "moe_reference"]
+
+
+@triton.jit
+def _expert_block(pid, N, num_blocks, block_experts_ptr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(row block, column block, its expert or -1) of program `pid`: GROUP_M row blocks take each column block in
+    turn, so programs that run together share weight tiles."""
+    num_n = (N + BLOCK_N - 1) // BLOCK_N
+    in_group = GROUP_M * num_n
+    first_m = pid // in_group * GROUP_M
+    group_rows = tl.minimum(num_blocks - first_m, GROUP_M)
+    pid_m = first_m + (pid % in_group) % group_rows
+    pid_n = (pid % in_group) // group_rows
+    return pid_m, pid_n, tl.load(block_experts_ptr + pid_m).to(tl.int64)
+
+
+@triton.jit
+def _block_rows(pid_m, sorted_ptr, num_slots, BLOCK_M: tl.constexpr):
+    """(rows [BLOCK_M], their slots, which slots are real) of row block `pid_m`."""
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    slots = tl.load(sorted_ptr + rows)
+    return rows, slots, slots < num_slots
 
 
 # counts that follow the step's token count stay out of the specialization key (Triton would compile a count
@@ -36,19 +57,10 @@ def _gate_up_kernel(x_ptr, w_ptr, sorted_ptr, block_experts_ptr, out_ptr,
                     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, DOT_IN_FP32: tl.constexpr,
                     IEEE_DOT: tl.constexpr):
     """out[row, n block] = silu(gate) * up of one expert's BLOCK_M rows; N is the expert's intermediate size."""
-    pid = tl.program_id(0)
-    num_n = (N + BLOCK_N - 1) // BLOCK_N
-    in_group = GROUP_M * num_n
-    first_m = pid // in_group * GROUP_M
-    group_rows = tl.minimum(num_blocks - first_m, GROUP_M)
-    pid_m = first_m + (pid % in_group) % group_rows
-    pid_n = (pid % in_group) // group_rows
-    expert = tl.load(block_experts_ptr + pid_m).to(tl.int64)
+    pid_m, pid_n, expert = _expert_block(tl.program_id(0), N, num_blocks, block_experts_ptr, BLOCK_N, GROUP_M)
     if expert < 0:
         return
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    slots = tl.load(sorted_ptr + rows)
-    row_ok = slots < num_slots
+    rows, slots, row_ok = _block_rows(pid_m, sorted_ptr, num_slots, BLOCK_M)
     tokens = tl.where(row_ok, slots // TOP_K, 0)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
@@ -92,19 +104,10 @@ def _down_kernel(a_ptr, w_ptr, sorted_ptr, block_experts_ptr, weights_ptr, out_p
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                  EVEN_K: tl.constexpr, DOT_IN_FP32: tl.constexpr, IEEE_DOT: tl.constexpr):
     """out[slot, n block] = weight[slot] * (a[row] @ w[e]^T) for one expert's BLOCK_M rows; N is the hidden size."""
-    pid = tl.program_id(0)
-    num_n = (N + BLOCK_N - 1) // BLOCK_N
-    in_group = GROUP_M * num_n
-    first_m = pid // in_group * GROUP_M
-    group_rows = tl.minimum(num_blocks - first_m, GROUP_M)
-    pid_m = first_m + (pid % in_group) % group_rows
-    pid_n = (pid % in_group) // group_rows
-    expert = tl.load(block_experts_ptr + pid_m).to(tl.int64)
+    pid_m, pid_n, expert = _expert_block(tl.program_id(0), N, num_blocks, block_experts_ptr, BLOCK_N, GROUP_M)
     if expert < 0:
         return
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    slots = tl.load(sorted_ptr + rows)
-    row_ok = slots < num_slots
+    rows, slots, row_ok = _block_rows(pid_m, sorted_ptr, num_slots, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     ks = tl.arange(0, BLOCK_K)
@@ -134,15 +137,8 @@ def _down_kernel(a_ptr, w_ptr, sorted_ptr, block_experts_ptr, weights_ptr, out_p
              mask=row_ok[:, None] & col_ok[None, :])
 
 
-@functools.cache
-def _interpreted(kernel):
-    """The same kernel run by Triton's interpreter, for CPU tensors."""
-    from triton.runtime.interpreter import InterpretedFunction
-    return InterpretedFunction(kernel.fn)
-
-
 def _kernel(kernel, device: torch.device):
-    return _interpreted(kernel) if device.type == "cpu" else kernel
+    return interpreted(kernel) if device.type == "cpu" else kernel
 
 
 def _dot_flags(x: torch.Tensor) -> dict:
