@@ -51,8 +51,9 @@ def encoding(iters: int) -> None:
     for label, step in [("decode 1", decode_step(1)), ("decode 64", decode_step(64)),
                         ("decode 256", decode_step(256)), ("prefill 2048", prefill_step(2048))]:
         blob = pickle.dumps(step, protocol=5)
-        line = (f"encode {label}: pickle {len(blob)} B, dumps {_median_us(lambda: pickle.dumps(step, protocol=5), iters):.1f}"
-                f" us, loads {_median_us(lambda: pickle.loads(blob), iters):.1f} us")
+        dumps_us = _median_us(lambda: pickle.dumps(step, protocol=5), iters)
+        line = (f"encode {label}: pickle {len(blob)} B, dumps {dumps_us:.1f} us, loads "
+                f"{_median_us(lambda: pickle.loads(blob), iters):.1f} us")
         if msgspec is not None:
             # SamplingParams' `stop` (tuple | list | str | None) has no typed msgspec decoding: decode to builtins
             enc, dec = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder()

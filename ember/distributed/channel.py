@@ -211,7 +211,8 @@ class GlooBroadcast:
     def send(self, data: bytes, check: Callable[[], None] | None = None) -> None:
         import torch
         self._broadcast(torch.tensor([len(data)], dtype=torch.int64))
-        self._broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8))
+        payload = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+        self._broadcast(payload)
 
     def recv(self, check: Callable[[], None] | None = None) -> bytes:
         import torch

@@ -57,3 +57,37 @@ def test_a_reader_does_not_take_a_slot_whose_bytes_do_not_match_their_crc():
     finally:
         reader.close()
         writer.close()
+
+
+def _gloo_rank(rank: int, port: int, messages: list[bytes], out) -> None:
+    import datetime
+    import torch.distributed as dist
+    from ember.distributed.channel import GlooBroadcast
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    channel = GlooBroadcast()
+    if rank == 0:
+        for message in messages:
+            channel.send(message)
+    else:
+        out.put([channel.recv() for _ in messages])
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_the_gloo_broadcast_carries_messages_between_two_processes():
+    import multiprocessing as mp
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    messages = [b"", b"x", bytes(range(256)) * 40]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_gloo_rank, args=(r, port, messages, out)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    assert out.get(timeout=120) == messages
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
