@@ -162,21 +162,14 @@ class MultiprocExecutor:
 
     # ---- failures ---------------------------------------------------------------------------------------------
     def _call(self, kind: str, step, run):
-        shared = self._shared
-        self._raise_if_failed()
-        shared.in_call, shared.busy_since = True, time.monotonic()
-        try:
-            shared.ring.send(pickle.dumps((kind, step), protocol=5), self._raise_if_failed)
+        def send_and_run():
+            self._shared.ring.send(pickle.dumps((kind, step), protocol=5), self._raise_if_failed)
             return run(step)
-        except WorkerFailure:
-            raise
-        except BaseException as e:
-            raise self._failure_after(e, broken=True) from e
-        finally:
-            shared.in_call, shared.busy_since = False, None
+        return self._guard(send_and_run)
 
     def _guard(self, wait):
-        """Run a wait on rank 0's step (its result) under the same watch as a call."""
+        """Run `wait` (a call: the step sent and rank 0's part run, or a wait on rank 0's result) under the watch
+        that turns an error into the workers' failure."""
         shared = self._shared
         self._raise_if_failed()
         shared.in_call, shared.busy_since = True, time.monotonic()
