@@ -52,6 +52,8 @@ def test_the_compiled_forward_on_two_ranks(tmp_path, monkeypatch):
                                                           compile_mode="default")
     assert two == one
     assert (two_logits - one_logits).abs().max().item() <= LOGITS_ATOL
+    # one rank's artifacts, and each of the two ranks' own (the cache key names the rank and the group's size)
+    assert len(list((tmp_path / "cache" / "compile").iterdir())) == 3
 
 
 def test_a_model_the_ranks_cannot_split_is_refused_before_workers_start(tmp_path):
