@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 
 _TRUE, _FALSE = ("true", "on", "yes"), ("false", "off", "no")
 
@@ -88,6 +89,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--symm-mem-all-reduce", action="store_true",
                    help="small all-reduces through PyTorch's symmetric-memory one-shot kernel instead of NCCL")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
+                        '(docs/spec_decode.md)')
     p.add_argument("-v", "--verbose", action="store_true", help="log start-up decisions")
 
 
@@ -104,4 +108,19 @@ def engine_kwargs(args) -> dict:
                 jit_warmup=args.jit_warmup, triton_compile_workers=args.triton_compile_workers,
                 attention_backend_options=dict(args.attention_backend_options) or None, tokenizer=args.tokenizer,
                 tokenizer_mode=args.tokenizer_mode, tokenizer_revision=args.tokenizer_revision,
-                tensor_parallel_size=args.tensor_parallel_size, symm_mem_all_reduce=args.symm_mem_all_reduce)
+                tensor_parallel_size=args.tensor_parallel_size, symm_mem_all_reduce=args.symm_mem_all_reduce,
+                speculative_config=speculative_json(args.speculative_config))
+
+
+def speculative_json(text: str | None) -> dict | None:
+    """The --speculative-config flag's JSON object (None when not given)."""
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--speculative-config {text!r} is not valid JSON ({e.msg}); give an object such as "
+                         f"'{{\"method\": \"ngram\", \"num_speculative_tokens\": 4}}'") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"--speculative-config {text!r} must be a JSON object")
+    return value

@@ -25,7 +25,6 @@ LLM_HINTS: dict[str, str] = {
     "max_num_partial_prefills": "ember chunks prefills within max_num_batched_tokens; drop it",
     "enable_lora": "LoRA adapters are not supported; merge the adapter into the weights first",
     "max_lora_rank": "LoRA adapters are not supported; merge the adapter into the weights first",
-    "speculative_config": "speculative decoding is not supported; drop speculative_config",
     "skip_tokenizer_init": "pass token-id prompts; a model folder without a tokenizer already skips it",
     "code_revision": "ember runs no model code from the hub; drop code_revision",
     "hf_overrides": "edit the model folder's config.json instead",

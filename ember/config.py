@@ -9,6 +9,8 @@ from pathlib import Path
 
 import torch
 
+from ember.speculative_config import SpeculativeConfig
+
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
@@ -162,6 +164,7 @@ class EngineConfig:
     # backend-specific switches handed to every metadata builder, e.g. (("split_launch", True),)
     attention_backend_options: tuple[tuple[str, object], ...] = ()
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    speculative: SpeculativeConfig | None = None     # speculative decoding (ember.spec_decode); None: off
 
     def resolve(self) -> "EngineConfig":
         """Return a copy with device and dtype made concrete and every limit validated."""
@@ -199,8 +202,14 @@ class EngineConfig:
         self.parallel.validate(dev.type)
         if self.model.max_model_len is not None and self.model.max_model_len < 1:
             raise ValueError(f"max_model_len {self.model.max_model_len} must be at least 1")
+        if self.speculative is not None and self.parallel.tensor_parallel_size * self.parallel.data_parallel_size > 1:
+            raise ValueError("speculative decoding runs on one device (its verify step lives in the runner, not "
+                             "in the tensor-parallel workers yet); use tensor_parallel_size=1 or drop it")
+        if self.speculative is not None and s.async_scheduling:
+            raise ValueError("speculative decoding runs with synchronous scheduling (a proposal needs the last "
+                             "token on the host); pass async_scheduling=False or leave it unset")
         if s.async_scheduling is None:
-            s = dataclasses.replace(s, async_scheduling=dev.type == "cuda")
+            s = dataclasses.replace(s, async_scheduling=dev.type == "cuda" and self.speculative is None)
         comp = self.compile
         if comp.jit_warmup is None:
             comp = dataclasses.replace(comp, jit_warmup=dev.type == "cuda")

@@ -17,6 +17,7 @@ from ember.config import CacheConfig, CompileConfig, EngineConfig, ModelConfig, 
 from ember.engine.engine import Engine, EngineStepError, token_id_list
 from ember.quant import check_kv_cache_dtype, check_quantization
 from ember.sampling_params import SamplingParams
+from ember.speculative_config import SpeculativeConfig
 from ember.engine.request import RequestOutput
 from ember.runner.warmup import cycle_collector_paused
 
@@ -82,10 +83,12 @@ class LLM:
                  triton_compile_workers: int | None = None, tensor_parallel_size: int = 1,
                  worker_timeout_s: float = 600.0, symm_mem_all_reduce: bool = False,
                  trust_remote_code: bool = False, revision: str | None = None, download_dir: str | None = None,
-                 quantization: str | None = None, kv_cache_dtype: str = "auto", **kwargs):
+                 quantization: str | None = None, kv_cache_dtype: str = "auto",
+                 speculative_config: dict | None = None, **kwargs):
         check_llm_arguments(kwargs, _LLM_PARAMETERS, tensor_parallel_size)
         check_quantization(quantization)
         check_kv_cache_dtype(kv_cache_dtype)
+        speculative = SpeculativeConfig.from_dict(speculative_config)     # a bad value fails before the model loads
         if attention_backend != "auto":      # a misspelt name fails now, not after the model has loaded
             from ember.attention_backends.registry import get_backend
             get_backend(attention_backend)
@@ -125,6 +128,7 @@ class LLM:
             attention_backend_options=tuple(sorted(dict(attention_backend_options or {}).items())),
             parallel=ParallelConfig(tensor_parallel_size, worker_timeout_s=worker_timeout_s,
                                     symm_mem_all_reduce=symm_mem_all_reduce),
+            speculative=speculative,
         ).resolve()
         self.config = config
         if tokenizer_path is None and hf_config is None:     # the model folder's own

@@ -66,7 +66,7 @@ class Engine:
         self.vocab_size = self.runner.vocab_size
         self.kv = KVCacheCoordinator(self.runner.attn.groups, self.runner.num_blocks,
                                      config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, config.speculative)
         self.eos_token_ids = self._eos_ids()
         self._rng = random.Random(config.model.seed)
         self._ids = itertools.count()
@@ -283,7 +283,7 @@ class Engine:
 
     def _update(self, out: SchedulerOutput, result: ModelRunnerOutput, stream: bool) -> None:
         try:
-            updated = self.scheduler.update(out, result.sampled_token_ids)
+            updated = self.scheduler.update(out, result.sampled_token_ids, result.spec_token_ids)
         except Exception as e:
             raise self._fail([s.request for s in out.scheduled], e) from e
         tracked = self._tracked
@@ -292,6 +292,9 @@ class Engine:
             # one request's failure (a tokenizer error, say) aborts that request only
             try:
                 t = tracked[req.request_id]
+                if result.spec_token_ids is not None and result.spec_token_ids[row]:
+                    self._update_run(t, result, row, stream)
+                    continue
                 if t.plain:
                     # the common token: no stop id, room left; its text waits until someone reads the output
                     token = req.output_token_ids[-1]
@@ -303,7 +306,7 @@ class Engine:
                             else:
                                 self._queue_group(t.group)
                         continue
-                self._record_logprobs(t, result, row)
+                self._record_logprobs(t, result, row * result.logprob_stride)
                 self._check_stop(t)
                 if t.group is not None:
                     self._sample_updated(t, stream)
@@ -316,6 +319,25 @@ class Engine:
                 error = e
         if failed:
             raise self._fail(failed, error) from error
+
+    def _update_run(self, t: _Tracked, result: ModelRunnerOutput, row: int, stream: bool) -> None:
+        """A verify step's row emitted several tokens (appended by the scheduler): take them back and add them one
+        at a time, so that a stop token, stop string or max_tokens ends the output there and nothing after it."""
+        req = t.request
+        run = req.output_token_ids[-1 - len(result.spec_token_ids[row]):]
+        del req.output_token_ids[-len(run):]
+        for j, token in enumerate(run):
+            req.output_token_ids.append(token)
+            self._record_logprobs(t, result, row * result.logprob_stride + j)
+            self._check_stop(t)
+            if t.finish_reason is not None:
+                break
+        if t.group is not None:
+            self._sample_updated(t, stream)
+        elif stream or t.finish_reason is not None:
+            self._ready.append(self._output(t))
+        if t.finish_reason is not None:
+            del self._tracked[req.request_id]
 
     def _record_logprobs(self, t: _Tracked, result: ModelRunnerOutput, row: int) -> None:
         n = t.request.sampling_params.logprobs

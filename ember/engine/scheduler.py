@@ -13,19 +13,24 @@ from ember.engine.kv_manager import KVCacheCoordinator
 from ember.engine.prompt_fork import PromptFork
 from ember.engine.request import Request, RequestStatus
 from ember.runner.step_input import NewRequest, RunningRequest, StepInput
+from ember.spec_decode.ngram import NgramProposer
+from ember.spec_decode.schedule import propose_for
+from ember.speculative_config import SpeculativeConfig
 
 
 class ScheduledRequest:
     """One request's share of a step: tokens [num_computed_tokens, num_computed_tokens + num_new_tokens).
     `samples`: whether the step reaches the end of the request's tokens (a token still in flight counts), so that
     its logits give the next token; fixed when the step is scheduled."""
-    __slots__ = ("request", "num_computed_tokens", "num_new_tokens", "samples")
+    __slots__ = ("request", "num_computed_tokens", "num_new_tokens", "samples", "spec_token_ids")
 
-    def __init__(self, request: Request, num_computed_tokens: int, num_new_tokens: int, samples: bool):
+    def __init__(self, request: Request, num_computed_tokens: int, num_new_tokens: int, samples: bool,
+                 spec_token_ids: tuple[int, ...] = ()):
         self.request = request
         self.num_computed_tokens = num_computed_tokens
         self.num_new_tokens = num_new_tokens
         self.samples = samples
+        self.spec_token_ids = spec_token_ids     # proposals after the last token (its query's other tokens)
 
     def __repr__(self) -> str:
         return (f"ScheduledRequest({self.request.request_id!r}, {self.num_computed_tokens}, {self.num_new_tokens}, "
@@ -58,13 +63,27 @@ class SchedulerStats:
     num_steps: int = 0
     host_s: float = 0.0                     # engine.step() wall time, less the part spent waiting for the device
     device_wait_s: float = 0.0              # part of engine.step() spent waiting for a step's tokens
+    num_generated_tokens: int = 0           # tokens appended to outputs (several a step with speculation)
+    num_draft_tokens: int = 0               # proposed tokens verified
+    num_accepted_tokens: int = 0            # of which accepted
+    num_verified_requests: int = 0          # request-steps that verified at least one proposal
+
+    def spec_summary(self) -> dict[str, float]:
+        """Acceptance rate (accepted / proposed), mean acceptance length (tokens a verified request emits in a
+        step: its accepted proposals and one more) and tokens per step (generated tokens / steps)."""
+        return {"acceptance_rate": self.num_accepted_tokens / max(self.num_draft_tokens, 1),
+                "mean_acceptance_length": 1 + self.num_accepted_tokens / max(self.num_verified_requests, 1),
+                "tokens_per_step": self.num_generated_tokens / max(self.num_steps, 1)}
 
 
 class Scheduler:
     """Decides which requests run in each step and how many tokens of each."""
 
-    def __init__(self, config: SchedulerConfig, kv: KVCacheCoordinator, max_model_len: int):
+    def __init__(self, config: SchedulerConfig, kv: KVCacheCoordinator, max_model_len: int,
+                 speculative: SpeculativeConfig | None = None):
         self.config = config
+        self.speculative = speculative
+        self.proposer = NgramProposer(speculative) if speculative is not None else None
         self.kv = kv
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
@@ -102,6 +121,7 @@ class Scheduler:
         # a request whose blocks already hold the step's tokens needs no allocator call: the common decode step
         # costs a compare (sliding windows release what they slid past at the next allocator call)
         capacity = kv.req_capacity
+        propose = self.proposer is not None and len(self.running) <= self.speculative.disable_by_batch_size
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -113,6 +133,11 @@ class Scheduler:
             computed = req.num_computed_tokens
             end = num_tokens + pending
             num_new = min(end - computed, budget)
+            drafts = ()
+            if propose and end - computed == 1 and not pending and budget > 1:
+                drafts = propose_for(self.proposer, req.prompt_token_ids, req.output_token_ids, req.sampling_params,
+                                     req.max_tokens, min(budget, max_len - num_tokens) - 1)
+                num_new += len(drafts)
             if computed + num_new > capacity.get(req.request_id, 0):
                 while not kv.try_allocate(req, computed + num_new):
                     victim = self.running.pop()     # the newest running request
@@ -126,8 +151,8 @@ class Scheduler:
                         running_reqs.append(RunningRequest(req.request_id, new_blocks))
                 if req.status is not RequestStatus.RUNNING:
                     break   # req preempted itself: nothing after it is left in running
-            samples = computed + num_new == end
-            s = ScheduledRequest(req, computed, num_new, samples)
+            samples = computed + num_new == end or bool(drafts)
+            s = ScheduledRequest(req, computed, num_new, samples, drafts)
             scheduled.append(s)
             (decodes if num_new == 1 else prefills).append(s)
             req.num_computed_tokens = computed + num_new
@@ -168,7 +193,8 @@ class Scheduler:
         # list comprehensions, not generators: a third of the time at 256 requests
         step = StepInput(tuple(new_reqs), tuple(running_reqs), self.take_finished_ids(),
                          tuple([s.request.request_id for s in ordered]), tuple([s.num_new_tokens for s in ordered]),
-                         len(decodes), tuple([s.num_computed_tokens for s in ordered]))
+                         len(decodes), tuple([s.num_computed_tokens for s in ordered]),
+                         tuple([s.spec_token_ids for s in ordered]) if any(s.spec_token_ids for s in ordered) else ())
         return SchedulerOutput(ordered, len(decodes), tuple(preempted), step)
 
     def take_finished_ids(self) -> tuple[str, ...]:
@@ -229,9 +255,12 @@ class Scheduler:
         self.stats.num_preemptions += 1
         self.waiting.appendleft(req)
 
-    def update(self, output: SchedulerOutput, sampled: Sequence[int]) -> list[tuple[Request, int]]:
+    def update(self, output: SchedulerOutput, sampled: Sequence[int],
+               spec_token_ids: Sequence[Sequence[int]] | None = None) -> list[tuple[Request, int]]:
         """Append a step's sampled tokens (`sampled[i]` is batch row i's; rows that do not sample are ignored) and
-        publish its full blocks; returns (request, batch row) of the requests that received a token."""
+        publish its full blocks; returns (request, batch row) of the requests that received a token. A verify
+        step's rows emit `spec_token_ids[i]` after `sampled[i]`: a request's KV then holds its last token and the
+        accepted proposals, and its computed count drops back to that (the rest is overwritten later)."""
         got_token = []
         running, kv = RequestStatus.RUNNING, self.kv
         # every token before this step's end is known on the host now: blocks it filled can be hashed
@@ -242,12 +271,22 @@ class Scheduler:
             if req.status is not running:
                 continue   # finished, aborted or preempted while the step ran: its token is dropped
             end = s.num_computed_tokens + s.num_new_tokens
-            if published is not None and end // bs > published.get(req.request_id, 0):
-                kv.cache_full_blocks(req, end)
             if s.samples:
                 req.num_pending -= 1
                 req.output_token_ids.append(sampled[row])
                 got_token.append((req, row))
+                if spec_token_ids is not None:
+                    more = spec_token_ids[row]
+                    req.output_token_ids.extend(more)
+                    self.stats.num_generated_tokens += len(more)
+                    if s.spec_token_ids:
+                        end = req.num_computed_tokens = s.num_computed_tokens + 1 + len(more)
+                        self.stats.num_draft_tokens += len(s.spec_token_ids)
+                        self.stats.num_accepted_tokens += len(more)
+                        self.stats.num_verified_requests += 1
+                self.stats.num_generated_tokens += 1
+            if published is not None and end // bs > published.get(req.request_id, 0):
+                kv.cache_full_blocks(req, end)
         return got_token
 
     def finish(self, req: Request, status: RequestStatus) -> None:

@@ -43,6 +43,7 @@ from ember.runner.warmup import (PROFILE_SAMPLING, collect_start_up_garbage, cyc
                                  run_warmup)
 from ember.sampling_params import SamplingParams
 from ember.profiling import section
+from ember.spec_decode.verify import Verifier
 from ember.quant import resolve_quant_config
 
 logger = logging.getLogger("ember")
@@ -119,6 +120,7 @@ class ModelRunner:
         self.graphs = (CUDAGraphManager(self.device, lazy=config.compile.cudagraph_capture == "lazy")
                        if self.modes.cudagraph_mode != CUDAGraphMode.NONE else None)
         self.forward_fn = self._build_forward()
+        self.verifier = Verifier(self) if config.speculative is not None else None
 
         # a full-size step against a two-block cache compiles the model and measures the activation peak
         tail_offset = len(self.builders) if self.tail_builders else 0   # where KV-sharing layers read metadata
@@ -197,9 +199,7 @@ class ModelRunner:
 
     def _logits_hidden(self, batch: PreparedBatch, hidden: torch.Tensor) -> torch.Tensor:
         """Each request's last token's hidden state [num_reqs, H] from a forward's output."""
-        if self.skip_prefill:
-            return hidden[:batch.logits_indices.shape[0]]
-        return hidden[batch.logits_indices]
+        return hidden[:batch.logits_indices.shape[0]] if self.skip_prefill else hidden[batch.logits_indices]
 
     @torch.inference_mode()
     def _profile_run(self) -> int:
@@ -223,8 +223,7 @@ class ModelRunner:
             self.times.compile_cache_hit = stats.artifacts_loaded > 0 or stats.fxgraph_cache_hits > 0
         if not cuda:
             return 0
-        rows = torch.arange(self.max_num_reqs, device=self.device) % hidden.shape[0]
-        logits = self.model.compute_logits(hidden[rows])
+        logits = self.model.compute_logits(hidden[torch.arange(self.max_num_reqs, device=self.device) % len(hidden)])
         n = logits.shape[0]
         meta = SamplingMetadata.build([PROFILE_SAMPLING] * n, [0] * n,
                                       [[]] * n, [[0]] * n, [()] * n, self.vocab_size, self.device)
@@ -310,15 +309,16 @@ class ModelRunner:
         self.table.commit(self.upload.flush())
 
     @torch.inference_mode()
-    def execute(self, step: StepInput) -> ModelRunnerOutput:
-        """Run one step and wait for its tokens."""
+    def execute(self, step: StepInput) -> ModelRunnerOutput:     # run one step and wait for its tokens
         return self.execute_async(step).result()
 
     @torch.inference_mode()
     def execute_async(self, step: StepInput) -> AsyncModelRunnerOutput:
         """Launch one step (forward, sampling, the copy of its tokens to the host) without waiting for the device.
         The sampled tokens are written into the request table on the device, so the next step may be launched
-        while this one is still in flight."""
+        while this one is still in flight. A step with proposals runs as a verify step (ember.spec_decode)."""
+        if step.spec_token_ids:
+            return self.verifier.execute_async(step)
         prepared = self.prepare_step(step)
         with section("ember.forward"):
             hidden, tokens = self._run(prepared.batch, prepared.mode, prepared.desc)

@@ -16,6 +16,10 @@ class ModelRunnerOutput:
     logprob_token_ids: list[list[int]] | None = None
     logprobs: list[list[float]] | None = None
     ranks: list[int] | None = None
+    # a verify step (ember.spec_decode): per row, the tokens it emitted after `sampled_token_ids[i]` (accepted
+    # proposals, then the resampled or bonus token); logprobs are then per slot, row i's slot j at i * stride + j
+    spec_token_ids: list[list[int]] | None = None
+    logprob_stride: int = 1
 
 
 @dataclass

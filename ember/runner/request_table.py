@@ -90,6 +90,12 @@ class RequestTable:
             for g, blocks in enumerate(run.new_block_ids):
                 if blocks:
                     self._stage_blocks(g, row, blocks, block_index, block_values)
+        if step.spec_token_ids:     # proposals follow each such request's tokens (read by the verify step)
+            for req_id, drafts in zip(step.req_ids, step.spec_token_ids):
+                if drafts:
+                    row = rows[req_id]
+                    token_index.append(row * self.width + self.num_tokens[row] + np.arange(len(drafts)))
+                    token_values.append(np.asarray(drafts, dtype=np.int64))
         w = _Writes()
         if token_index:
             w.token_index, w.token_values = upload.put(np.concatenate(token_index)), upload.put(

@@ -56,6 +56,9 @@ class StepInput:
     num_scheduled_tokens: tuple[int, ...] = ()
     num_decodes: int = 0
     num_computed_tokens: tuple[int, ...] = ()   # per batch request, the start of its chunk
+    # per batch request, the tokens proposed after its last one (ember.spec_decode), or () when the step has none;
+    # a request with proposals runs its last token and them, and the step verifies them
+    spec_token_ids: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self):
         if len(self.req_ids) != len(self.num_scheduled_tokens):
@@ -64,6 +67,8 @@ class StepInput:
             raise ValueError(f"{len(self.req_ids)} request ids but {len(self.num_computed_tokens)} chunk starts")
         if self.num_scheduled_tokens and min(self.num_scheduled_tokens) < 1:
             raise ValueError(f"every scheduled request runs at least one token, got {self.num_scheduled_tokens}")
+        if self.spec_token_ids and len(self.spec_token_ids) != len(self.req_ids):
+            raise ValueError(f"{len(self.req_ids)} request ids but {len(self.spec_token_ids)} proposal lists")
 
     @property
     def num_reqs(self) -> int:

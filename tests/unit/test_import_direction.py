@@ -17,12 +17,12 @@ ROOT = Path(__file__).resolve().parents[2] / "ember"
 
 LAYERS = {
     "config": 0, "sampling_params": 0, "kv_spec": 0, "args": 0, "kernels": 0, "compat": 0, "inputs": 0,
-    "profiling": 0, "quant": 0,
+    "profiling": 0, "quant": 0, "speculative_config": 0,
     "attention_backends": 1, "graphs": 1, "distributed": 1,
     # the tensor-parallel executor and its workers run ModelRunners: the runner's layer
     "distributed.executor": 3, "distributed.worker": 3,
     "models": 2,
-    "runner": 3,
+    "runner": 3, "spec_decode": 3,
     "engine": 4,
     "llm": 5, "chat_input": 5, "prompt_logprobs": 5, "tokenizer_args": 5, "serve": 5, "bench": 5, "cli": 5,
     "": 5, "__main__": 5,                    # the package root (the public API) and `python -m ember`
