@@ -260,3 +260,64 @@ def test_ragged_decode(benchmark, device_peaks, bench_table, workload):
         del cache, tables
     benchmark.extra_info.update(peers)
     benchmark.pedantic(lambda: torch.cuda.synchronize(), rounds=1, iterations=1)
+
+
+@pytest.mark.parametrize("workload", list(RAGGED))
+def test_ragged_decode_fp8(benchmark, device_peaks, bench_table, workload):
+    """Ragged decode over an fp8 (e4m3) cache with per-head scales: flash (its plan, 64-token pages) and the unified
+    backend's plan (16-token pages), % of copy bandwidth counting the e4m3 bytes, beside flash on bf16 pages."""
+    F, P = _flash()
+    from ember.attention_backends.triton_unified import kernels as U, plan as UP
+    num_heads, num_kv_heads = DECODE_HEADS
+    group = num_heads // num_kv_heads
+    lengths = _ragged_lengths(workload)
+    batch = len(lengths)
+    kv_bytes = sum(lengths) * num_kv_heads * HEAD_SIZE * 2          # one byte an element
+    copies = rotation_count(kv_bytes, device_peaks.l2_bytes)
+    q = torch.randn(batch, num_heads, HEAD_SIZE, device="cuda", dtype=DTYPE)    # [B, Hq, D]
+    out = torch.empty_like(q)
+    bytes_moved = kv_bytes + 2 * q.numel() * q.element_size()
+    qsl = torch.arange(batch + 1, device="cuda", dtype=torch.int32)
+    seq_lens = torch.tensor(lengths, device="cuda", dtype=torch.int32)
+    scale = HEAD_SIZE ** -0.5
+    scales = (torch.full((num_kv_heads,), 0.5, device="cuda"), torch.full((num_kv_heads,), 0.25, device="cuda"))
+    sms = device_peaks.num_sms
+
+    def fp8_paged(block_size):
+        cache, tables = _paged(lengths, num_kv_heads, block_size, copies)
+        return cache.to(torch.float8_e4m3fn), tables
+
+    uplan = UP.plan_launch(batch, batch, True, num_heads, num_kv_heads, HEAD_SIZE, sms, False)
+    n_out, n_rows = U.segment_scratch_numel(batch, num_heads, HEAD_SIZE, max(2, uplan.num_segments))
+    scratch = [torch.empty(n, device="cuda", dtype=torch.float32) for n in (n_out, n_rows, n_rows)]
+    cache, tables = fp8_paged(16)
+    if uplan.num_segments > 1:
+        fns = [lambda i=i: U.unified_attention_3d(q, cache[0], cache[1], out, tables[i], qsl, seq_lens,
+                                                  num_seqs=batch, scale=scale, config=uplan.decode,
+                                                  num_segments=uplan.num_segments, scratch_out=scratch[0],
+                                                  scratch_max=scratch[1], scratch_sum=scratch[2], kv_scales=scales)
+               for i in range(copies)]
+    else:
+        fns = [lambda i=i: U.unified_attention_2d(q, cache[0], cache[1], out, tables[i], qsl, seq_lens,
+                                                  num_seqs=batch, num_tokens=batch, scale=scale, config=uplan.decode,
+                                                  mode=U.MODE_DECODES, kv_scales=scales) for i in range(copies)]
+    unified_ms = time_graph(fns)
+    del cache, tables
+    _row(bench_table, "decode_fp8", f"{workload} unified plan bs16", unified_ms, device_peaks,
+         bytes_moved=bytes_moved)
+
+    tiles = P.decode_tiles(group, HEAD_SIZE, torch.float8_e4m3fn, 64)
+    ws = F.DecodeWorkspace(batch, num_kv_heads, HEAD_SIZE, tiles.tile_n, P.decode_target_items(sms, num_kv_heads),
+                           "cuda", min_chunk=P.DECODE_MIN_CHUNK)
+    ws.plan(seq_lens, batch)
+    times = {}
+    for kind in ("fp8", "bf16"):
+        cache, tables = fp8_paged(64) if kind == "fp8" else _paged(lengths, num_kv_heads, 64, copies)
+        kv = dict(kv_scales=scales) if kind == "fp8" else {}
+        times[kind] = time_graph([lambda i=i, cache=cache, tables=tables, kv=kv: F.flash_decode(
+            q, cache[0], cache[1], out, tables[i], qsl, seq_lens, workspace=ws, num_rows=batch, scale=scale,
+            tiles=tiles, **kv) for i in range(copies)])
+        del cache, tables
+    _row(bench_table, "decode_fp8", f"{workload} flash plan bs64", times["fp8"], device_peaks, bytes_moved=bytes_moved,
+         bf16_ms=times["bf16"], speedup_vs_bf16=times["bf16"] / times["fp8"])
+    benchmark.pedantic(lambda: torch.cuda.synchronize(), rounds=1, iterations=1)

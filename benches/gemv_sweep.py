@@ -25,6 +25,9 @@ shape, and which kernel, each weight shape would pick on its own.
 `crossover`: each projection alone, ember's GEMV (with its fusions) against the same layer as separate kernels on
 cuBLAS, for 1..16 rows; the largest row count up to which the GEMV wins is what ember.kernels.gemv_routing stores
 (--write). `chain`: the whole step's projections at each row count, routed GEMV against torch's ops.
+`--fp8` (crossover): e4m3 weights with row scales (`ember::scaled_linear`): the fp8 GEMV against the many-row path
+(activations quantized per token, then `torch._scaled_mm`), stored in gemv_fp8_crossover.json (--write); the LM head
+stays bf16 and is left out. Its printed percentages count the fp8 bytes: the fp8 GEMV against copy bandwidth.
 """
 
 from __future__ import annotations
@@ -82,16 +85,21 @@ def chain(configs, bw, rows) -> None:
         torch.cuda.empty_cache()
 
 
-def _projection_us(op, weight, m: int, l2_bytes: int, use_gemv: bool, rotate: bool = True) -> float:
+def _projection_us(op, weight, m: int, l2_bytes: int, use_gemv: bool, rotate: bool = True, fp8: bool = False
+                   ) -> float:
     """Microseconds per call of one projection at m rows, many calls in one graph over weights rotated out of L2
     (`rotate`), or over the same weights (read from L2 where they fit). op None: the LM head (`ember::logits`,
-    float32 out; cuBLAS then a float32 copy without the GEMV)."""
+    float32 out; cuBLAS then a float32 copy without the GEMV). fp8: the weight in e4m3 with row scales, through
+    `ember::scaled_linear` (use_gemv False: its many-row path)."""
     from benches.bench_gemv import graph_us_per_call
     from benches.conftest import rotation_count
+    from ember.kernels.fp8 import quantize_rows
+    from ember.kernels.scaled_linear_op import set_scaled_gemv_routing
     n_rows, k = weight.shape
     gated, norm, residual = op or (False, False, False)
     n = n_rows // 2 if gated else n_rows
-    copies = rotation_count(weight.numel() * weight.element_size(), l2_bytes) if rotate else 1
+    stored = 1 if fp8 else weight.element_size()
+    copies = rotation_count(weight.numel() * stored, l2_bytes) if rotate else 1
     weights = [weight] + [torch.randn_like(weight) for _ in range(copies - 1)]
     x = torch.randn(m, k, device="cuda", dtype=weight.dtype)
     nw = torch.ones(k, device="cuda", dtype=weight.dtype) if norm else None
@@ -99,7 +107,14 @@ def _projection_us(op, weight, m: int, l2_bytes: int, use_gemv: bool, rotate: bo
     fl = torch.ops.ember.fused_linear
     LO.set_gemv_enabled(use_gemv)
     LO.set_gemv_routing(False)          # the GEMV at every row count: this measures where it should stop
+    set_scaled_gemv_routing(False)
     try:
+        if fp8:
+            scaled = [quantize_rows(w) for w in weights]
+            del weights
+            sl = torch.ops.ember.scaled_linear
+            return graph_us_per_call([lambda w=w, s=s: sl(x, w, s, None, None, 0, 0, nw, 1e-6, gated, res)
+                                      for w, s in scaled], max(64, 2 * copies))
         if op is None:
             return graph_us_per_call([lambda w=w: torch.ops.ember.logits(x, w) for w in weights], max(64, 2 * copies))
         return graph_us_per_call([lambda w=w: fl(x, w, None, nw, 1e-6, gated, res) for w in weights],
@@ -107,6 +122,7 @@ def _projection_us(op, weight, m: int, l2_bytes: int, use_gemv: bool, rotate: bo
     finally:
         LO.set_gemv_enabled(True)
         LO.set_gemv_routing(True)
+        set_scaled_gemv_routing(True)
 
 
 # (gated, RMSNorm prologue, residual epilogue) of each projection, as the passes fuse them; None: the LM head
@@ -246,17 +262,20 @@ def _tp_flag(tp_sizes) -> str:
     return "" if list(tp_sizes) == [1] else " --tensor-parallel-sizes " + " ".join(map(str, tp_sizes))
 
 
-def crossover(configs, bw, rows, write: bool, tp_sizes=(1,)) -> None:
-    """Each projection alone: the largest row count up to which the GEMV beats cuBLAS at every row count."""
+def crossover(configs, bw, rows, write: bool, tp_sizes=(1,), fp8: bool = False) -> None:
+    """Each projection alone: the largest row count up to which the GEMV beats cuBLAS at every row count (fp8:
+    the fp8 GEMV against the many-row path)."""
     from ember.kernels import gemv_routing
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     found: dict[tuple[int, int, bool], int] = {}
     for name, proj, op, weight in _projections(configs, tp_sizes):
+        if fp8 and op is None:          # the LM head stays in the model's dtype
+            continue
         best, losses = 0, 0
         for m in rows:
-            gemv_us = _projection_us(op, weight, m, l2, True)
-            torch_us = _projection_us(op, weight, m, l2, False)
-            floor = 1e6 * weight.numel() * weight.element_size() / bw
+            gemv_us = _projection_us(op, weight, m, l2, True, fp8=fp8)
+            torch_us = _projection_us(op, weight, m, l2, False, fp8=fp8)
+            floor = 1e6 * weight.numel() * (1 if fp8 else weight.element_size()) / bw
             print(f"crossover {name} {proj} {tuple(weight.shape)} M={m} gemv {gemv_us:.2f} us "
                   f"({100 * floor / gemv_us:.0f}%)  cublas {torch_us:.2f} us ({100 * floor / torch_us:.0f}%)",
                   flush=True)
@@ -269,11 +288,12 @@ def crossover(configs, bw, rows, write: bool, tp_sizes=(1,)) -> None:
         print(f"crossover {name} {proj}: GEMV up to {best} rows")
     if write:
         table = dict(command="PYTHONPATH=. python benches/gemv_sweep.py crossover --configs " + " ".join(configs)
-                     + _tp_flag(tp_sizes) + " --write",
+                     + _tp_flag(tp_sizes) + (" --fp8" if fp8 else "") + " --write",
                      device=torch.cuda.get_device_name(0), torch=torch.__version__,
                      shapes=[dict(n=n, k=k, gated=g, max_rows=r) for (n, k, g), r in sorted(found.items())])
-        gemv_routing.TABLE_PATH.write_text(json.dumps(table, indent=1) + "\n")
-        print(f"wrote {gemv_routing.TABLE_PATH}")
+        path = gemv_routing.FP8_TABLE_PATH if fp8 else gemv_routing.TABLE_PATH
+        path.write_text(json.dumps(table, indent=1) + "\n")
+        print(f"wrote {path}")
 
 
 def main() -> None:
@@ -285,8 +305,10 @@ def main() -> None:
     p.add_argument("--rows", type=int, nargs="+", default=list(range(1, G.GEMV_MAX_M + 1)))
     p.add_argument("--tensor-parallel-sizes", type=int, nargs="+", default=[1], metavar="N",
                    help="crossover, shapes, resident: also each rank's shard of the projections at these sizes")
+    p.add_argument("--fp8", action="store_true", help="crossover: e4m3 weights (ember::scaled_linear)")
     args = p.parse_args()
     import ember.kernels.fused_linear  # noqa: F401  (registers ember::fused_linear)
+    import ember.kernels.scaled_linear_op  # noqa: F401  (registers ember::scaled_linear)
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s")
     if args.what == "tiles":
@@ -298,7 +320,7 @@ def main() -> None:
     elif args.what == "chain":
         chain(args.configs, bw, args.rows)
     else:
-        crossover(args.configs, bw, args.rows, args.write, args.tensor_parallel_sizes)
+        crossover(args.configs, bw, args.rows, args.write, args.tensor_parallel_sizes, args.fp8)
 
 
 if __name__ == "__main__":

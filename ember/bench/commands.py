@@ -50,11 +50,13 @@ class CompileWatch:
 
 
 def model_bytes(llm, tokens_per_step: int | None = None) -> tuple[int, int]:
-    """(weight bytes read per step, KV bytes per token) of the loaded model, on one GPU (rank 0's shard); with
-    `tokens_per_step`, a MoE layer counts only the experts that many tokens choose (roofline.decode_weight_bytes)."""
+    """(weight bytes read per step, KV bytes per token) of the loaded model as stored (fp8 weights and their scales,
+    an fp8 KV cache), on one GPU (rank 0's shard); with `tokens_per_step`, a MoE layer counts only the experts that
+    many tokens choose (roofline.decode_weight_bytes)."""
     runner = llm.engine.runner
     return (decode_weight_bytes(runner.model, runner.hf_config, tokens_per_step),
-            kv_bytes_per_token(runner.hf_config, runner.dtype, runner.config.parallel.tensor_parallel_size))
+            kv_bytes_per_token(runner.hf_config, runner.attn.groups[0].spec.dtype,
+                               runner.config.parallel.tensor_parallel_size))
 
 
 def run_throughput(llm, workload: Workload, temperature: float = 0.6, warmup: bool = True) -> dict:
@@ -238,6 +240,8 @@ def _max_token_id(llm) -> int:
 def _header(llm, args, startup_compiles: int) -> dict:
     runner = llm.engine.runner
     return {"model": args.config or args.model or "default", "device": str(runner.device), "dtype": str(runner.dtype),
+            "quantization": runner.quant.describe() if runner.quant is not None else None,
+            "kv_cache_dtype": str(runner.attn.groups[0].spec.dtype),
             "attention": {"backends": sorted({b.name for b in runner.attn.backends}),
                           "options": dict(llm.config.attention_backend_options)},
             "startup": {**startup_times(llm), "triton_compiles": startup_compiles}}

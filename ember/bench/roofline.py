@@ -28,10 +28,10 @@ def kv_bytes_per_token(hf_config, dtype: torch.dtype, tensor_parallel_size: int 
 
 def decode_weight_bytes(model: nn.Module, hf_config, tokens_per_step: int | None = None) -> int:
     """Bytes of weights one step reads (on one GPU: a tensor-parallel rank's shard): every distinct parameter once,
-    less the input embedding table when it is not tied to the LM head (a step gathers only its own rows of it).
-    With `tokens_per_step`, a mixture-of-experts layer counts only the experts that many tokens choose: exactly
-    top_k at one token, and for B tokens the expected number of distinct experts under uniform routing,
-    E * (1 - (1 - top_k / E) ** B)."""
+    in its stored dtype (fp8 weights at one byte, their float32 scales at four), less the input embedding table when
+    it is not tied to the LM head (a step gathers only its own rows of it). With `tokens_per_step`, a
+    mixture-of-experts layer counts only the experts that many tokens choose: exactly top_k at one token, and for B
+    tokens the expected number of distinct experts under uniform routing, E * (1 - (1 - top_k / E) ** B)."""
     total = sum(p.numel() * p.element_size() for p in model.parameters())   # parameters() drops tied duplicates
     if not getattr(hf_config, "tie_word_embeddings", False):
         embedding = next((m.weight for m in model.modules() if type(m).__name__ == "VocabEmbedding"), None)

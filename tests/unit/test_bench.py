@@ -60,6 +60,20 @@ def test_qwen3_roofline_arithmetic():
     assert Roofline(10, None, 1, 1.0).tok_s is None and "n/a" in Roofline(10, None, 1, 1.0).describe()
 
 
+def test_fp8_roofline_counts_the_stored_bytes():
+    """fp8 weights at one byte each plus their float32 row scales; the LM head (tied, the embedding) and the norms
+    stay in the model's dtype; an fp8 KV cache at one byte an element."""
+    from ember.quant import resolve_quant_config
+    cfg = bundled_config("qwen3-0.6b")
+    model = build_on_meta(cfg, torch.bfloat16, resolve_quant_config(cfg, "fp8", torch.bfloat16, "cpu"))
+    # per layer: qkv (2048 + 2 x 1024 rows) x 1024, o 1024 x 2048, gate_up 2 x 3072 x 1024, down 1024 x 3072
+    linear = 4096 * 1024 + 1024 * 2048 + 6144 * 1024 + 1024 * 3072
+    rows = 4096 + 1024 + 6144 + 1024
+    other = 596_049_920 - 28 * linear           # embedding (= LM head), norms
+    assert decode_weight_bytes(model, cfg) == 28 * (linear + 4 * rows) + 2 * other
+    assert kv_bytes_per_token(cfg, torch.float8_e4m3fn) == 114_688 // 2
+
+
 def test_moe_roofline_counts_only_the_chosen_experts():
     """Qwen3-30B-A3B: at one token a layer reads 8 of its 128 experts; at many, every expert."""
     cfg = bundled_config("qwen3-30b-a3b")
@@ -158,6 +172,22 @@ def test_cli_latency_writes_json(tiny_model, tmp_path, capsys):
     assert result["roofline"]["tokens"] == 2 and result["roofline"]["tok_s"] is None
     assert result["hf_error"] is None and result["hf"]["decode_tok_s"] > 0 and result["hf"]["cache"] == "dynamic"
     assert result["triton_compiles"] == 0 and result["triton_compiles_first_batch"] == 0
+
+
+def test_cli_latency_with_fp8_weights_and_kv_cache(tiny_model, tmp_path):
+    out = tmp_path / "fp8.json"
+    rc = main(["bench", "latency", "--model", tiny_model, *ENGINE, "--batch-size", "1", "--input-len", "8",
+               "--output-len", "4", "--num-iters", "1", "--quantization", "fp8", "--kv-cache-dtype", "fp8",
+               "--json", str(out)])
+    assert rc == 0
+    result = json.loads(out.read_text())
+    assert result["quantization"].startswith("fp8 e4m3 weights (quantized at load)")
+    assert result["kv_cache_dtype"] == "torch.float8_e4m3fn"
+    # a layer's linear weights at one byte (qkv 64 + o 32 + gate_up 128 rows of 32, down 32 rows of 64) and their
+    # 256 float32 row scales; the tied embedding (512 x 32) and the norms (2 x (32 + 32 + 8 + 8) + 32) in float32;
+    # KV: 2 layers x 2 heads x 8 x (K, V) at one byte, over the mean context of 8 + 4 // 2 tokens
+    weights = 2 * (9216 + 4 * 256) + 4 * (512 * 32 + 2 * 80 + 32)
+    assert result["roofline"]["bytes_moved"] == weights + 10 * 64
 
 
 def test_cli_rejects_model_and_config_together(tiny_model, capsys):

@@ -23,17 +23,17 @@ from tests.helpers.paged_batches import BatchShape, make_paged_batch, reference_
 FP8 = torch.float8_e4m3fn
 
 
-def _scales(num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _scales(num_kv_heads: int, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
     """Different scales per head and for K and V (so a scale applied to the wrong head or half shows); small
     enough that unit-normal values use e4m3's range, and some saturate at 448."""
     k = torch.tensor([0.01, 0.03, 0.004, 0.02][:num_kv_heads]) if num_kv_heads <= 4 else torch.full((num_kv_heads,),
                                                                                                      0.01)
-    return k, k.flip(0) * 1.5
+    return k.to(device), (k.flip(0) * 1.5).to(device)
 
 
 def _quantized(cache: torch.Tensor, scales) -> torch.Tensor:
     """A head-major [2, blocks, Hkv, block_size, D] cache as an fp8 cache holds it (NaN stays NaN)."""
-    out = torch.empty(cache.shape, dtype=FP8)
+    out = torch.empty(cache.shape, dtype=FP8, device=cache.device)
     for half in (0, 1):
         rows = cache[half].transpose(1, 2)                       # [blocks, bs, Hkv, D]
         out[half] = quantize_kv(rows.reshape(-1, *rows.shape[2:]), scales[half]).view(rows.shape).transpose(1, 2)
@@ -45,11 +45,11 @@ def _dequantized(cache: torch.Tensor, scales) -> torch.Tensor:
     return torch.stack([cache[h].double() * scales[h].double()[None, :, None, None] for h in (0, 1)])
 
 
-def fp8_batch(shape: BatchShape, dtype: torch.dtype):
+def fp8_batch(shape: BatchShape, dtype: torch.dtype, device="cpu"):
     """A paged batch whose cache is e4m3 (its context quantized in torch), and whose reference cache is that
     context and the new tokens quantized and dequantized; the new tokens are not in the cache yet."""
-    batch = make_paged_batch(shape, dtype, "cpu")
-    scales = _scales(shape.num_kv_heads)
+    batch = make_paged_batch(shape, dtype, device)
+    scales = _scales(shape.num_kv_heads, device)
     expected = _dequantized(_quantized(batch.expected_cache.float(), scales), scales)
     return dataclasses.replace(batch, kv_cache=_quantized(batch.kv_cache.float(), scales),
                                expected_cache=expected), scales
