@@ -72,6 +72,8 @@ def run_throughput(llm, workload: Workload, temperature: float = 0.6, warmup: bo
     stats = llm.engine.stats
     steps_before, host_before, wait_before = stats.num_steps, stats.host_s, stats.device_wait_s
     hits_before = stats.num_prefix_cache_hits
+    spec_before = (stats.num_draft_tokens, stats.num_accepted_tokens, stats.num_verified_requests,
+                   stats.num_generated_tokens)
     compiles = CompileWatch()
     device_sync(device)
     compiles.start()
@@ -89,7 +91,19 @@ def run_throughput(llm, workload: Workload, temperature: float = 0.6, warmup: bo
             "host_ms_per_step": (stats.host_s - host_before) * 1e3 / max(stats.num_steps - steps_before, 1),
             "device_wait_ms_per_step": (stats.device_wait_s - wait_before) * 1e3 / max(stats.num_steps - steps_before,
                                                                                       1),
-            **compiled}
+            **spec_figures(stats, spec_before, stats.num_steps - steps_before), **compiled}
+
+
+def spec_figures(stats, before: tuple[int, int, int, int], num_steps: int) -> dict:
+    """Speculative decoding's acceptance rate, mean acceptance length and tokens per step over a run."""
+    drafts, accepted, verified, generated = (now - b for now, b in zip(
+        (stats.num_draft_tokens, stats.num_accepted_tokens, stats.num_verified_requests, stats.num_generated_tokens),
+        before))
+    out = {"tokens_per_step": generated / max(num_steps, 1)}
+    if drafts:
+        out.update(spec_draft_tokens=drafts, spec_accepted_tokens=accepted, acceptance_rate=accepted / drafts,
+                   mean_acceptance_length=1 + accepted / max(verified, 1))
+    return out
 
 
 def run_throughput_repeats(llm, workload: Workload, temperature: float, repeat: int) -> dict:
@@ -313,6 +327,10 @@ def _throughput(args) -> int:
             ("requests", f"{result['requests_s']:,.2f} req/s"),
             ("host", _host_row(result)),
             _compile_row(result)]
+    if "acceptance_rate" in result:
+        rows.append(("speculation", f"acceptance rate {result['acceptance_rate']:.3f}, mean acceptance length "
+                                    f"{result['mean_acceptance_length']:.2f}, {result['tokens_per_step']:.2f} "
+                                    f"tokens per step"))
     if "runs" in result:
         runs = result["runs"]
         rows.append(("repeats", ", ".join(f"run {i + 1}: {r['output_tok_s']:,.1f} tok/s ({r['triton_compiles']} "

@@ -75,6 +75,7 @@ class Engine:
         self._groups: dict[str, SampleGroup] = {}     # unfinished requests with n > 1, by request id
         self._ready_groups: list[SampleGroup] = []    # whose output step() makes when it returns
         self._in_flight = None              # (SchedulerOutput, AsyncModelRunnerOutput) of the launched step
+        self._logged_drafts = 0             # proposals counted when speculation's figures were last logged
 
     def _eos_ids(self) -> tuple[int, ...]:
         ids: set[int] = set()
@@ -241,6 +242,11 @@ class Engine:
             finished_ids = self.scheduler.take_finished_ids()
             if finished_ids:
                 self.runner.update_table(StepInput(finished_ids=finished_ids))
+            stats = self.stats
+            if stats.num_draft_tokens != self._logged_drafts:     # speculation's figures, once a batch is done
+                self._logged_drafts = stats.num_draft_tokens
+                logger.info("speculative decoding: %s", ", ".join(f"{k.replace('_', ' ')} {v:.3f}"
+                                                                  for k, v in stats.spec_summary().items()))
         return self._take_ready()
 
     def _take_ready(self) -> list[RequestOutput]:

@@ -42,6 +42,10 @@ class EngineLoad:
     num_blocks_total: int = 1
     num_tracked: int = 0
     num_runner_rows: int = 0
+    # speculative decoding's totals: proposed and accepted tokens, and `SchedulerStats.spec_summary()`
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    spec_summary: dict | None = None
 
     @property
     def kv_cache_usage(self) -> float:
@@ -318,8 +322,10 @@ class AsyncEngine:
     def _snapshot(self) -> EngineLoad:
         scheduler = self.engine.scheduler
         total = self._num_blocks_total()
+        stats = scheduler.stats
         return EngineLoad(len(scheduler.running), len(scheduler.waiting), total - self.engine.kv.num_free_blocks,
-                          total, self.engine.num_tracked(), self.engine.runner.table.num_rows)
+                          total, self.engine.num_tracked(), self.engine.runner.table.num_rows,
+                          stats.num_draft_tokens, stats.num_accepted_tokens, stats.spec_summary())
 
 
 def _settle(future: asyncio.Future, result, error: BaseException | None) -> None:

@@ -42,6 +42,12 @@ class ServerMetrics:
                                              "Time between consecutive output tokens of a request", ITL_BUCKETS)
         self.e2e_latency = histogram("ember_e2e_request_latency_seconds",
                                      "From a request's arrival to its last output token", E2E_BUCKETS)
+        self.spec_draft_tokens = gauge("ember_spec_decode_num_draft_tokens", "Proposed tokens verified (total)")
+        self.spec_accepted_tokens = gauge("ember_spec_decode_num_accepted_tokens", "Proposed tokens accepted (total)")
+        self.spec_acceptance_rate = gauge("ember_spec_decode_acceptance_rate", "Accepted / proposed tokens")
+        self.spec_mean_acceptance_length = gauge("ember_spec_decode_mean_acceptance_length",
+                                                 "Tokens a verified request emits per step (accepted + 1)")
+        self.tokens_per_step = gauge("ember_tokens_per_step", "Generated tokens per engine step")
         self.prompt_tokens = counter("ember_prompt_tokens", "Prompt tokens of finished requests")
         self.generation_tokens = counter("ember_generation_tokens", "Output tokens generated")
         self._finished = Counter("ember_request_success", "Finished requests, by finish reason",
@@ -86,6 +92,12 @@ class ServerMetrics:
         self.num_running.set(load.num_running)
         self.num_waiting.set(load.num_waiting)
         self.kv_cache_usage.set(load.kv_cache_usage)
+        self.spec_draft_tokens.set(load.num_draft_tokens)
+        self.spec_accepted_tokens.set(load.num_accepted_tokens)
+        if load.spec_summary is not None:
+            self.spec_acceptance_rate.set(load.spec_summary["acceptance_rate"])
+            self.spec_mean_acceptance_length.set(load.spec_summary["mean_acceptance_length"])
+            self.tokens_per_step.set(load.spec_summary["tokens_per_step"])
         for holder, count in (("server", num_unfinished), ("engine", load.num_tracked),
                               ("runner", load.num_runner_rows)):
             self._held[holder].set(count)

@@ -2,9 +2,12 @@
 non-speculative ones (mixed lengths, chunked prefill, prefix hits, preemption, stop tokens and max_tokens inside
 an accepted run), proposals are accepted, and the config refuses bad values by name."""
 
+import logging
+
 import pytest
 
 from ember import LLM, SamplingParams
+from ember.bench.commands import spec_figures
 from ember.speculative_config import SpeculativeConfig
 from tests.helpers.model_harness import random_hf_model, tiny_config
 
@@ -38,13 +41,22 @@ def spec(path):
     return LLM(path, device="cpu", speculative_config=NGRAM)
 
 
-def test_greedy_equals_plain_decoding(spec, reference):
-    before = spec.engine.stats.num_accepted_tokens
-    assert _tokens(spec) == reference
+def test_greedy_equals_plain_decoding(spec, reference, caplog):
     stats = spec.engine.stats
-    assert stats.num_accepted_tokens - before > 0
+    before = (stats.num_draft_tokens, stats.num_accepted_tokens, stats.num_verified_requests,
+              stats.num_generated_tokens)
+    steps = stats.num_steps
+    with caplog.at_level(logging.INFO, logger="ember"):
+        assert _tokens(spec) == reference
+    assert stats.num_accepted_tokens - before[1] > 0
     summary = stats.spec_summary()
     assert 0 < summary["acceptance_rate"] <= 1 and summary["mean_acceptance_length"] > 1
+    assert any("speculative decoding: acceptance rate" in r.getMessage() for r in caplog.records)
+    figures = spec_figures(stats, before, stats.num_steps - steps)
+    assert figures["spec_accepted_tokens"] == stats.num_accepted_tokens - before[1]
+    # every output token came out of one of the run's steps, several of them a step when proposals were accepted
+    assert figures["tokens_per_step"] == sum(map(len, reference)) / (stats.num_steps - steps)
+    assert figures["mean_acceptance_length"] > 1
 
 
 def test_prefix_hits_equal_plain_decoding(spec, reference):
