@@ -12,6 +12,8 @@
 #   bash benches/run_gpu.sh moe_sweep [CONFIG]  # the MoE kernels' launch table for CONFIG (default qwen3-30b-a3b)
 #   bash benches/run_gpu.sh moe           # MoE kernel tests, the MoE layer bench, Qwen3-30B-A3B batch-1 latency
 #   bash benches/run_gpu.sh moe_throughput   # the nano-vllm throughput workload, Qwen3-30B-A3B config
+#   bash benches/run_gpu.sh fp8           # fp8 weights and KV cache: batch-1 latency beside bf16, the GEMV sweep
+#   bash benches/run_gpu.sh fp8_throughput   # the throughput workload with an fp8 KV cache (and fp8 weights)
 # Each part's own switches are described above its function.
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -222,10 +224,39 @@ part_moe_throughput() {
   grep -h "output \|host \|start-up" "$OUT"/throughput_qwen3_moe.log
 }
 
+# fp8: batch-1 decode of the Llama-3.1-8B config with bf16 then online fp8 weights (one lease), Llama-3.2-1B with fp8
+# weights, the fp8 GEMV against copy bandwidth and its crossover, and ragged decode over an fp8 KV cache.
+part_fp8() {
+  local lat="--batch-size 1 --input-len 32 --output-len 256 --num-iters 3"
+  run latency_llama8b_bf16 120 python3 -m ember bench latency --config llama-3.1-8b $lat \
+    --json "$OUT/latency_llama8b_bf16.json"
+  run latency_llama8b_fp8 120 python3 -m ember bench latency --config llama-3.1-8b $lat --quantization fp8 \
+    --json "$OUT/latency_llama8b_fp8.json"
+  run latency_llama1b_fp8 100 python3 -m ember bench latency --config llama-3.2-1b $lat --quantization fp8 \
+    --json "$OUT/latency_llama1b_fp8.json"
+  run gemv_fp8 240 python3 benches/gemv_sweep.py crossover --fp8 --configs qwen3-0.6b llama-3.2-1b llama-3.1-8b \
+    --rows 1 2 4 8 16
+  run decode_fp8 120 python3 -m pytest -q -p no:cacheprovider benches/bench_flash.py -k ragged_decode_fp8 \
+    --benchmark-only -s
+  echo "== summary"
+  grep -h "decode \|TPOT" "$OUT"/latency_llama8b_bf16.log "$OUT"/latency_llama8b_fp8.log "$OUT"/latency_llama1b_fp8.log
+  grep -h "M=1 " "$OUT/gemv_fp8.log"
+  grep -h "suite=decode_fp8" "$OUT/decode_fp8.log" | cut -c1-200
+}
+
+part_fp8_throughput() {
+  run throughput_qwen3_fp8kv 120 python3 -m ember bench throughput --config qwen3-0.6b --kv-cache-dtype fp8 \
+    --json "$OUT/throughput_qwen3_fp8kv.json"
+  run throughput_llama8b_fp8 300 python3 -m ember bench throughput --config llama-3.1-8b --quantization fp8 \
+    --kv-cache-dtype fp8 --json "$OUT/throughput_llama8b_fp8.json"
+  echo "== summary"
+  grep -h "output \|host \|start-up" "$OUT"/throughput_qwen3_fp8kv.log "$OUT"/throughput_llama8b_fp8.log
+}
+
 part=${1:-}
 [ $# -gt 0 ] && shift
 case "$part" in
-  decode|throughput|headline|serve|startup|flash|fusion|ab|moe|moe_sweep|moe_throughput) mkdir -p "$OUT" ;;
+  decode|throughput|headline|serve|startup|flash|fusion|ab|moe|moe_sweep|moe_throughput|fp8|fp8_throughput) mkdir -p "$OUT" ;;
 esac
 case "$part" in
   decode) part_decode ;;
@@ -239,7 +270,9 @@ case "$part" in
   moe) part_moe ;;
   moe_sweep) part_moe_sweep "$@" ;;
   moe_throughput) part_moe_throughput ;;
+  fp8) part_fp8 ;;
+  fp8_throughput) part_fp8_throughput ;;
   *) echo "usage: bash benches/run_gpu.sh decode|throughput|headline|serve|startup [MODEL ...]|flash|fusion|ab|moe|" \
-          "moe_sweep [CONFIG]|moe_throughput" >&2
+          "moe_sweep [CONFIG]|moe_throughput|fp8|fp8_throughput" >&2
      exit 2 ;;
 esac
