@@ -15,7 +15,7 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
 # repetitive prompts: the model's greedy continuation of a loop tends to loop, so proposals get accepted
 PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3], [7, 8, 9, 7, 8, 9, 7, 8], [200],
            list(range(10, 40)) * 2, [50, 60, 50, 60, 50]]
-GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -79,9 +79,9 @@ def test_chunked_prefill_and_preemption(path, reference):
 def test_stop_token_and_max_tokens_inside_an_accepted_run(spec, reference):
     # a stop token from late in a completion: the output ends at its first occurrence, nothing after it
     ref = reference[0]
-    stop = ref[30]
+    stop = ref[28]
     first = ref.index(stop)
-    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop_token_ids=[stop])
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, stop_token_ids=[stop])
     out = spec.generate([{"prompt_token_ids": PROMPTS[0]}], params, use_tqdm=False)[0].outputs[0]
     assert out.token_ids == ref[:first + 1] and out.finish_reason == "stop"
     for n in (1, 2, 7, 13):
@@ -113,3 +113,25 @@ def test_bad_config_is_refused_naming_the_value(spec, message):
 def test_async_scheduling_is_refused(path):
     with pytest.raises(ValueError, match="synchronous scheduling"):
         LLM(path, device="cpu", speculative_config=NGRAM, async_scheduling=True)
+
+
+def test_logprobs_are_the_targets(path, spec):
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
+    plain = LLM(path, device="cpu").generate([{"prompt_token_ids": PROMPTS[1]}], params, use_tqdm=False)[0]
+    before = spec.engine.stats.num_accepted_tokens
+    got = spec.generate([{"prompt_token_ids": PROMPTS[1]}], params, use_tqdm=False)[0]
+    assert spec.engine.stats.num_accepted_tokens > before
+    a, b = plain.outputs[0], got.outputs[0]
+    assert a.token_ids == b.token_ids and len(b.logprobs) == 24
+    for x, y in zip(a.logprobs, b.logprobs):
+        assert list(x) == list(y) and [v.rank for v in x.values()] == [v.rank for v in y.values()]
+        assert all(abs(x[t].logprob - y[t].logprob) < 1e-4 for t in x)
+    assert abs(a.cumulative_logprob - b.cumulative_logprob) < 1e-3
+
+
+@pytest.mark.slow
+def test_seeded_sampling_is_reproducible_and_respects_max_tokens(spec):
+    params = SamplingParams(temperature=0.8, top_k=20, seed=11, max_tokens=20, ignore_eos=True)
+    first = _tokens(spec, PROMPTS[:2], params)
+    again = _tokens(spec, PROMPTS[:2], params)
+    assert first == again and [len(t) for t in first] == [20, 20]
