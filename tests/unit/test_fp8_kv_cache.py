@@ -103,9 +103,11 @@ def test_2d_kernel_attends_the_dequantized_cache(shape, dtype):
     _assert_matches(out, batch, dtype)
 
 
-@pytest.mark.parametrize("shape", [DECODES, dataclasses.replace(WINDOW, query_lens=(1,) * 4, seq_lens=(60, 7, 50, 40)),
-                                   dataclasses.replace(SOFTCAP, query_lens=(1, 1, 1))],
-                         ids=["ragged", "sliding_window", "softcap_gqa"])
+@pytest.mark.parametrize("shape", [
+    DECODES,
+    pytest.param(dataclasses.replace(WINDOW, query_lens=(1,) * 4, seq_lens=(60, 7, 50, 40)), marks=pytest.mark.slow),
+    pytest.param(dataclasses.replace(SOFTCAP, query_lens=(1, 1, 1)), marks=pytest.mark.slow)],
+    ids=["ragged", "sliding_window", "softcap_gqa"])
 def test_3d_split_kv_writes_and_attends_the_new_keys_in_fp8(shape):
     """The decode launch that writes the new K/V itself (fused write) quantizes them as the write kernel does
     and attends them as the cache will hold them; the segments' partials carry the value scale."""
@@ -125,8 +127,10 @@ def test_3d_split_kv_writes_and_attends_the_new_keys_in_fp8(shape):
     assert torch.equal(written.nan_to_num(0), batch.expected_cache[:, 1:].nan_to_num(0)), "new K/V bytes differ"
 
 
-@pytest.mark.parametrize("shape", [dataclasses.replace(MIXED, block_size=64), dataclasses.replace(WINDOW, block_size=64),
-                                   dataclasses.replace(SOFTCAP, block_size=64)], ids=["mixed", "window", "softcap"])
+@pytest.mark.parametrize("shape", [
+    dataclasses.replace(MIXED, block_size=64),
+    pytest.param(dataclasses.replace(WINDOW, block_size=64), marks=pytest.mark.slow),
+    pytest.param(dataclasses.replace(SOFTCAP, block_size=64), marks=pytest.mark.slow)], ids=["mixed", "window", "softcap"])
 def test_flash_kernels_attend_the_dequantized_cache(shape):
     dtype = torch.float16
     batch, scales = fp8_batch(shape, dtype)
