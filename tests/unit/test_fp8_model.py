@@ -67,7 +67,8 @@ def folder(tmp_path_factory):
 
 def test_greedy_output_does_not_depend_on_the_batch(folder):
     from ember import LLM, SamplingParams
-    llm = LLM(str(folder), device="cpu", quantization="fp8", num_kv_blocks=64)
+    # both fp8 paths: e4m3 weights and an e4m3 KV cache
+    llm = LLM(str(folder), device="cpu", quantization="fp8", kv_cache_dtype="fp8", num_kv_blocks=64)
     greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     prompts = [[5, 17, 99, 3, 250, 41, 7], [12, 300, 8], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]]
     alone = [llm.generate([p], greedy, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
