@@ -136,6 +136,10 @@ def leave_tensor_parallel() -> None:
     ops.unregister_group(TP_GROUP)
     _joined = None
     try:
+        if dist.is_initialized() and "nccl" in str(dist.get_backend_config()):
+            # NCCL's orderly teardown waits on peers that may be leaving or gone (two H100 ranks hung at exit after
+            # their last step); aborting the communicators waits for nobody
+            dist.distributed_c10d._abort_process_group()
         if dist.is_initialized():
             dist.destroy_process_group()
     except Exception as e:      # noqa: BLE001 - a group whose peers are gone: nothing is left to release with them

@@ -85,6 +85,8 @@ def weights_format(path: Path) -> str:
         config = json.loads((path / "config.json").read_text())
     except (OSError, ValueError):
         config = {}
+    if not isinstance(config, dict):    # the model's own load names the malformed file; this only describes it
+        config = {}
     dtype = config.get("torch_dtype") or config.get("dtype") or "dtype not given"
     quant = (config.get("quantization_config") or {}).get("quant_method")
     return f"safetensors, {dtype}" + (f", quantized: {quant}" if quant else "")

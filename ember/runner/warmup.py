@@ -246,8 +246,8 @@ def precompile(runner) -> float:
     compile (which the first dry step triggers). On CUDA it first pins the ptxas Triton runs
     (`triton_key.pin_ptxas`), with workers or not. Nothing runs (0.0) off CUDA, with 0 workers, where the
     `compile_workers` hook is off (ember.kernels.hooks), or when an earlier start of the same build left its marker;
-    kernels the dry pass misses compile where they first launch, as without workers. Tensor-parallel ranks decide
-    together (the dry steps run collectives): all run it where one lacks its marker, none where one cannot."""
+    kernels the dry pass misses compile where they first launch, as without workers. Nothing runs under tensor
+    parallel either: its dry steps hung two H100 ranks in a collective."""
     from ember.kernels import hooks
     from ember.kernels import precompile as P
     from ember.kernels import triton_key
@@ -256,6 +256,11 @@ def precompile(runner) -> float:
         return 0.0
     triton_key.pin_ptxas()      # every CUDA start, workers or not: all starts key Triton's cache alike
     if not workers or not hooks.enabled("compile_workers"):
+        return 0.0
+    if runner.tp.size > 1:
+        # two H100s hung in the dry steps (a rank blocked behind a collective its peer never joined); kernels
+        # compile at their first launch instead, as with the hook off
+        logger.info("tensor parallel: no Triton compile workers (their dry steps hang the ranks' collectives)")
         return 0.0
     marker = _marker(runner)
     if not agree([int(not marker.exists())], "max")[0]:
