@@ -140,6 +140,9 @@ class Scheduler:
                 num_new += len(drafts)
             if computed + num_new > capacity.get(req.request_id, 0):
                 while not kv.try_allocate(req, computed + num_new):
+                    if drafts:      # proposals never cost another request its place: drop them first
+                        num_new, drafts = num_new - len(drafts), ()
+                        continue
                     victim = self.running.pop()     # the newest running request
                     self._preempt(victim)
                     preempted.append(victim.request_id)
