@@ -88,6 +88,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="split every layer over N GPUs, one process each (ember.distributed)")
     p.add_argument("--symm-mem-all-reduce", action="store_true",
                    help="small all-reduces through PyTorch's symmetric-memory one-shot kernel instead of NCCL")
+    p.add_argument("--model-impl", default="auto", choices=["auto", "ember", "transformers"],
+                   help="ember's own implementation of the model family, or its transformers code with ember's "
+                        "paged attention (auto: ember's where it has one; `ember models` lists them)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
@@ -109,7 +112,7 @@ def engine_kwargs(args) -> dict:
                 attention_backend_options=dict(args.attention_backend_options) or None, tokenizer=args.tokenizer,
                 tokenizer_mode=args.tokenizer_mode, tokenizer_revision=args.tokenizer_revision,
                 tensor_parallel_size=args.tensor_parallel_size, symm_mem_all_reduce=args.symm_mem_all_reduce,
-                speculative_config=speculative_json(args.speculative_config))
+                speculative_config=speculative_json(args.speculative_config), model_impl=args.model_impl)
 
 
 def speculative_json(text: str | None) -> dict | None:

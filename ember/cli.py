@@ -1,4 +1,4 @@
-"""`ember generate`, `ember serve`, `ember backends`, `ember bench`."""
+"""`ember generate`, `ember serve`, `ember backends`, `ember models`, `ember bench`."""
 
 from __future__ import annotations
 
@@ -63,6 +63,32 @@ def _backends(args) -> int:
     return 0
 
 
+def _models(args) -> int:
+    import transformers
+
+    from ember.models.registry import supported_architectures
+    print("ember's own implementations (model_impl 'ember'; 'auto' takes them where they apply):")
+    for name in supported_architectures():
+        print(f"  {name}")
+    print(f"through transformers {transformers.__version__} (model_impl 'transformers'; 'auto' for every other "
+          f"architecture): any decoder-only causal LM whose layers are softmax attention over a K/V cache and whose "
+          f"class routes it through transformers' attention interface")
+    if not args.transformers:
+        print("  (`ember models --transformers` lists transformers' causal-LM classes with the fallback's verdict)")
+        return 0
+    from ember.models.fallback_check import transformers_support_table
+    rows = transformers_support_table()
+    runs = [name for name, _, reason in rows if reason is None]
+    print(f"  {len(runs)} of {len(rows)} classes pass the checks on their default config:")
+    for name in runs:
+        print(f"    {name}")
+    print(f"  refused ({len(rows) - len(runs)}):")
+    for name, _, reason in rows:
+        if reason is not None:
+            print(f"    {name}: {reason}")
+    return 0
+
+
 def _add_model_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument("model_path", nargs="?", default=None, metavar="MODEL",
                    help="HF model folder or hub id (same as --model; default: the default model)")
@@ -95,8 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_argument(s)
     add_engine_args(s)
     s.add_argument("--config", default=None,
-                   help="a bundled model config (qwen3-0.6b, llama-3.2-1b, llama-3.1-8b, gemma-3-1b, qwen3-30b-a3b, "
-                        "mixtral-8x7b) with random weights")
+                   help="a bundled model config (ember/configs: qwen3-0.6b, llama-3.2-1b, llama-3.1-8b, gemma-3-1b, "
+                        "qwen3-30b-a3b, mixtral-8x7b, pythia-1b) with random weights")
     s.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                    help="'dummy' gives the model's architecture random weights")
     s.add_argument("--host", default="127.0.0.1")
@@ -110,6 +136,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("backends", help="list registered attention backends")
     b.set_defaults(func=_backends)
+
+    m = sub.add_parser("models", help="which model families run natively and which through transformers")
+    m.add_argument("--transformers", action="store_true",
+                   help="also judge every causal-LM class of the installed transformers (imports them all: slow)")
+    m.set_defaults(func=_models)
 
     try:
         from ember.bench.commands import add_bench_parser

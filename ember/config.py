@@ -55,6 +55,18 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device, hf_config) -> 
     return torch.bfloat16 if ckpt == torch.float32 else ckpt
 
 
+# which implementation runs a model: "auto" takes ember's own where it has one, else the transformers fallback
+MODEL_IMPLS = ("auto", "ember", "transformers")
+
+
+def check_model_impl(model_impl: str) -> str:
+    """`model_impl` if it is one of MODEL_IMPLS; ValueError naming the choices otherwise."""
+    if model_impl not in MODEL_IMPLS:
+        raise ValueError(f"model_impl {model_impl!r} is not known; use one of {list(MODEL_IMPLS)} ('auto': ember's "
+                         f"own implementation where there is one, else transformers)")
+    return model_impl
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Which model to run and in which precision."""
@@ -65,6 +77,9 @@ class ModelConfig:
     # "fp8": e4m3 linear weights, quantized at load time unless the checkpoint already is (ember.quant); None:
     # the checkpoint's own quantization_config, if any
     quantization: str | None = None
+    # "auto": ember's own implementation of the family where there is one, else the transformers fallback;
+    # "ember" or "transformers" to force one (ember.models.registry)
+    model_impl: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -200,6 +215,7 @@ class EngineConfig:
         check_quantization(self.model.quantization)
         check_kv_cache_dtype(c.kv_cache_dtype)
         self.parallel.validate(dev.type)
+        check_model_impl(self.model.model_impl)
         if self.model.max_model_len is not None and self.model.max_model_len < 1:
             raise ValueError(f"max_model_len {self.model.max_model_len} must be at least 1")
         if self.speculative is not None and self.parallel.tensor_parallel_size * self.parallel.data_parallel_size > 1:

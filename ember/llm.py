@@ -13,7 +13,8 @@ from typing import Iterator, Sequence
 from ember.chat_input import check_conversations, check_text
 from ember.compat import GENERATE_HINTS, check_kwargs, check_llm_arguments
 from ember.models.architecture_check import check_architecture
-from ember.config import CacheConfig, CompileConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from ember.config import (CacheConfig, CompileConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig,
+                          check_model_impl)
 from ember.engine.engine import Engine, EngineStepError, token_id_list
 from ember.quant import check_kv_cache_dtype, check_quantization
 from ember.sampling_params import SamplingParams
@@ -84,9 +85,10 @@ class LLM:
                  worker_timeout_s: float = 600.0, symm_mem_all_reduce: bool = False,
                  trust_remote_code: bool = False, revision: str | None = None, download_dir: str | None = None,
                  quantization: str | None = None, kv_cache_dtype: str = "auto",
-                 speculative_config: dict | None = None, **kwargs):
+                 speculative_config: dict | None = None, model_impl: str = "auto", **kwargs):
         check_llm_arguments(kwargs, _LLM_PARAMETERS, tensor_parallel_size)
         check_quantization(quantization)
+        check_model_impl(model_impl)
         check_kv_cache_dtype(kv_cache_dtype)
         speculative = SpeculativeConfig.from_dict(speculative_config)     # a bad value fails before the model loads
         if attention_backend != "auto":      # a misspelt name fails now, not after the model has loaded
@@ -109,14 +111,14 @@ class LLM:
         else:
             from ember.models.default_model import resolve_model_path
             path = resolve_model_path(model, revision, download_dir)
-            check_architecture(path, trust_remote_code)
+            check_architecture(path, trust_remote_code, model_impl)
         from ember.models.checkpoint_origin import checkpoint_origin
         self.checkpoint = checkpoint_origin(model, path, load_format)   # which weights these are, said once
         if self.checkpoint.warning:
             logger.warning("%s", self.checkpoint.warning)
         logger.info("weights: %s", self.checkpoint.describe())
         config = EngineConfig(
-            model=ModelConfig(str(path), dtype, max_model_len, seed, quantization),
+            model=ModelConfig(str(path), dtype, max_model_len, seed, quantization, model_impl),
             cache=CacheConfig(block_size, num_kv_blocks, gpu_memory_utilization, enable_prefix_caching,
                               kv_cache_dtype),
             scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, async_scheduling),

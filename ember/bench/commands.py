@@ -393,8 +393,8 @@ def _latency(args) -> int:
 
 def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=None,
-                   help="a bundled model config (qwen3-0.6b, llama-3.2-1b, llama-3.1-8b, gemma-3-1b, qwen3-30b-a3b, "
-                        "mixtral-8x7b) with random weights")
+                   help="a bundled model config (ember/configs: qwen3-0.6b, llama-3.2-1b, llama-3.1-8b, gemma-3-1b, "
+                        "qwen3-30b-a3b, mixtral-8x7b, pythia-1b) with random weights")
     p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                    help="'dummy' gives --model's architecture random weights")
     p.add_argument("--json", default=None, metavar="PATH", help="write every number to this JSON file")

@@ -28,7 +28,7 @@ from ember.models.config_snapshot import snapshot_config
 from ember.models.layers.attention import Attention
 from ember.models.layers.linear import check_shape, default_weight_loader
 from ember.models.layers.scaled_linear import quantize_linear_layers
-from ember.models.registry import get_model_class
+from ember.models.registry import resolve_model_class
 from ember.quant import QuantConfig, QuantConfigError
 
 logger = logging.getLogger("ember")
@@ -107,11 +107,14 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def build_on_meta(config, dtype: torch.dtype, quant: QuantConfig | None = None,
-                  shard: ShardSpec = ShardSpec()) -> nn.Module:
-    """Construct the config's model (or its tensor-parallel `shard`) with every parameter on the meta device in
-    `dtype` (no memory, no init); with `quant`, the linear layers it quantizes are fp8 layers
-    (ember.models.layers.scaled_linear)."""
-    model_cls = get_model_class(config)
+                  shard: ShardSpec = ShardSpec(), model_impl: str = "auto") -> nn.Module:
+    """Construct the config's model (the class `model_impl` picks: ember's own or the transformers fallback; or its
+    tensor-parallel `shard`) with every parameter on the meta device in `dtype` (no memory, no init); with `quant`,
+    the linear layers it quantizes are fp8 layers (ember.models.layers.scaled_linear)."""
+    model_cls = resolve_model_class(config, model_impl)
+    if shard.size > 1 and getattr(model_cls, "runs_transformers_code", False):
+        raise ValueError(f"the transformers fallback does not split a model over tensor-parallel ranks "
+                         f"(tensor_parallel_size {shard.size}); run it with tensor_parallel_size=1")
     if quant is not None and shard.size > 1:
         raise QuantConfigError(f"fp8 layers are not split over tensor-parallel ranks yet (tensor_parallel_size "
                                f"{shard.size}); run an fp8 model with tensor_parallel_size=1")
@@ -329,9 +332,9 @@ def _load_tensor(model: nn.Module, name: str, target: str, shard_id, loaded: tor
 
 def load_model(path: str | Path, config=None, dtype: torch.dtype = torch.bfloat16,
                device: torch.device | str = "cpu", progress: bool = True, quant: QuantConfig | None = None,
-               shard: ShardSpec = ShardSpec()) -> nn.Module:
-    """Load a local HF model folder into its ember model class (or this rank's `shard` of it), in `dtype` on
-    `device`, in eval mode; `quant`: its fp8 layers (ember.quant)."""
+               shard: ShardSpec = ShardSpec(), model_impl: str = "auto") -> nn.Module:
+    """Load a local HF model folder into the model class `model_impl` picks (or this rank's `shard` of it), in
+    `dtype` on `device`, in eval mode; `quant`: its fp8 layers (ember.quant)."""
     path = Path(path)
     if config is None:
         config = load_config(path)
@@ -339,28 +342,37 @@ def load_model(path: str | Path, config=None, dtype: torch.dtype = torch.bfloat1
         raise CheckpointError(f"model folder {str(path)!r} has no config.json")
     device = torch.device(device)
     files = checkpoint_files(path)
-    model = build_on_meta(config, dtype, quant, shard)
+    model = build_on_meta(config, dtype, quant, shard, model_impl)
     load_weights(model, config, files, device, progress)
     init_buffers(model, device)
     return model.eval()
 
 
 def build_model(path: str | Path, config, dtype: torch.dtype, device: torch.device | str, load_format: str = "auto",
-                seed: int = 0, quant: QuantConfig | None = None, shard: ShardSpec = ShardSpec()) -> nn.Module:
+                seed: int = 0, quant: QuantConfig | None = None, shard: ShardSpec = ShardSpec(),
+                model_impl: str = "auto") -> nn.Module:
     """The model of a runner: `load_model` of the folder, or for load_format "dummy" `random_model` (random weights
     of the config's shapes, no checkpoint read); logs its fp8 layers."""
     if load_format == "dummy":
-        model = random_model(config, dtype, device, seed, quant, shard)
+        model = random_model(config, dtype, device, seed, quant, shard, model_impl)
     else:
-        model = load_model(path, config, dtype, device, quant=quant, shard=shard)
+        model = load_model(path, config, dtype, device, quant=quant, shard=shard, model_impl=model_impl)
     if quant is not None:
         logger.info("linear layers: %s", quant.describe())
     return model
 
 
+def compile_identity(model: nn.Module) -> dict[str, str]:
+    """What besides the config decides a model's traced code, for compile cache keys: nothing for ember's own
+    models; the implementation and its library's version for the transformers fallback."""
+    identity = getattr(model, "compile_identity", None)
+    return identity() if identity is not None else {}
+
+
 @torch.no_grad()
 def random_model(config, dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu",
-                 seed: int = 0, quant: QuantConfig | None = None, shard: ShardSpec = ShardSpec()) -> nn.Module:
+                 seed: int = 0, quant: QuantConfig | None = None, shard: ShardSpec = ShardSpec(),
+                 model_impl: str = "auto") -> nn.Module:
     """The config's model with random weights (normal, std `initializer_range`; norms at identity), for benchmarks.
     Each parameter draws from a generator of its own, seeded by `seed` and its place in the model, so that on a CPU
     the parameters fill in parallel (one thread a core: the Qwen3-0.6B config in bf16 in 2.8-2.9 s instead of
@@ -368,7 +380,7 @@ def random_model(config, dtype: torch.dtype = torch.bfloat16, device: torch.devi
     weights in `dtype` and quantizes them. A tensor-parallel `shard` draws its own shapes from the same seeds:
     replicated parameters (norms, rotary) are alike on every rank."""
     device = torch.device(device)
-    model = build_on_meta(config, dtype, quant, shard)
+    model = build_on_meta(config, dtype, quant, shard, model_impl)
     materialise(model, device)
     std = float(getattr(config, "initializer_range", 0.02))
     params = []

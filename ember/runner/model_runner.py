@@ -27,7 +27,7 @@ from ember.graphs.dispatcher import CudaGraphDispatcher, resolve_modes
 from ember.graphs.modes import BatchDescriptor, CUDAGraphMode
 from ember.kernels.triton_key import install as install_triton_key
 from ember.models.layers.onednn import onednn_packing_supported, pack_if_it_fits
-from ember.models.loader import build_model, load_config
+from ember.models.loader import build_model, compile_identity, load_config
 from ember.runner.cpu_memory import available_memory_bytes
 from ember.runner.decode_tail import DecodeTail, with_decode_tail
 from ember.runner.input_batch import BatchLayout, InputBatch, PreparedBatch
@@ -79,7 +79,7 @@ class ModelRunner:
         free_dropped_engines(self.device)
         self.tp, shard = joined_shard(config.parallel.tensor_parallel_size)   # this process's rank and its shard
         self.model = build_model(model_path, self.hf_config, self.dtype, self.device, load_format, config.model.seed,
-                                 self.quant, shard)
+                                 self.quant, shard, config.model.model_impl)
         self.vocab_size = self.hf_config.vocab_size
         self.times.load_s = time.perf_counter() - t0
 
@@ -168,7 +168,8 @@ class ModelRunner:
                                            "disabled_fusions": list(self.config.compile.disabled_fusions),
                                            "tensor_parallel": [self.tp.rank, self.tp.size],   # a rank's own shard
                                            # which layers hand q and k to their backend unrotated (traced code)
-                                           "fuse_rope": sorted(n for n, a in self.attn.layers.items() if a.fuse_rope)})
+                                           "fuse_rope": sorted(n for n, a in self.attn.layers.items() if a.fuse_rope),
+                                           **compile_identity(self.model)})
                if mode != "none" else None)
         piecewise = self.graphs if self.modes.cudagraph_mode.has_piecewise else None
         forward = compile_model(self.model, mode, cache_key=key, graph_manager=piecewise,

@@ -182,6 +182,7 @@ def _marker(runner) -> Path:
     from triton import knobs
     from ember.config import cache_dir
     from ember.graphs.artifacts import compile_cache_key
+    from ember.models.loader import compile_identity
     c = runner.config
     settings = {"capture_sizes": list(runner.capture_sizes), "max_num_tokens": runner.max_num_tokens,
                 "max_num_reqs": runner.max_num_reqs, "max_model_len": runner.table.max_model_len,
@@ -189,7 +190,8 @@ def _marker(runner) -> Path:
                 "capture": c.compile.cudagraph_capture, "jit_warmup": c.compile.jit_warmup,
                 "disabled_fusions": list(c.compile.disabled_fusions), "backend": c.attention_backend,
                 "backend_options": list(c.attention_backend_options), "block_size": c.cache.block_size,
-                "triton_cache": str(knobs.cache.dir), "tensor_parallel": [runner.tp.rank, runner.tp.size]}
+                "triton_cache": str(knobs.cache.dir), "tensor_parallel": [runner.tp.rank, runner.tp.size],
+                **compile_identity(runner.model)}
     key = compile_cache_key(runner.hf_config.to_dict(), runner.dtype, device=runner.device, settings=settings)
     return cache_dir() / "triton-precompiled" / key
 
