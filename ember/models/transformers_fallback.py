@@ -22,7 +22,7 @@ import contextlib
 import copy
 import inspect
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 import torch
@@ -32,6 +32,7 @@ from ember.attention_backends.base import AttentionLayerOptions
 from ember.models.fallback_attention import (ATTENTION_CHILD, ATTN_IMPLEMENTATION, FallbackUnsupported,  # noqa: F401
                                              probing, register_attention)
 from ember.models.fallback_check import causal_lm_class, fallback_refusal
+from ember.models.fallback_packing import pack_siblings, sibling_groups
 from ember.models.layers.attention import Attention
 from ember.models.layers.embedding import LMHead
 from ember.models.layers.linear import Linear
@@ -92,6 +93,8 @@ class _Parts:
     head: nn.Module
     head_kwargs: dict[str, Any]
     renamings: list
+    # (parent module, names of its linear children that read one input in a row), packed once weights are loaded
+    sibling_groups: list = field(default_factory=list)
 
 
 class TransformersForCausalLM(nn.Module):
@@ -141,9 +144,18 @@ class TransformersForCausalLM(nn.Module):
         """Run the model once on the meta device to learn what each layer hands its attention function, check it,
         and give each layer an ember Attention under ATTENTION_CHILD; returns how many layers."""
         ids = torch.zeros(2, dtype=torch.long, device="meta")
-        with torch.no_grad(), buffers_on_meta(hf), probing() as calls:
-            hidden = self.forward(ids, torch.arange(2, device="meta"))      # [2, H]
-            logits = self._logits(hidden)
+        linear_calls: list = []
+        hooks = [m.register_forward_pre_hook(lambda m, args: linear_calls.append((m, args[0] if args else None)))
+                 for m in hf.modules() if isinstance(m, Linear)]
+        try:
+            with torch.no_grad(), buffers_on_meta(hf), probing() as calls:
+                hidden = self.forward(ids, torch.arange(2, device="meta"))      # [2, H]
+                logits = self._logits(hidden)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        parents = {id(child): (module, name) for module in hf.modules() for name, child in module.named_children()}
+        self._parts.sibling_groups = sibling_groups(linear_calls, parents)
         vocab = int(getattr(hf.config.get_text_config(), "vocab_size", logits.shape[-1]))
         if tuple(logits.shape) != (2, vocab):
             raise FallbackUnsupported(f"its head gives logits of shape {tuple(logits.shape)} for 2 tokens, not "
@@ -210,11 +222,17 @@ class TransformersForCausalLM(nn.Module):
                 "class": self.hf_class.__name__}
 
     def init_buffers(self, device: torch.device) -> None:
-        """Move the transformers buffers (rotary tables, made on the CPU at build) to `device`."""
+        """Once the weights are in: move the transformers buffers (rotary tables, made on the CPU at build) to
+        `device`, and pack sibling projections (q/k/v, gate/up) into one weight each (ember.models.fallback_packing)."""
         for module in self._parts.hf.modules():
             for name, buf in module._buffers.items():
                 if buf is not None and buf.device != torch.device(device):
                     module._buffers[name] = buf.to(device)
+        groups, self._parts.sibling_groups = self._parts.sibling_groups, []
+        if groups:
+            packed = pack_siblings(groups)
+            logger.info("packed %d groups of sibling projections (%s, ...) into one weight each", packed,
+                        "/".join(groups[0][1]))
 
 
 def _replace_head(hf: nn.Module) -> None:

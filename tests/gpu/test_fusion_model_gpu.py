@@ -28,7 +28,7 @@ def _run(family: str, disabled, cache_root):
 def test_fused_model_equals_unfused_on_gpu(family, tmp_path):
     fused = _run(family, (), tmp_path)
     unfused = _run(family, ("all",), tmp_path)
-    assert fused[2] == {"rms_norm_prologue": 4, "silu_mul_epilogue": 2, "residual_epilogue": 4,
+    assert fused[2] == {"sibling_linears": 0, "rms_norm_prologue": 4, "silu_mul_epilogue": 2, "residual_epilogue": 4,
                         "qk_norm_rope": 2 if family == "qwen3" else 0}
     for got, ref in zip(fused[:2], unfused[:2]):
         scale = ref.float().abs().max().item()

@@ -54,7 +54,8 @@ def _assert_close(out, ref, dtype):
     assert err <= TOLERANCE[dtype] * scale, f"max abs error {err:.3g} at scale {scale:.3g}"
 
 
-EXPECTED = {"rms_norm_prologue": 1, "silu_mul_epilogue": 1, "residual_epilogue": 2, "qk_norm_rope": 0}
+EXPECTED = {"sibling_linears": 0, "rms_norm_prologue": 1, "silu_mul_epilogue": 1, "residual_epilogue": 2,
+            "qk_norm_rope": 0}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -94,7 +95,7 @@ def test_summary_lists_matches_and_disabled_passes():
     pipeline.counts["rms_norm_prologue"] = 4
     pipeline.num_graphs = 3
     assert pipeline.summary(26) == ("fusion passes over 3 compiled graphs, 26 more from the cache: "
-                                    "rms_norm_prologue 4, residual_epilogue 0, qk_norm_rope 0; "
+                                    "sibling_linears 0, rms_norm_prologue 4, residual_epilogue 0, qk_norm_rope 0; "
                                     "off: silu_mul_epilogue")
 
 
@@ -140,7 +141,7 @@ def test_fused_model_equals_unfused_model(family, dtype):
     with torch.inference_mode(), forward_context(context):
         out = gm(ids, positions)
     qk = layers if family == "qwen3" else 0
-    assert pipeline.counts == {"rms_norm_prologue": 2 * layers, "silu_mul_epilogue": layers,
+    assert pipeline.counts == {"sibling_linears": 0, "rms_norm_prologue": 2 * layers, "silu_mul_epilogue": layers,
                                "residual_epilogue": 2 * layers, "qk_norm_rope": qk}
     assert count_calls(gm, LINEAR) == 0 and count_calls(gm, FUSED) == 4 * layers
     assert count_calls(gm, QK) == qk and count_calls(gm, torch.ops.aten.rsqrt.default) == 1   # the final norm
@@ -160,7 +161,7 @@ def test_compiled_model_runs_the_passes(tmp_path):
             outputs.append(compiled(ids, positions))
         counts.append(dict(compiled.fusion.counts))
     layers = 2
-    assert counts == [{"rms_norm_prologue": 2 * layers, "silu_mul_epilogue": layers,
+    assert counts == [{"sibling_linears": 0, "rms_norm_prologue": 2 * layers, "silu_mul_epilogue": layers,
                        "residual_epilogue": 2 * layers, "qk_norm_rope": layers}, {}]
     # Inductor's C++ kernels round the unfused norm and residual adds their own way: one bf16 ulp of the largest
     # output (at most 2**-6 of the scale) apart

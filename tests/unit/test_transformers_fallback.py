@@ -16,6 +16,7 @@ from ember import LLM, SamplingParams
 from ember.models.layers.attention import Attention
 from ember.models.loader import build_on_meta, load_model
 from ember.models.registry import resolve_model_class, supported_architectures
+from ember.models.fallback_packing import PackedWeights, SliceLinear
 from ember.models.transformers_fallback import TransformersForCausalLM
 from tests.helpers.model_harness import ModelHarness, random_hf_model, tiny_config
 
@@ -47,6 +48,10 @@ FAMILIES = {
     "phi": ("PhiForCausalLM", {}, [None, None], None),
     "nemotron": ("NemotronForCausalLM", {}, [None, None], None),
 }
+# packed sibling projections where a family's own layers do not pack them already
+QKV = {"q_proj__k_proj__v_proj"}
+PACKED = {"phi3": set(), "gpt_neox": set(), "gpt_bigcode": set(), "starcoder2": QKV, "phi": QKV, "nemotron": QKV,
+          "glm4": QKV}
 SLOW = {"gpt_bigcode", "cohere2", "exaone4", "glm4", "helium", "phi", "nemotron"}
 PARAMS = [pytest.param(f, marks=pytest.mark.slow) if f in SLOW else f for f in FAMILIES]
 PROMPTS = [[5, 17, 300], list(range(40, 51)), [int(t) for t in torch.arange(23) * 13 % 320]]
@@ -99,10 +104,18 @@ def test_layers_carry_the_window_soft_cap_and_heads(family):
     assert {a.options.logits_soft_cap for a in attns} == {cap}
     kv_heads = {"gpt_neox": 4, "gpt_bigcode": 1}.get(name, 2)      # no GQA / multi-query / 4 heads to 2
     assert {(a.options.num_heads, a.options.num_kv_heads) for a in attns} == {(4, kv_heads)}
-    # every parameter is the checkpoint's, under the checkpoint's own name (GPT-NeoX's embed_out renamed)
-    names = {n for n, _ in model.named_parameters()}
-    assert names == {n for n, _ in hf.named_parameters()}
-    assert all(torch.equal(p, hf.get_parameter(n)) for n, p in model.named_parameters())
+    # every checkpoint tensor is in, under its own name (GPT-NeoX's embed_out renamed) or as rows of a packed
+    # weight of sibling projections (q/k/v, gate/up read one input)
+    for param_name, expected in hf.named_parameters():
+        module_name, _, leaf = param_name.rpartition(".")
+        module = model.get_submodule(module_name)
+        if isinstance(module, SliceLinear):
+            got = getattr(module._owner[0], leaf)[module.start:module.end]
+        else:
+            got = model.get_parameter(param_name)
+        assert torch.equal(got, expected), param_name
+    packed = {n.rpartition(".")[2] for n, m in model.named_modules() if isinstance(m, PackedWeights)}
+    assert packed == PACKED.get(name, {"q_proj__k_proj__v_proj", "gate_proj__up_proj"})
 
 
 def test_logits_match_transformers(family):
@@ -261,3 +274,69 @@ def test_models_command_and_model_impl_flag(capsys):
     assert engine_kwargs(parser.parse_args(["--model-impl", "transformers"]))["model_impl"] == "transformers"
     with pytest.raises(SystemExit):
         parser.parse_args(["--model-impl", "hf"])
+
+
+def _post_grad(model, prompt):
+    """The model's post-grad aten graph over one prompt, its parameters graph inputs (as in a compile), with the
+    harness's attention metadata; and its inputs."""
+    from ember.attention_backends.op import ForwardContext, forward_context
+    from tests.helpers.post_grad import post_grad_graph
+    harness = ModelHarness(model, 1)
+    common, positions = harness._metadata([(0, prompt)])
+    ctx = ForwardContext(layers=harness.layers, attn_metadata=(harness.builder.build(common),))
+    inputs = (dict(model.named_parameters()), torch.tensor(prompt), positions)
+    with forward_context(ctx), torch.no_grad():
+        gm = post_grad_graph(lambda params, ids, pos: torch.func.functional_call(model, params, (ids, pos)), *inputs)
+    return gm, inputs, ctx
+
+
+def test_the_fallback_graph_fuses_like_the_native_one(tmp_path):
+    """After the fusion passes, the fallback's Llama graph holds what the native one does: q/k/v and gate/up merged
+    (sibling_linears), each RMSNorm in its projection's prologue, SiLU·mul and the residual adds in epilogues, seen
+    through transformers' [1, T, N] views; and it computes what the unfused graph does."""
+    from ember.graphs.passes.registry import PASSES
+    from tests.helpers.post_grad import count_calls
+    hf = random_hf_model(tiny_config("llama"), seed=4)
+    hf.save_pretrained(tmp_path)
+    graphs = {}
+    for impl in ("ember", "transformers"):
+        model = load_model(tmp_path, None, torch.float32, "cpu", progress=False, model_impl=impl)
+        gm, inputs, ctx = _post_grad(model, PROMPTS[1])
+        with torch.no_grad():
+            unfused = gm(*inputs)
+            counts = {name: fuse(gm.graph) for name, fuse in PASSES.items()}
+            gm.graph.eliminate_dead_code()
+            gm.recompile()
+            fused = gm(*inputs)
+        assert (fused - unfused).abs().max().item() <= 1e-6 * unfused.abs().max().item()
+        ops = (count_calls(gm, torch.ops.ember.linear.default), count_calls(gm, torch.ops.ember.fused_linear.default))
+        graphs[impl] = counts, ops
+    native, fallback = graphs["ember"], graphs["transformers"]
+    assert fallback[0] == {**native[0], "sibling_linears": 4} == {"sibling_linears": 4, "rms_norm_prologue": 4,
+                                                                  "silu_mul_epilogue": 2, "residual_epilogue": 4,
+                                                                  "qk_norm_rope": 0}
+    assert fallback[1] == native[1] == (0, 8)       # per layer: qkv, o, gate_up, down, all fused
+
+
+def test_sibling_linears_merge_adjacent_rows_of_one_weight_only():
+    from ember.graphs.passes.sibling_linears import fuse_sibling_linears
+    from ember.kernels.linear_op import linear
+    from tests.helpers.post_grad import count_calls, post_grad_graph
+    g = torch.Generator().manual_seed(0)
+    x, w, b = torch.randn(5, 8, generator=g), torch.randn(12, 8, generator=g), torch.randn(12, generator=g)
+
+    def adjacent(x, w, b):      # rows 0:4, 4:6, 6:9 of one weight and bias: one linear and a split
+        return linear(x, w[0:4], b[0:4]) * 2, linear(x, w[4:6], b[4:6]), linear(x, w[6:9], b[6:9])
+
+    def gap(x, w, b):           # rows 0:4 and 5:8 are not adjacent, and 8:12 reads another input
+        return linear(x, w[0:4]), linear(x, w[5:8]), linear(x * 2, w[8:12])
+
+    for fn, merges, linears in ((adjacent, 1, 1), (gap, 0, 3)):
+        gm = post_grad_graph(fn, x, w, b)
+        expected = gm(x, w, b)
+        assert fuse_sibling_linears(gm.graph) == merges
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+        assert count_calls(gm, torch.ops.ember.linear.default) == linears
+        for got, want in zip(gm(x, w, b), expected):
+            assert got.shape == want.shape and (got - want).abs().max().item() <= 1e-6 * want.abs().max().item()

@@ -7,7 +7,7 @@ import torch
 from torch.fx import Graph
 
 from ember.graphs.passes.match import (LinearCall, aten, getitem_users, is_call, match_silu, other_operand, prims,
-                                       replace_with, sole_user, value)
+                                       replace_with, unit_view_end, value)
 
 NAME = "silu_mul_epilogue"
 
@@ -33,13 +33,17 @@ def fuse_silu_mul_epilogue(graph: Graph) -> int:
         out_val = value(node)
         if call is None or call.gated or call.residual is not None or out_val is None or out_val.dim() != 2:
             continue
-        split, _ = sole_user(node)
+        end = unit_view_end(node)     # transformers code may view the output as [1, T, 2N] before its chunk
+        split = next(iter(end.users)) if len(end.users) == 1 else None
         if split is None or not isinstance(out_val.shape[-1], int) or not _halves(split, out_val.shape[-1]):
             continue
         items = getitem_users(split)
         if items is None or set(items) != {0, 1} or len(items[1].users) != 1:
             continue
-        gate, up = items[0], items[1]
+        # transformers code views each half as [1, T, N] before the activation and the product
+        gate, up = unit_view_end(items[0]), unit_view_end(items[1])
+        if len(up.users) != 1:
+            continue
         product = next(iter(up.users))
         if not is_call(product, aten.mul) or product.kwargs:
             continue

@@ -44,6 +44,62 @@ def skip_noop_views(node):
     return node
 
 
+def _leading_units(val: torch.Tensor) -> int:
+    """How many leading dims of `val` are statically 1."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+    n = 0
+    while n < val.dim() and statically_known_true(val.shape[n] == 1):
+        n += 1
+    return n
+
+
+def same_rows(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two shapes are provably equal once their leading size-1 dims are dropped ([1, T, N] and [T, N])."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+    a_shape, b_shape = a.shape[min(_leading_units(a), a.dim() - 1):], b.shape[min(_leading_units(b), b.dim() - 1):]
+    return len(a_shape) == len(b_shape) and all(statically_known_true(x == y) for x, y in zip(a_shape, b_shape))
+
+
+def is_unit_view(node) -> bool:
+    """Whether `node` views its input with leading size-1 dims added or dropped and nothing else (transformers code
+    runs [1, T, N] around a linear layer's [T, N])."""
+    if not is_call(node, aten.view, aten.reshape, aten._unsafe_view, aten.unsqueeze, aten.squeeze):
+        return False
+    out_val, in_val = value(node), value(node.args[0])
+    return out_val is not None and in_val is not None and out_val.dim() != in_val.dim() and same_rows(out_val, in_val)
+
+
+def unit_view_source(node):
+    """`node`'s source through no-op views and unit views (`is_unit_view`)."""
+    node = skip_noop_views(node)
+    while is_unit_view(node):
+        node = skip_noop_views(node.args[0])
+    return node
+
+
+def unit_view_end(node: Node) -> Node:
+    """The last of a chain of sole-user no-op or unit views of `node` (`node` itself when its users are others)."""
+    while len(node.users) == 1:
+        user = next(iter(node.users))
+        if not (is_unit_view(user) or skip_noop_views(user) is node):
+            break
+        node = user
+    return node
+
+
+def with_rank(graph: Graph, node: Node, rank: int, before: Node | None = None) -> Node:
+    """`node` with leading size-1 dims dropped or added (squeeze / unsqueeze at dim 0) until it has `rank` dims,
+    the views inserted before `before` (default: right after `node`); `node` itself when it has that rank."""
+    val = value(node)
+    while val.dim() != rank:
+        op = aten.squeeze.dim if val.dim() > rank else aten.unsqueeze.default
+        with graph.inserting_before(before) if before is not None else graph.inserting_after(node):
+            node = graph.call_function(op, (node, 0))
+        val = op(val, 0)
+        node.meta["val"] = val
+    return node
+
+
 def sole_user(node: Node):
     """The one user of `node` seen through no-op views (None when there are several), and the node it uses."""
     while len(node.users) == 1:
@@ -215,12 +271,15 @@ class LinearCall:
 
 
 def replace_with(graph: Graph, old: Node, target, args: tuple, fake_fn) -> Node:
-    """Insert `target(*args)` before `old`, give it `old`'s users and a fake value from `fake_fn`."""
+    """Insert `target(*args)` before `old`, give it `old`'s users and a fake value from `fake_fn`; where the new
+    value has fewer or more leading size-1 dims than `old`'s ([T, N] for [1, T, N]), the users get it viewed to
+    `old`'s rank."""
     with graph.inserting_before(old):
         new = graph.call_function(target, args)
     new.meta.update({k: v for k, v in old.meta.items() if k in ("stack_trace", "nn_module_stack")})
     new.meta["val"] = fake_fn()
-    old.replace_all_uses_with(new)
+    old_val = value(old)
+    old.replace_all_uses_with(new if old_val is None else with_rank(graph, new, old_val.dim()))
     return new
 
 

@@ -12,17 +12,20 @@ from torch.fx import Graph
 import ember.kernels.fused_linear  # noqa: F401  (registers torch.ops.ember.fused_linear)
 import ember.kernels.scaled_linear_op  # noqa: F401  (registers torch.ops.ember.scaled_linear)
 import ember.kernels.qk_norm_rope  # noqa: F401  (registers torch.ops.ember.qk_norm_rope)
-from ember.graphs.passes import gated_epilogue, match, norm_prologue, qk_norm_rope, residual_epilogue
+from ember.graphs.passes import (gated_epilogue, match, norm_prologue, qk_norm_rope, residual_epilogue,
+                                 sibling_linears)
 
-# in the order they run: the epilogue passes also extend linears that an earlier pass already fused
+# in the order they run: sibling projections merge first (as a native model packs them); the epilogue passes also
+# extend linears that an earlier pass already fused
 PASSES: dict[str, Callable[[Graph], int]] = {
+    sibling_linears.NAME: sibling_linears.fuse_sibling_linears,
     norm_prologue.NAME: norm_prologue.fuse_rms_norm_prologue,
     gated_epilogue.NAME: gated_epilogue.fuse_silu_mul_epilogue,
     residual_epilogue.NAME: residual_epilogue.fuse_residual_epilogue,
     qk_norm_rope.NAME: qk_norm_rope.fuse_qk_norm_rope,
 }
-_SOURCES = (match, norm_prologue, gated_epilogue, residual_epilogue, qk_norm_rope, ember.kernels.fused_linear,
-            ember.kernels.scaled_linear_op, ember.kernels.qk_norm_rope)
+_SOURCES = (match, sibling_linears, norm_prologue, gated_epilogue, residual_epilogue, qk_norm_rope,
+            ember.kernels.fused_linear, ember.kernels.scaled_linear_op, ember.kernels.qk_norm_rope)
 
 
 def check_pass_names(names: Iterable[str]) -> tuple[str, ...]:

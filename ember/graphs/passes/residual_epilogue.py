@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 from torch.fx import Graph, Node
 
-from ember.graphs.passes.match import (LinearCall, aten, is_call, replace_with, same_shape, skip_noop_views,
-                                       sole_user, value)
+from ember.graphs.passes.match import (LinearCall, aten, is_call, replace_with, same_rows, same_shape, sole_user,
+                                       unit_view_end, unit_view_source, value, with_rank)
 
 NAME = "residual_epilogue"
 
@@ -20,20 +20,21 @@ def fuse_residual_epilogue(graph: Graph) -> int:
         if not is_call(node, aten.add) or len(node.args) != 2 or node.kwargs:
             continue
         for operand, residual in (node.args, node.args[::-1]):
-            projection = skip_noop_views(operand)
+            projection = unit_view_source(operand)
             if _fuse_moe_residual(graph, node, projection, residual):
                 count += 1
                 break
             call = LinearCall.of(projection)
-            if call is None or call.residual is not None or sole_user(projection)[0] is not node:
+            if call is None or call.residual is not None or node not in unit_view_end(projection).users or \
+                    len(unit_view_end(projection).users) != 1:
                 continue
             out_val, residual_val, sum_val = value(projection), value(residual), value(node)
             if out_val is None or residual_val is None or sum_val is None or out_val.dim() != 2:
                 continue
-            if not same_shape(out_val, residual_val) or not same_shape(out_val, sum_val) or \
+            if not same_rows(out_val, residual_val) or not same_rows(out_val, sum_val) or \
                     not residual_val.dtype == out_val.dtype == sum_val.dtype:
                 continue
-            call.residual = residual
+            call.residual = with_rank(graph, residual, 2, before=node)
             replace_with(graph, node, call.target, call.args(), call.fake)
             graph.erase_node(node)
             count += 1
