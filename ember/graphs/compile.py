@@ -220,6 +220,13 @@ class CompiledModel:
                     # the tail's row count must keep a symbol of its own even where it equals the token count
                     with shapes_config.patch(use_duck_shape=len(inputs) == 2):
                         out = self._trace(inputs)
+                except torch._dynamo.exc.Unsupported as exc:
+                    # fullgraph: a graph break fails the trace; say where, and what to do meanwhile
+                    where = str(exc).strip().splitlines()
+                    raise ValueError(f"torch.compile cannot trace {type(self.model).__name__} as one graph (a graph "
+                                     f"break: {where[0] if where else exc}); ember splits the forward only at "
+                                     f"attention, so this is a bug to fix in the model code; run with "
+                                     f"enforce_eager=True (compile_mode='none') meanwhile") from exc
                 finally:
                     self._call_inputs = ()
                 self.split_module = self.backend.split_module
@@ -239,7 +246,8 @@ class CompiledModel:
             logger.info("%d pieces, %d distinct, loaded from compiled artifacts in %.2f s (no trace); cache %s",
                         s.num_pieces, s.num_distinct, s.seconds, self.cache_dir)
         else:
-            logger.info("compiled the model into %d pieces (%d distinct) around %d attention calls in %.1f s "
+            logger.info("compiled the model (one dynamo graph, no graph breaks) into %d pieces (%d distinct) "
+                        "around %d attention calls in %.1f s "
                         "(pieces %.1f s); FX graph cache %d hit / %d miss, AOT autograd cache %d hit / %d miss; "
                         "%d artifacts saved to %s", s.num_pieces, s.num_distinct, s.num_attention_splits, s.seconds,
                         s.backend_seconds, c["fxgraph_cache_hit"], c["fxgraph_cache_miss"], c["autograd_cache_hit"],

@@ -340,3 +340,20 @@ def test_sibling_linears_merge_adjacent_rows_of_one_weight_only():
         assert count_calls(gm, torch.ops.ember.linear.default) == linears
         for got, want in zip(gm(x, w, b), expected):
             assert got.shape == want.shape and (got - want).abs().max().item() <= 1e-6 * want.abs().max().item()
+
+
+def test_a_graph_break_fails_the_compile_with_the_reason(tmp_path):
+    """The compile traces one graph (fullgraph): code that breaks it is refused at the first call, naming the model
+    and what to do, instead of running split in places nobody chose."""
+    from ember.graphs.compile import CompiledModel
+
+    class Breaks(torch.nn.Module):
+        def forward(self, input_ids, positions):
+            hidden = input_ids.float()[:, None]
+            torch._dynamo.graph_break()       # what untraceable model code does
+            return hidden * 2
+
+    torch._dynamo.reset()
+    compiled = CompiledModel(Breaks(), cache_root=tmp_path)
+    with pytest.raises(ValueError, match=r"cannot trace Breaks as one graph \(a graph break: .*enforce_eager=True"):
+        compiled(torch.arange(4), torch.arange(4))
