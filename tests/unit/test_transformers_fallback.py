@@ -357,3 +357,10 @@ def test_a_graph_break_fails_the_compile_with_the_reason(tmp_path):
     compiled = CompiledModel(Breaks(), cache_root=tmp_path)
     with pytest.raises(ValueError, match=r"cannot trace Breaks as one graph \(a graph break: .*enforce_eager=True"):
         compiled(torch.arange(4), torch.arange(4))
+
+
+def test_tensor_parallel_is_refused_for_the_fallback():
+    from ember.distributed.shard import ShardSpec
+    with pytest.raises(ValueError, match=r"does not split a model over tensor-parallel ranks \(tensor_parallel_size "
+                                         r"2\); run it with tensor_parallel_size=1"):
+        build_on_meta(family_config("phi3"), torch.float32, None, ShardSpec(0, 2), "transformers")
