@@ -14,6 +14,7 @@
 #   bash benches/run_gpu.sh moe_throughput   # the nano-vllm throughput workload, Qwen3-30B-A3B config
 #   bash benches/run_gpu.sh fp8           # fp8 weights and KV cache: batch-1 latency beside bf16, the GEMV sweep
 #   bash benches/run_gpu.sh fp8_throughput   # the throughput workload with an fp8 KV cache (and fp8 weights)
+#   bash benches/run_gpu.sh fallback [qwen3|llama|pythia]   # native vs the transformers fallback, throughput + batch 1
 # Each part's own switches are described above its function.
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -253,10 +254,37 @@ part_fp8_throughput() {
   grep -h "output \|host \|start-up" "$OUT"/throughput_qwen3_fp8kv.log "$OUT"/throughput_llama8b_fp8.log
 }
 
+# fallback: one bundled config natively and through the transformers fallback in one call (the same machine):
+# nano-vllm's throughput workload and batch-1 decode, with -v for the compile's pieces and fusion matches.
+# qwen3 (default) = Qwen3-0.6B, llama = Llama-3.2-1B, pythia = Pythia-1B (GPT-NeoX: no native file, fallback only).
+part_fallback() {
+  local config impls impl kind
+  case "${1:-qwen3}" in
+    qwen3) config=qwen3-0.6b; impls="ember transformers" ;;
+    llama) config=llama-3.2-1b; impls="ember transformers" ;;
+    pythia) config=pythia-1b; impls="transformers" ;;
+    *) echo "fallback takes qwen3, llama or pythia" >&2; return 2 ;;
+  esac
+  for impl in $impls; do
+    run "${config}_${impl}_throughput" 240 python3 -m ember bench throughput --config "$config" --model-impl "$impl" \
+      -v --json "$OUT/${config}_${impl}_throughput.json"
+    run "${config}_${impl}_latency" 150 python3 -m ember bench latency --config "$config" --model-impl "$impl" \
+      --batch-size 1 --input-len 32 --output-len 256 --num-iters 3 -v --json "$OUT/${config}_${impl}_latency.json"
+  done
+  echo "== summary"
+  for impl in $impls; do
+    for kind in throughput latency; do
+      echo "-- $config $impl $kind"
+      grep -h "runs through the transformers\|packed\|compiled the model\|fusion passes\|output \|decode \|TPOT\|start-up" \
+        "$OUT/${config}_${impl}_${kind}.log" | cut -c1-240
+    done
+  done
+}
+
 part=${1:-}
 [ $# -gt 0 ] && shift
 case "$part" in
-  decode|throughput|headline|serve|startup|flash|fusion|ab|moe|moe_sweep|moe_throughput|fp8|fp8_throughput) mkdir -p "$OUT" ;;
+  decode|throughput|headline|serve|startup|flash|fusion|ab|moe|moe_sweep|moe_throughput|fp8|fp8_throughput|fallback) mkdir -p "$OUT" ;;
 esac
 case "$part" in
   decode) part_decode ;;
@@ -272,7 +300,8 @@ case "$part" in
   moe_throughput) part_moe_throughput ;;
   fp8) part_fp8 ;;
   fp8_throughput) part_fp8_throughput ;;
+  fallback) part_fallback "$@" ;;
   *) echo "usage: bash benches/run_gpu.sh decode|throughput|headline|serve|startup [MODEL ...]|flash|fusion|ab|moe|" \
-          "moe_sweep [CONFIG]|moe_throughput|fp8|fp8_throughput" >&2
+          "moe_sweep [CONFIG]|moe_throughput|fp8|fp8_throughput|fallback [qwen3|llama|pythia]" >&2
      exit 2 ;;
 esac

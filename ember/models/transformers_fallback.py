@@ -242,6 +242,8 @@ def _replace_head(hf: nn.Module) -> None:
     if type(head) is not nn.Linear or head.bias is not None:
         return        # a head of its own kind stays; its nn.Linear, if any, becomes ember's Linear
     tied = head.weight is embedding.weight
+    if tied:
+        embedding.tp_size = 1       # what a tied LMHead reads of its embedding: the fallback runs on one rank
     lm_head = LMHead(head.out_features, head.in_features, tied_to=embedding if tied else None)
     if not tied:
         lm_head.weight = head.weight
