@@ -2,8 +2,9 @@
 
 The transformers causal-LM class is built with its parameters on the meta device (its buffers, such as rotary
 tables, are computed for real) and filled by ember's loader, whose parameter names are the checkpoint's. Its
-`nn.Linear` layers become ember's `Linear` (`ember::linear`, so the GEMV routing and the fusion passes apply), its
-LM head ember's `LMHead`. An attention function registered in transformers' attention interface under the name
+`nn.Linear` layers become ember's `Linear` (`ember::linear`, so the GEMV routing and the fusion passes apply; the
+projections that read one input in a row are packed into one weight once loaded, ember.models.fallback_packing),
+its LM head ember's `LMHead`. An attention function registered in transformers' attention interface under the name
 "ember" hands each layer's q, k and v to `ember::attention` through an ember `Attention` module attached to that
 layer, which the runner binds to its KV-cache group and backend like a native model's.
 

@@ -157,13 +157,14 @@ def test_preemption_and_logprobs(family):
     name, hf, path, _ = family
     llm = LLM(path, device="cpu", model_impl="transformers", block_size=8, num_kv_blocks=9, max_model_len=64,
               enable_prefix_caching=False)
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=2)   # 85 tokens in 72 slots
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     assert llm.engine.stats.num_preemptions > 0
     for prompt, out in zip(PROMPTS, outs):
         tokens = out.outputs[0].token_ids
-        assert tokens == hf_greedy(hf, prompt, 24)
-        ref = torch.log_softmax(hf_logits(hf, prompt + tokens)[len(prompt) - 1:-1], -1)    # [24, V]
+        assert len(tokens) == 16
+        assert_transformers_greedy(hf, prompt, tokens)
+        ref = torch.log_softmax(hf_logits(hf, prompt + tokens)[len(prompt) - 1:-1], -1)    # [16, V]
         for step, (token, entry) in enumerate(zip(tokens, out.outputs[0].logprobs)):
             assert abs(entry[token].logprob - ref[step, token].item()) <= 1e-4
 

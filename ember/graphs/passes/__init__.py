@@ -9,9 +9,9 @@ plain PyTorch. They run inside Inductor, on each piece's post-grad (aten) graph,
 
 The matchers see through views that only add or drop leading size-1 dims ([1, T, N] around a [T, N] linear, as
 transformers code runs the fallback's models). Each can be turned off by name (`CompileConfig.disabled_fusions`,
-`--disable-fusion NAME|all`); the start-up log counts each pass's matches. `ember::fused_linear` (ember.kernels.fused_linear) and `ember::qk_norm_rope`
-(ember.kernels.qk_norm_rope) have a torch reference and a fake implementation; the first runs as one GEMV launch
-for decode-sized batches on CUDA.
+`--disable-fusion NAME|all`); the start-up log counts each pass's matches. `ember::fused_linear`
+(ember.kernels.fused_linear) and `ember::qk_norm_rope` (ember.kernels.qk_norm_rope) have a torch reference and a
+fake implementation; the first runs as one GEMV launch for decode-sized batches on CUDA.
 
 Nothing is imported here: the pipeline (ember.graphs.passes.pipeline) pulls in Inductor.
 """
