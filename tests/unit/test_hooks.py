@@ -113,13 +113,15 @@ def test_compile_workers_off_starts_no_worker(hooks_env, monkeypatch):
         raise GoesOn
     monkeypatch.setattr(triton_key, "pin_ptxas", lambda: None)
     monkeypatch.setattr(warmup, "_marker", marker)     # the first step past the switches
-    runner = types.SimpleNamespace(device=torch.device("cuda"), config=types.SimpleNamespace(
-        compile=types.SimpleNamespace(triton_compile_workers=4)))
+    runner = types.SimpleNamespace(device=torch.device("cuda"), tp=types.SimpleNamespace(size=1),
+                                   config=types.SimpleNamespace(compile=types.SimpleNamespace(triton_compile_workers=4)))
     hooks_env("compile_workers=off")
     assert warmup.precompile(runner) == 0.0
     hooks_env("")
     with pytest.raises(GoesOn):
         warmup.precompile(runner)
+    runner.tp.size = 2      # tensor parallel: no workers, the hook on or not
+    assert warmup.precompile(runner) == 0.0
 
 
 @pytest.mark.parametrize("setting", ["", "plain_pieces=off", "layer_stamp=off"])
