@@ -332,7 +332,7 @@ def test_the_start_up_starts_no_more_workers_than_cpus(monkeypatch, caplog):
     monkeypatch.setattr(warmup, "_dry_steps", lambda runner: [])
     compile_config = types.SimpleNamespace(triton_compile_workers=64)
     runner = types.SimpleNamespace(device=types.SimpleNamespace(type="cuda"), compile_stats=None,
-                                   config=types.SimpleNamespace(compile=compile_config))
+                                   tp=types.SimpleNamespace(size=1), config=types.SimpleNamespace(compile=compile_config))
     with caplog.at_level("WARNING", logger="ember"), pytest.raises(Stop):
         warmup.precompile(runner)
     assert started == [3]
