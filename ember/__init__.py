@@ -1,10 +1,11 @@
 """ember: a torch.compile-first runner for Hugging Face decoder models, with a paged KV cache and CUDA graphs."""
 
-from ember.sampling_params import SamplingParams
+from ember.sampling_params import GuidedDecodingParams, SamplingParams, StructuredOutputsParams
 from ember.engine.request import CompletionOutput, Logprob, RequestOutput
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "__version__"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "GuidedDecodingParams", "RequestOutput",
+           "CompletionOutput", "Logprob", "__version__"]
 
 
 def __getattr__(name):

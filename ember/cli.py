@@ -132,6 +132,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests allowed to wait beyond the --max-num-seqs running; more get 503 + Retry-After")
     s.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds requests in flight may run on after SIGTERM before they are aborted")
+    s.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json"],
+                   help="the model's tool-call format, for tool_choice 'auto': hermes (Hermes, Qwen: "
+                        "<tool_call>{json}</tool_call>) or llama3_json (Llama 3's JSON calls)")
+    s.add_argument("--chat-template", default=None, metavar="FILE_OR_TEXT",
+                   help="a Jinja chat template (a file, or the template itself) to use instead of the tokenizer's")
     s.set_defaults(func=_serve)
 
     b = sub.add_parser("backends", help="list registered attention backends")

@@ -9,15 +9,14 @@ from __future__ import annotations
 import difflib
 from typing import Iterable, Mapping
 
-# what every structured-output argument of vLLM's (and field of the OpenAI API's) is told
-STRUCTURED_OUTPUT_UNSUPPORTED = (
-    "structured output (guided decoding by JSON schema, regex, choice or grammar) is not supported yet; drop it, "
-    "describe the format in the prompt and check the reply yourself (for JSON: parse it, and retry if it fails)")
+# where vLLM scripts configure structured output in a way ember does not need
+STRUCTURED_OUTPUT_HINT = ("pass SamplingParams(structured_outputs=StructuredOutputsParams(json=... | regex=... | "
+                          "choice=... | grammar=... | json_object=True)) per request")
 
 # vLLM's LLM(...) arguments that ember does not take, with what to do instead
 LLM_HINTS: dict[str, str] = {
-    "guided_decoding_backend": STRUCTURED_OUTPUT_UNSUPPORTED,
-    "structured_outputs_config": STRUCTURED_OUTPUT_UNSUPPORTED,
+    "structured_outputs_config": "ember's structured output runs on llguidance and needs no configuration; drop "
+                                 "it (guided_decoding_backend='guidance' is accepted)",
     "swap_space": "ember preempts by recomputation and keeps no CPU swap space; drop swap_space",
     "cpu_offload_gb": "ember keeps all weights on the device; drop cpu_offload_gb",
     "pipeline_parallel_size": "ember splits a model over GPUs by tensor parallelism only; use tensor_parallel_size",
@@ -52,8 +51,6 @@ SAMPLING_HINTS: dict[str, str] = {
     "logit_bias": "not supported; drop logit_bias",
     "allowed_token_ids": "not supported; drop allowed_token_ids",
     "logits_processors": "not supported; drop logits_processors",
-    "guided_decoding": STRUCTURED_OUTPUT_UNSUPPORTED,
-    "structured_outputs": STRUCTURED_OUTPUT_UNSUPPORTED,
     "truncate_prompt_tokens": "truncate the prompt's token ids before passing them",
     "detokenize": "outputs are always detokenized when the model folder has a tokenizer; drop detokenize",
     "spaces_between_special_tokens": "not supported; drop it (special tokens are skipped by default)",
@@ -66,7 +63,7 @@ GENERATE_HINTS: dict[str, str] = {
     "prompt_token_ids": "pass the ids as the prompt: TokensPrompt(prompt_token_ids=[...]) or a list of int",
     "lora_request": "LoRA adapters are not supported; merge the adapter into the weights first",
     "prompt_adapter_request": "prompt adapters are not supported; drop it",
-    "guided_options_request": STRUCTURED_OUTPUT_UNSUPPORTED,
+    "guided_options_request": STRUCTURED_OUTPUT_HINT,
     "priority": "requests are served first come, first served; drop priority",
     "truncate_prompt_tokens": "truncate the prompt's token ids before passing them",
 }

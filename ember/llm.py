@@ -17,7 +17,7 @@ from ember.config import (CacheConfig, CompileConfig, EngineConfig, ModelConfig,
                           check_model_impl)
 from ember.engine.engine import Engine, EngineStepError, token_id_list
 from ember.quant import check_kv_cache_dtype, check_quantization
-from ember.sampling_params import SamplingParams
+from ember.sampling_params import SamplingParams, check_grammar_backend
 from ember.speculative_config import SpeculativeConfig
 from ember.engine.request import RequestOutput
 from ember.runner.warmup import cycle_collector_paused
@@ -85,8 +85,11 @@ class LLM:
                  worker_timeout_s: float = 600.0, symm_mem_all_reduce: bool = False,
                  trust_remote_code: bool = False, revision: str | None = None, download_dir: str | None = None,
                  quantization: str | None = None, kv_cache_dtype: str = "auto",
-                 speculative_config: dict | None = None, model_impl: str = "auto", **kwargs):
+                 speculative_config: dict | None = None, model_impl: str = "auto",
+                 guided_decoding_backend: str | None = None, **kwargs):
         check_llm_arguments(kwargs, _LLM_PARAMETERS, tensor_parallel_size)
+        # structured output runs on llguidance; vLLM's name for it ('guidance') and 'auto' are accepted
+        check_grammar_backend(guided_decoding_backend, "guided_decoding_backend")
         check_quantization(quantization)
         check_model_impl(model_impl)
         check_kv_cache_dtype(kv_cache_dtype)

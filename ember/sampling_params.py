@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json as json_module
 import numbers
 import operator
 from dataclasses import dataclass
@@ -37,6 +38,117 @@ def _as_float(name: str, value) -> float:
     raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
 
 
+# the kinds of constraint, in the order vLLM's StructuredOutputsParams lists them
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+# vLLM's backend names that mean llguidance (ember's one grammar engine) or "let ember choose"
+GRAMMAR_BACKENDS = ("auto", "guidance", "llguidance")
+
+
+def check_grammar_backend(name: str | None, where: str) -> None:
+    """Refuse a grammar backend other than llguidance (vLLM's "guidance"), naming it."""
+    if name is not None and name not in GRAMMAR_BACKENDS:
+        raise ValueError(f"{where} {name!r} is not available: ember's structured output runs on llguidance; use "
+                         f"{where}='guidance' or 'auto' (or leave it out)")
+
+
+@dataclass(frozen=True, eq=False)
+class StructuredOutputsParams:
+    """What a request's output must match, as vLLM's `StructuredOutputsParams`: exactly one of a JSON schema (`json`,
+    a dict or its JSON text), any JSON object (`json_object=True`), a regular expression (`regex`), one of a list of
+    strings (`choice`) or a grammar (`grammar`: Lark, or GBNF/EBNF rules written `name ::= ...`).
+
+    JSON is written with fixed separators unless `disable_any_whitespace=False` (then any whitespace, or
+    `whitespace_pattern`, may go between tokens, which lets a model loop on whitespace; vLLM's default is False).
+    The engine compiles it with llguidance (`pip install 'ember[structured]'`) once per distinct value."""
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = True
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    disable_fallback: bool = False      # vLLM's: ember never falls back to another engine, so either value holds
+
+    def __post_init__(self):
+        put = functools.partial(object.__setattr__, self)
+        set_kinds = [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        if len(set_kinds) != 1:
+            raise ValueError(f"structured_outputs sets {set_kinds or 'none'} of {list(STRUCTURED_KINDS)}; set exactly "
+                             f"one")
+        for name in ("disable_any_whitespace", "disable_additional_properties", "disable_fallback"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"structured_outputs.{name} must be a bool, got {getattr(self, name)!r}")
+        if self.json_object is not None and not isinstance(self.json_object, bool):
+            raise TypeError(f"structured_outputs.json_object must be a bool, got {self.json_object!r}")
+        for name in ("regex", "grammar", "whitespace_pattern"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise TypeError(f"structured_outputs.{name} must be a non-empty str, got {value!r}")
+        if self.json is not None:
+            put("json", _json_schema(self.json))
+        if self.choice is not None:
+            choice = self.choice
+            if isinstance(choice, (str, bytes)) or not isinstance(choice, (list, tuple)) or not choice:
+                raise TypeError(f"structured_outputs.choice must be a non-empty list of str, got {choice!r}")
+            bad = [c for c in choice if not isinstance(c, str) or not c]
+            if bad:
+                raise TypeError(f"structured_outputs.choice entries must be non-empty strings, got {bad[0]!r}")
+            put("choice", tuple(choice))
+        # what makes two of them compile to the same grammar: the engine's cache key
+        kind = set_kinds[0]
+        value = getattr(self, kind)
+        text = json_module.dumps(value, sort_keys=True) if kind in ("json", "choice") else str(value)
+        put("_key", (kind, text, self.disable_any_whitespace, self.disable_additional_properties,
+                     self.whitespace_pattern))
+
+    @property
+    def kind(self) -> str:
+        """Which constraint is set: one of `STRUCTURED_KINDS`."""
+        return self._key[0]
+
+    @property
+    def key(self) -> tuple:
+        """A hashable value equal for two params that compile to the same grammar."""
+        return self._key
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, StructuredOutputsParams) and self._key == other._key
+
+    def __hash__(self) -> int:
+        return hash(self._key)
+
+
+def _json_schema(value) -> dict:
+    """A JSON schema given as a dict or as JSON text, as a dict (ValueError naming what is wrong)."""
+    if isinstance(value, str):
+        try:
+            value = json_module.loads(value)
+        except ValueError as exc:
+            raise ValueError(f"structured_outputs.json is not valid JSON: {exc}") from None
+    if isinstance(value, bool):
+        value = {} if value else {"not": {}}
+    if not isinstance(value, dict):
+        raise TypeError(f"structured_outputs.json must be a JSON schema (a dict or its JSON text), got "
+                        f"{type(value).__name__} {value!r}")
+    try:
+        json_module.dumps(value)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"structured_outputs.json must hold JSON values only: {exc}") from None
+    return value
+
+
+@dataclass(frozen=True, eq=False)
+class GuidedDecodingParams(StructuredOutputsParams):
+    """vLLM's older spelling of `StructuredOutputsParams` (`SamplingParams(guided_decoding=...)`), with its
+    `backend`: None, 'auto', 'guidance' or 'llguidance'."""
+    backend: str | None = None
+
+    def __post_init__(self):
+        check_grammar_backend(self.backend, "backend")
+        super().__post_init__()
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to sample one request; mirrors vLLM's `SamplingParams`. temperature 0 means greedy, and so does any
@@ -60,6 +172,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None     # logprobs of the prompt tokens, with this many top tokens each
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # the output must match a JSON schema, regex, choice or grammar (vLLM's `guided_decoding=` is accepted too)
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self):
         self._normalize_types()
@@ -100,6 +214,10 @@ class SamplingParams:
         elif isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
             raise TypeError(f"stop_token_ids must be a list of int, got {type(ids).__name__} {ids!r}")
         put("stop_token_ids", tuple(as_int("stop_token_ids entry", t) for t in ids))
+        so = self.structured_outputs
+        if so is not None and not isinstance(so, StructuredOutputsParams):
+            raise TypeError(f"structured_outputs must be a StructuredOutputsParams (from ember.sampling_params), got "
+                            f"{type(so).__name__} {so!r}")
         if 0.0 < self.temperature < MIN_TEMPERATURE:
             put("temperature", 0.0)
 
@@ -155,6 +273,12 @@ _dataclass_init = SamplingParams.__init__
 @functools.wraps(_dataclass_init)
 def _init_naming_unknown_arguments(self, *args, **kwargs):
     # vLLM scripts pass arguments ember lacks (best_of, logit_bias, ...): say which, and what to use instead
+    if "guided_decoding" in kwargs:      # vLLM's older name for structured_outputs
+        guided = kwargs.pop("guided_decoding")
+        if kwargs.get("structured_outputs") is not None and guided is not None:
+            raise ValueError("give structured_outputs or its older name guided_decoding, not both")
+        if guided is not None:
+            kwargs["structured_outputs"] = guided
     for name in kwargs:
         if name not in _FIELD_NAMES:
             raise unknown_argument_error("SamplingParams()", name, _FIELD_NAMES, SAMPLING_HINTS)

@@ -35,6 +35,15 @@ class EngineStepError(RuntimeError):
                          f"aborted and the engine goes on serving the others")
 
 
+class LaunchedStep:
+    """A step in flight: what the scheduler decided, the runner's handle on its tokens, and whether its
+    constrained rows' grammars have consumed its tokens yet (they may, before the step is processed)."""
+    __slots__ = ("out", "handle", "grammar_advanced")
+
+    def __init__(self, out: SchedulerOutput, handle):
+        self.out, self.handle, self.grammar_advanced = out, handle, False
+
+
 @dataclass
 class _Tracked:
     """Host-side state of a request's output beyond its tokens."""
@@ -74,8 +83,9 @@ class Engine:
         self._ready: list[RequestOutput] = []   # outputs made but not yet returned by step(): aborts, failures
         self._groups: dict[str, SampleGroup] = {}     # unfinished requests with n > 1, by request id
         self._ready_groups: list[SampleGroup] = []    # whose output step() makes when it returns
-        self._in_flight = None              # (SchedulerOutput, AsyncModelRunnerOutput) of the launched step
+        self._in_flight: LaunchedStep | None = None
         self._logged_drafts = 0             # proposals counted when speculation's figures were last logged
+        self._structured = None             # StructuredOutputs, made at the first request with a grammar
 
     def _eos_ids(self) -> tuple[int, ...]:
         ids: set[int] = set()
@@ -109,6 +119,21 @@ class Engine:
         if params.n > self.config.scheduler.max_num_seqs:
             raise ValueError(f"n {params.n} exceeds max_num_seqs {self.config.scheduler.max_num_seqs}: the samples "
                              f"of one prompt must fit in one batch; lower n or raise max_num_seqs")
+        if params.structured_outputs is not None:
+            self.check_structured_output(params.structured_outputs)
+
+    def check_structured_output(self, structured_outputs) -> None:
+        """Raise ValueError naming the problem if the grammar cannot be served (any thread may call it)."""
+        if self.tokenizer is None:
+            raise ValueError("structured output needs the model's tokenizer (its vocabulary), and this engine has "
+                             "none; give the model folder a tokenizer or pass tokenizer=")
+        if self.config.speculative is not None or self.config.parallel.tensor_parallel_size > 1:
+            raise ValueError("structured output runs without speculative decoding and on one device (a grammar "
+                             "would have to check every proposed token, and the bitmask is not sent to other "
+                             "ranks yet); serve such requests from an engine without speculative_config and with "
+                             "tensor_parallel_size=1")
+        from ember.engine.structured_output import StructuredOutputs
+        StructuredOutputs.check(structured_outputs)
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None,
                     request_id: str | None = None) -> str:
@@ -134,9 +159,19 @@ class Engine:
         detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens, params.stop,
                                        params.include_stop_str_in_output)
         stop_ids = frozenset(params.stop_token_ids) | frozenset(() if params.ignore_eos else self.eos_token_ids)
+        if params.structured_outputs is not None:
+            self.structured.attach(req)
         return _Tracked(req, prompt, detok, [] if params.logprobs is not None else None,
                         0.0 if params.logprobs is not None else None, stop_ids,
-                        params.logprobs is None and not params.stop)
+                        params.logprobs is None and not params.stop and req.grammar is None)
+
+    @property
+    def structured(self):
+        """The structured-output state (`StructuredOutputs`), made on first use."""
+        if self._structured is None:
+            from ember.engine.structured_output import StructuredOutputs
+            self._structured = StructuredOutputs(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        return self._structured
 
     def _add_samples(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None,
                      request_id: str) -> str:
@@ -213,6 +248,8 @@ class Engine:
 
     def _step(self, stream: bool) -> list[RequestOutput]:
         # every output made goes to self._ready first, so that a failure later in the call loses none of them
+        if self._structured is not None:
+            self._fail_grammars()
         with section("ember.schedule"):
             out = self.scheduler.schedule()
         if out.is_empty:
@@ -220,15 +257,20 @@ class Engine:
                 self.runner.update_table(out.step)
             if self._in_flight is not None:
                 self._resolve(stream)
+            elif self._structured is not None:
+                self._structured.wait_for_compiles()    # nothing to run until a grammar is ready: no busy loop
             return self._end_step()
         try:
-            launched = self.runner.execute_async(out.step)
+            if out.step.grammar_rows:
+                launched = self.structured.launch(self.runner, out, self._in_flight, self.stats)
+            else:
+                launched = self.runner.execute_async(out.step)
         except Exception as e:
             # the runner may not have dropped these rows yet; dropping one twice is harmless
             self.scheduler.requeue_finished_ids(out.step.finished_ids)
             raise self._fail([s.request for s in out.scheduled], e) from e
         # the new step is in flight before the previous one is processed, so that a failure there loses neither
-        previous, self._in_flight = self._in_flight, (out, launched)
+        previous, self._in_flight = self._in_flight, LaunchedStep(out, launched)
         if previous is not None:
             self._process(previous, stream)
         if not self.config.scheduler.async_scheduling or not self.scheduler.has_unfinished():
@@ -275,17 +317,27 @@ class Engine:
         step, self._in_flight = self._in_flight, None
         self._process(step, stream)
 
-    def _process(self, step, stream: bool) -> None:
+    def _process(self, step: LaunchedStep, stream: bool) -> None:
         """Wait for a launched step and process its tokens; a failure aborts the step's requests."""
-        out, launched = step
+        out = step.out
         start = time.perf_counter()
         try:
-            result = launched.result()
+            result = step.handle.result()
         except Exception as e:
             raise self._fail([s.request for s in out.scheduled], e) from e
         self.stats.device_wait_s += time.perf_counter() - start
         with section("ember.update"):
+            if out.step.grammar_rows and not step.grammar_advanced:
+                step.grammar_advanced = True
+                self.structured.advance(out, result.sampled_token_ids)
             self._update(out, result, stream)
+
+    def _fail_grammars(self) -> None:
+        """End requests whose grammar failed to compile (the error names them)."""
+        failed = self._structured.take_failed()
+        if failed:
+            error = failed[0][1]
+            raise self._fail([req for req, _ in failed], error) from error
 
     def _update(self, out: SchedulerOutput, result: ModelRunnerOutput, stream: bool) -> None:
         try:
@@ -375,6 +427,9 @@ class Engine:
             t.stop_reason = token if token in p.stop_token_ids else None
         elif stop_str is not None:
             status, t.stop_reason = RequestStatus.FINISHED_STOPPED, stop_str
+        elif req.grammar is not None and req.grammar.terminated:
+            # complete (nothing but EOS may follow), or the grammar refused the token
+            status = RequestStatus.FINISHED_STOPPED if req.grammar.error is None else RequestStatus.FINISHED_ABORTED
         if status is None and (num_out >= req.max_tokens or req.num_tokens >= self.max_model_len):
             status = RequestStatus.FINISHED_LENGTH
         if status is not None:

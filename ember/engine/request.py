@@ -39,6 +39,7 @@ class Request:
     stop_reason: int | str | None = None
     sampling_seed: int = 0                # sampling_params.seed, or one drawn from the engine's generator
     max_tokens: int = 16                  # resolved: sampling_params.max_tokens or what fits in max_model_len
+    grammar: object | None = None         # structured output: its `RequestGrammar` (engine/structured_output.py)
 
     @property
     def num_prompt_tokens(self) -> int:

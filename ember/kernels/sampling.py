@@ -22,7 +22,7 @@ from triton.language.extra import libdevice
 from ember.kernels.interpret import interpreter_on
 from ember.kernels.launcher import launcher
 
-__all__ = ["random_bits_triton", "gumbel_noise_triton", "sample_triton"]
+__all__ = ["random_bits_triton", "gumbel_noise_triton", "sample_triton", "apply_token_bitmask_triton"]
 
 # splitmix64 constants as unsigned literals: Triton types an int in [2**63, 2**64) as uint64
 _GOLDEN = tl.constexpr(0x9E3779B97F4A7C15)
@@ -109,6 +109,27 @@ def _block_argmax(values, indices):
 
 
 @triton.jit
+def _allowed(bitmask_ptr, mask_stride, mask_row, cols, mask):
+    """[BLOCK] bool: whether bitmask row `mask_row` allows the token ids `cols` (bit c % 32 of word c // 32)."""
+    words = tl.load(bitmask_ptr + mask_row.to(tl.int64) * mask_stride + cols // 32, mask=mask, other=0)
+    return ((words >> (cols % 32)) & 1) != 0
+
+
+@triton.jit
+def _apply_bitmask_kernel(logits_ptr, stride_row, bitmask_ptr, mask_stride, mask_index_ptr, vocab_size,
+                          BLOCK: tl.constexpr):
+    """Set to -inf the logits a row's grammar forbids; rows whose mask index is 0 have no grammar."""
+    row = tl.program_id(0)
+    mask_row = tl.load(mask_index_ptr + row) - 1
+    if mask_row >= 0:
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < vocab_size
+        allowed = _allowed(bitmask_ptr, mask_stride, mask_row, cols, mask)
+        tl.store(logits_ptr + row.to(tl.int64) * stride_row + cols, tl.full((BLOCK,), float("-inf"), tl.float32),
+                 mask=mask & (allowed == 0))
+
+
+@triton.jit
 def _perturb(x, cols, temperature_ptr, row_key, row, HAS_TEMPERATURE: tl.constexpr, ACCURATE_LOG: tl.constexpr):
     """x / T + g, the same two rounded float32 steps as the torch path's div_ and add_."""
     if HAS_TEMPERATURE:
@@ -120,10 +141,12 @@ def _perturb(x, cols, temperature_ptr, row_key, row, HAS_TEMPERATURE: tl.constex
 # every batch; cols_per_split is always a multiple of BLOCK and keeps its divisibility hint (aligned tile loads)
 @triton.jit(do_not_specialize=["num_splits"])
 def _sample_partial_kernel(logits_ptr, stride_row, temperature_ptr, seed_ptr, counter_ptr, greedy_ptr,
+                           bitmask_ptr, mask_stride, mask_index_ptr,
                            partial_ptr, vocab_size, cols_per_split, num_splits,
                            HAS_TEMPERATURE: tl.constexpr, HAS_GREEDY_MASK: tl.constexpr, ALL_GREEDY: tl.constexpr,
-                           ACCURATE_LOG: tl.constexpr, BLOCK: tl.constexpr):
+                           HAS_MASK: tl.constexpr, ACCURATE_LOG: tl.constexpr, BLOCK: tl.constexpr):
     """One program per (row, split): the best (score, index) over cols_per_split columns (a multiple of BLOCK).
+    With HAS_MASK, a row whose mask index is positive takes only the tokens its grammar bitmask row allows.
 
     partial_ptr: [N, 2, num_splits] float32, the scores then the indices (int32 bits), one allocation for both.
     """
@@ -136,6 +159,8 @@ def _sample_partial_kernel(logits_ptr, stride_row, temperature_ptr, seed_ptr, co
         row_key = _row_key(seed_ptr, counter_ptr, row)
         if HAS_GREEDY_MASK:
             random_row = tl.load(greedy_ptr + row) == 0
+    if HAS_MASK:
+        mask_row = tl.load(mask_index_ptr + row) - 1
 
     # per lane: its best so far; starting at the lane's first column keeps all -inf rows at the lowest index
     best_value = tl.full((BLOCK,), float("-inf"), tl.float32)
@@ -144,6 +169,9 @@ def _sample_partial_kernel(logits_ptr, stride_row, temperature_ptr, seed_ptr, co
         cols = offset + tl.arange(0, BLOCK)
         mask = cols < vocab_size
         x = tl.load(row_ptr + cols, mask=mask, other=float("-inf")).to(tl.float32)
+        if HAS_MASK:
+            if mask_row >= 0:
+                x = tl.where(_allowed(bitmask_ptr, mask_stride, mask_row, cols, mask), x, float("-inf"))
         if not ALL_GREEDY:
             if HAS_GREEDY_MASK:
                 if random_row:
@@ -247,12 +275,14 @@ def split_plan(num_rows: int, vocab_size: int, target_programs: int, block: int 
 
 
 def sample_triton(logits: torch.Tensor, temperature: torch.Tensor | None, seeds: torch.Tensor,
-                  counters: torch.Tensor, greedy_mask: torch.Tensor | None, all_greedy: bool) -> torch.Tensor:
+                  counters: torch.Tensor, greedy_mask: torch.Tensor | None, all_greedy: bool,
+                  bitmask: torch.Tensor | None = None, mask_index: torch.Tensor | None = None) -> torch.Tensor:
     """[N] int64: per row argmax(logits / T + gumbel_noise) for random rows and argmax(logits) for greedy ones.
 
     logits: [N, V] float32/bf16/fp16, any row stride (a column stride other than 1 costs a copy); temperature:
-    [N] float32 or None (1.0); greedy_mask: [N] bool or None (no greedy row unless all_greedy). No host sync; ties
-    go to the lower id, NaN wins like in torch.argmax.
+    [N] float32 or None (1.0); greedy_mask: [N] bool or None (no greedy row unless all_greedy); bitmask
+    [K, ceil(V / 32)] int32 with mask_index [N] int64 (row + 1, 0 for none): tokens a row's grammar forbids are out.
+    No host sync; ties go to the lower id, NaN wins like in torch.argmax.
     """
     if logits.dim() != 2 or logits.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"logits must be [N, V] float32, bfloat16 or float16, got {tuple(logits.shape)} "
@@ -271,18 +301,51 @@ def sample_triton(logits: torch.Tensor, temperature: torch.Tensor | None, seeds:
     # bool pointers are awkward in Triton; the same bytes as uint8 load plainly
     greedy_bytes = greedy_mask.contiguous().view(torch.uint8) if has_greedy_mask else None
 
+    has_mask = bitmask is not None
+    if has_mask:
+        _check_bitmask(bitmask, mask_index, num_rows, vocab_size)
+
     cols_per_split, num_splits = split_plan(num_rows, vocab_size, _num_programs_target(device))
     partial = torch.empty(num_rows, 2, num_splits, dtype=torch.float32, device=device)   # [N, (score, index), splits]
     out = torch.empty(num_rows, dtype=torch.int64, device=device)                        # [N]
     _kernel("_sample_partial_kernel", device)[(num_rows, num_splits)](
         logits, logits.stride(0), temperature if has_temperature else logits,
         seeds if not all_greedy else logits, counters if not all_greedy else logits,
-        greedy_bytes if has_greedy_mask else logits, partial, vocab_size, cols_per_split, num_splits,
+        greedy_bytes if has_greedy_mask else logits,
+        bitmask if has_mask else logits, bitmask.stride(0) if has_mask else 0, mask_index if has_mask else logits,
+        partial, vocab_size, cols_per_split, num_splits,
         HAS_TEMPERATURE=has_temperature, HAS_GREEDY_MASK=has_greedy_mask, ALL_GREEDY=all_greedy,
-        ACCURATE_LOG=_accurate_log(device), BLOCK=BLOCK_SIZE, num_warps=NUM_WARPS)
+        HAS_MASK=has_mask, ACCURATE_LOG=_accurate_log(device), BLOCK=BLOCK_SIZE, num_warps=NUM_WARPS)
     # the tile holds the splits of a one-row batch, the most any batch has, so one compiled kernel serves every
     # batch size (a tile per power of two would compile mid-run as the batch size moves)
     max_splits = split_plan(1, vocab_size, _num_programs_target(device))[1]
     _kernel("_sample_reduce_kernel", device)[(num_rows,)](
         partial, out, num_splits, BLOCK_SPLITS=triton.next_power_of_2(max(max_splits, num_splits)))
     return out
+
+
+def _check_bitmask(bitmask: torch.Tensor, mask_index: torch.Tensor | None, num_rows: int, vocab_size: int) -> None:
+    if bitmask.dtype != torch.int32 or bitmask.dim() != 2 or bitmask.stride(1) != 1:
+        raise ValueError(f"bitmask must be a row-contiguous [K, words] int32 tensor, got {tuple(bitmask.shape)} "
+                         f"{bitmask.dtype}")
+    if bitmask.shape[1] * 32 < vocab_size:
+        raise ValueError(f"bitmask rows of {bitmask.shape[1]} words cover {bitmask.shape[1] * 32} tokens, fewer than "
+                         f"the vocabulary's {vocab_size}")
+    if mask_index is None or mask_index.dtype != torch.int64 or mask_index.shape != (num_rows,):
+        raise ValueError(f"mask_index must be [{num_rows}] int64 beside a bitmask, got "
+                         f"{None if mask_index is None else (tuple(mask_index.shape), mask_index.dtype)}")
+    if not mask_index.is_contiguous():
+        raise ValueError("mask_index must be contiguous")
+
+
+def apply_token_bitmask_triton(logits: torch.Tensor, bitmask: torch.Tensor, mask_index: torch.Tensor) -> None:
+    """In place: logits[i, t] = -inf where row i's grammar forbids token t (bit t of bitmask[mask_index[i] - 1]);
+    rows with mask_index 0 are untouched. logits: [N, V] float32 with unit column stride."""
+    if logits.dim() != 2 or logits.dtype != torch.float32 or logits.stride(1) != 1:
+        raise ValueError(f"logits must be [N, V] float32 with unit column stride, got {tuple(logits.shape)} "
+                         f"{logits.dtype}")
+    num_rows, vocab_size = logits.shape
+    _check_bitmask(bitmask, mask_index, num_rows, vocab_size)
+    grid = (num_rows, triton.cdiv(vocab_size, BLOCK_SIZE))
+    _kernel("_apply_bitmask_kernel", logits.device)[grid](logits, logits.stride(0), bitmask, bitmask.stride(0),
+                                                          mask_index, vocab_size, BLOCK=BLOCK_SIZE)

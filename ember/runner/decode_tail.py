@@ -3,7 +3,8 @@ and the write of the sampled tokens into the request table. A replay then leaves
 the host, instead of a dozen launches and their Python.
 
 What the graph records must hold for any batch it replays, so the sampling is the general form
-(`graph_sampling_metadata`: temperature per row, greedy rows by mask). A step whose plan needs more (top-k/top-p,
+(`graph_sampling_metadata`: temperature per row, greedy rows by mask, the grammar bitmask read from its persistent
+buffer for rows that have one; the engine puts a constrained step's bitmask there before the replay). A step whose plan needs more (top-k/top-p,
 penalties, min_tokens, logprobs) samples again after the replay with the full sampler, which overwrites the
 tokens the graph wrote; the graph's tokens are then unused."""
 
@@ -23,8 +24,9 @@ class DecodeTail:
     `rows_are_logits`: the forward returns only the logits tokens' rows (a prefill-skipping model), in order."""
 
     def __init__(self, model: torch.nn.Module, sampler: Sampler, table: RequestTable, input_batch: InputBatch,
-                 rows_are_logits: bool = False):
+                 bitmask: torch.Tensor, rows_are_logits: bool = False):
         self.model, self.sampler, self.table, self.input_batch = model, sampler, table, input_batch
+        self.bitmask = bitmask            # the grammar bitmask buffer (`GrammarMask.bitmask`), read in place
         self.rows_are_logits = rows_are_logits
 
     def __call__(self, hidden: torch.Tensor, num_rows: int) -> torch.Tensor:
@@ -32,7 +34,8 @@ class DecodeTail:
         idx, sample_index = ib.row_info[0, :num_rows], ib.row_info[3, :num_rows]
         rows = hidden[:num_rows] if self.rows_are_logits else hidden[ib.logits_indices[:num_rows]]
         logits = self.model.compute_logits(rows)                                          # [R, V]
-        meta = graph_sampling_metadata(self.table, idx, ib.seq_lens[:num_rows])
+        meta = graph_sampling_metadata(self.table, idx, ib.seq_lens[:num_rows], self.bitmask,
+                                       ib.row_info[4, :num_rows])
         tokens = self.sampler(logits, meta).sampled_token_ids                             # [R]
         self.table.write_sampled(sample_index, tokens)
         return tokens

@@ -14,6 +14,8 @@ from ember.kernels.prepare import prepare_inputs
 from ember.runner.request_table import RequestTable
 from ember.runner.upload import PackedUpload
 
+ROW_INFO = 5     # rows of InputBatch.row_info
+
 
 @dataclass(frozen=True)
 class PreparedBatch:
@@ -30,6 +32,7 @@ class PreparedBatch:
     # the same requests with only their last token as the query: what a prefill-skipping tail of KV-sharing
     # layers attends with (None unless the model has such a tail)
     tail: CommonAttentionMetadata | None = None
+    mask_index: torch.Tensor | None = None   # [num_reqs_padded] int64: grammar bitmask row + 1, 0 for none
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,7 @@ class _Views:
     starts: torch.Tensor
     qlens: torch.Tensor
     sample_index: torch.Tensor
+    mask_index: torch.Tensor
     idx_live: torch.Tensor
     query_start_loc: torch.Tensor
     seq_lens: torch.Tensor
@@ -82,9 +86,9 @@ class InputBatch:
         self.query_start_loc = torch.zeros(max_num_reqs + 1, dtype=torch.int32, device=device)        # [R + 1]
         self.seq_lens = torch.zeros(max_num_reqs, dtype=torch.int32, device=device)                   # [R]
         self.logits_indices = torch.zeros(max_num_reqs, dtype=torch.int64, device=device)             # [R]
-        # per batch row: table row, chunk start, query length, sampled token's flat index; copied out of the
-        # step's upload so that a CUDA graph finds them at one address
-        self.row_info = torch.zeros(4, max_num_reqs, dtype=torch.int64, device=device)               # [4, R]
+        # per batch row: table row, chunk start, query length, sampled token's flat index, grammar bitmask row + 1
+        # (0: none); copied out of the step's upload so that a CUDA graph finds them at one address
+        self.row_info = torch.zeros(ROW_INFO, max_num_reqs, dtype=torch.int64, device=device)        # [5, R]
         self.block_tables = torch.zeros(num_groups, max_num_reqs, max_blocks_per_req, dtype=torch.int32,
                                         device=device)                                                # [G, R, B]
         # one query per request for a prefill-skipping tail: query_start_loc 0, 1, ..., slots never written
@@ -94,17 +98,20 @@ class InputBatch:
         self._view_cache: dict[tuple[int, int, int], _Views] = {}
 
     def stage(self, layout: BatchLayout, num_reqs_padded: int, upload: PackedUpload, spare_index: int,
-              sample_index: np.ndarray | None = None) -> tuple:
-        """Put the batch's rows, starts, query lengths and sampled-token indices in the upload (padding rows: row 0,
-        start 0, length 0, index `spare_index`; without `sample_index` every row's token goes to `spare_index`)."""
+              sample_index: np.ndarray | None = None, grammar_rows: tuple[int, ...] = ()) -> tuple:
+        """Put the batch's rows, starts, query lengths, sampled-token indices and grammar bitmask rows in the upload
+        (padding rows: row 0, start 0, length 0, index `spare_index`, no bitmask; without `sample_index` every row's
+        token goes to `spare_index`). `grammar_rows[j]` samples under bitmask row j."""
         if num_reqs_padded > self.max_num_reqs:
             raise ValueError(f"batch of {num_reqs_padded} requests exceeds the buffers ({self.max_num_reqs})")
-        per_row = np.zeros((4, num_reqs_padded), dtype=np.int64)
+        per_row = np.zeros((ROW_INFO, num_reqs_padded), dtype=np.int64)
         n = layout.num_reqs
         per_row[0, :n], per_row[1, :n], per_row[2, :n] = layout.rows, layout.starts, layout.query_lens
         per_row[3] = spare_index
         if sample_index is not None:
             per_row[3, :n] = sample_index
+        if grammar_rows:
+            per_row[4, list(grammar_rows)] = np.arange(1, len(grammar_rows) + 1)
         return upload.put(per_row)
 
     def prepare(self, table: RequestTable, layout: BatchLayout, seg: tuple[int, int], buf: torch.Tensor,
@@ -117,7 +124,7 @@ class InputBatch:
             raise ValueError(f"batch of {num_tokens_padded} tokens exceeds the buffers ({self.max_num_tokens})")
         R, T = num_reqs_padded, num_tokens_padded
         v = self._views(R, T, num_reqs, table.num_groups)
-        v.info.copy_(PackedUpload.segment(buf, seg).view(4, R))
+        v.info.copy_(PackedUpload.segment(buf, seg).view(ROW_INFO, R))
         prepare_inputs(v.idx, v.starts, v.qlens, table.token_ids, table.block_tables, table.block_size, num_tokens,
                        v.query_start_loc, v.seq_lens, v.logits_indices_padded, v.input_ids, v.positions,
                        v.slot_mappings, max_num_rows=self.max_num_reqs)
@@ -144,7 +151,7 @@ class InputBatch:
             max_seq_len_bound=max_seq_len_bound)
         tail = self._tail(common) if self.tail_query_start_loc is not None else None
         return PreparedBatch(v.input_ids, v.positions, v.logits_indices, v.idx_live, common, v.sample_index,
-                             v.logits_indices_padded, tail)
+                             v.logits_indices_padded, tail, v.mask_index)
 
     def _views(self, R: int, T: int, num_reqs: int, num_groups: int) -> "_Views":
         """The step's views into the buffers: a handful of shapes repeat (graph buckets), and slicing a tensor
@@ -157,7 +164,7 @@ class InputBatch:
             info = self.row_info[:, :R]
             slots = self.slot_mappings[:, :T]
             views = _Views(info=info, idx=info[0], starts=info[1], qlens=info[2], sample_index=info[3],
-                           idx_live=info[0, :num_reqs], query_start_loc=self.query_start_loc[:R + 1],
+                           mask_index=info[4], idx_live=info[0, :num_reqs], query_start_loc=self.query_start_loc[:R + 1],
                            seq_lens=self.seq_lens[:R], logits_indices=self.logits_indices[:num_reqs],
                            logits_indices_padded=self.logits_indices[:R], input_ids=self.input_ids[:T],
                            positions=self.positions[:T], slot_mappings=slots,

@@ -35,12 +35,12 @@ from ember.runner.kv_cache_setup import (allocate_kv_caches, attention_workspace
                                         make_builders, num_kv_blocks, resolve_max_model_len, select_backends)
 from ember.runner.output import AsyncModelRunnerOutput, DeviceOnlyOutput, HostRing, ModelRunnerOutput, StartupTimes
 from ember.runner.request_table import RequestTable
-from ember.runner.sampler import Sampler, SamplerOutput, SamplingMetadata
+from ember.runner.grammar_mask import GrammarMask
+from ember.runner.sampler import Sampler, SamplerOutput
 from ember.runner.sampling_inputs import SamplingPlan, fits_graph_tail, plan_sampling, sampling_metadata
 from ember.runner.step_input import StepInput, null_block_step
 from ember.runner.upload import PackedUpload
-from ember.runner.warmup import (PROFILE_SAMPLING, collect_start_up_garbage, cycle_collector_paused, precompile,
-                                 run_warmup)
+from ember.runner.warmup import collect_start_up_garbage, cycle_collector_paused, precompile, profile_run, run_warmup
 from ember.sampling_params import SamplingParams
 from ember.profiling import section
 from ember.spec_decode.verify import Verifier
@@ -114,7 +114,8 @@ class ModelRunner:
                                               self.modes.support, pad_piecewise_reqs=self.skip_prefill,
                                               short_context_len=self._short_context_len)
         self.sampler = Sampler()
-        self.decode_tail = DecodeTail(self.model, self.sampler, self.table, self.input_batch,
+        self.grammar = GrammarMask(self.max_num_reqs, self.vocab_size, self.device)
+        self.decode_tail = DecodeTail(self.model, self.sampler, self.table, self.input_batch, self.grammar.bitmask,
                                       rows_are_logits=self.skip_prefill)
         self.host_ring = HostRing(self.max_num_reqs, self.device) if self.device.type == "cuda" else None
         self.graphs = (CUDAGraphManager(self.device, lazy=config.compile.cudagraph_capture == "lazy")
@@ -126,7 +127,7 @@ class ModelRunner:
         tail_offset = len(self.builders) if self.tail_builders else 0   # where KV-sharing layers read metadata
         self.layer_states = allocate_kv_caches(self.attn, 2, self.device, tail_offset)
         self.times.precompile_s = precompile(self)     # CUDA: the start-up's Triton kernels, in worker processes
-        self.activation_peak = (self._profile_run() if self.device.type == "cuda" or self.modes.compile_mode != "none"
+        self.activation_peak = (profile_run(self) if self.device.type == "cuda" or self.modes.compile_mode != "none"
                                 else 0)
         # the attention's worst case: the largest step against the longest context (docs/memory.md)
         self.attention_workspace = attention_workspace(self.attn, self.dtype, StepBounds(
@@ -201,38 +202,6 @@ class ModelRunner:
     def _logits_hidden(self, batch: PreparedBatch, hidden: torch.Tensor) -> torch.Tensor:
         """Each request's last token's hidden state [num_reqs, H] from a forward's output."""
         return hidden[:batch.logits_indices.shape[0]] if self.skip_prefill else hidden[batch.logits_indices]
-
-    @torch.inference_mode()
-    def _profile_run(self) -> int:
-        """One dummy step of max_num_batched_tokens tokens spread over max_num_seqs requests, plus sampling a
-        full batch; compiles the model (the first call) and returns the peak memory in bytes. On the CPU it only
-        compiles, on a small step: nothing measures memory there, and the LM head and sampler over a full batch
-        (eager code) took 8 of a 37 s start-up of the Qwen3-0.6B config on two cores."""
-        cuda = self.device.type == "cuda"
-        if cuda:
-            torch.cuda.synchronize(self.device)
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(self.device)
-            before = torch.cuda.memory_allocated(self.device)
-        t0 = time.perf_counter()
-        # on the CPU there is no memory to measure: a small step suffices to compile
-        num_tokens = self.max_num_tokens if cuda else min(self.max_num_tokens, 64)
-        hidden = self._dummy_forward(num_tokens, self.max_num_reqs)[0]
-        stats = self.compile_stats
-        if stats is not None:
-            self.times.compile_s = stats.seconds
-            self.times.compile_cache_hit = stats.artifacts_loaded > 0 or stats.fxgraph_cache_hits > 0
-        if not cuda:
-            return 0
-        logits = self.model.compute_logits(hidden[torch.arange(self.max_num_reqs, device=self.device) % len(hidden)])
-        n = logits.shape[0]
-        meta = SamplingMetadata.build([PROFILE_SAMPLING] * n, [0] * n,
-                                      [[]] * n, [[0]] * n, [()] * n, self.vocab_size, self.device)
-        self.sampler(logits, meta)
-        del hidden, logits
-        torch.cuda.synchronize(self.device)
-        logger.info("profile run of %d tokens in %.1f s", self.max_num_tokens, time.perf_counter() - t0)
-        return torch.cuda.max_memory_allocated(self.device) - before
 
     def _log_capacity(self) -> None:
         self.kv_capacity_tokens, self.kv_full_equivalent_tokens = log_capacity(
@@ -317,13 +286,33 @@ class ModelRunner:
     def execute_async(self, step: StepInput) -> AsyncModelRunnerOutput:
         """Launch one step (forward, sampling, the copy of its tokens to the host) without waiting for the device.
         The sampled tokens are written into the request table on the device, so the next step may be launched
-        while this one is still in flight. A step with proposals runs as a verify step (ember.spec_decode)."""
+        while this one is still in flight. A step with proposals runs as a verify step (ember.spec_decode); a step
+        with grammar rows runs as its three parts instead, with its bitmask put in between
+        (`ember.engine.structured_output`)."""
         if step.spec_token_ids:
             return self.verifier.execute_async(step)
         prepared = self.prepare_step(step)
+        return self.sample_step(prepared, *self.forward(prepared))
+
+    def forward(self, prepared: "PreparedStep") -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Launch the step's forward: (hidden, the tokens a decode graph sampled or None)."""
         with section("ember.forward"):
-            hidden, tokens = self._run(prepared.batch, prepared.mode, prepared.desc)
-        return self.sample_step(prepared, hidden, tokens)
+            return self._run(prepared.batch, prepared.mode, prepared.desc)
+
+    def graph_samples(self, prepared: "PreparedStep") -> bool:
+        """Whether the step's forward is a FULL graph that also samples: its grammar bitmask must then be in place
+        before the forward is launched, since the graph reads it."""
+        desc = prepared.desc
+        return (self._forward_samples and prepared.mode == CUDAGraphMode.FULL and desc is not None
+                and desc.uniform_decode and desc.num_reqs is not None)
+
+    def grammar_staging(self) -> torch.Tensor:
+        """The host buffer [max_num_reqs, ceil(V / 32)] int32 to write the step's grammar bitmask rows into."""
+        return self.grammar.staging()
+
+    def put_grammar_bitmask(self, num_rows: int) -> None:
+        """Send the first `num_rows` rows of `grammar_staging()` to the device, where the sampler reads them."""
+        self.grammar.put(num_rows)
 
     def prepare_step(self, step: StepInput) -> "PreparedStep":
         """Apply the step to the table, send its one upload and fill the input buffers; picks the graph mode."""
@@ -339,8 +328,8 @@ class ModelRunner:
             layout = self._layout(step)
             ends = layout.starts + layout.query_lens
             batch_seg = self.input_batch.stage(layout, num_reqs_padded, upload, table.width - 1,
-                                               table.sample_index(layout.rows, ends))
-            plan = plan_sampling(table, layout.rows, ends, upload)
+                                               table.sample_index(layout.rows, ends), step.grammar_rows)
+            plan = plan_sampling(table, layout.rows, ends, upload, len(step.grammar_rows))
             buf = upload.flush()
             table.commit(buf)
             batch = self.input_batch.prepare(table, layout, batch_seg, buf, desc.num_tokens, num_reqs_padded,
@@ -358,7 +347,8 @@ class ModelRunner:
     def sample_step(self, prepared: "PreparedStep", hidden: torch.Tensor,
                     tokens: torch.Tensor | None = None) -> AsyncModelRunnerOutput:
         """Sample from the step's hidden states, write the tokens into the table and start their copy to the host;
-        `tokens`, those a decode graph already sampled and wrote, stand when the step's plan fits the graph."""
+        `tokens`, those a decode graph already sampled and wrote, stand when the step's plan fits the graph (with
+        grammar rows, the caller passes them only if the bitmask was put before the forward)."""
         batch = prepared.batch
         num_reqs = batch.common.num_reqs
         if tokens is not None and fits_graph_tail(prepared.plan):
@@ -367,7 +357,8 @@ class ModelRunner:
             with section("ember.sample"):
                 logits = self.model.compute_logits(self._logits_hidden(batch, hidden))
                 meta = sampling_metadata(self.table, prepared.plan, batch.idx_mapping,
-                                         batch.common.seq_lens[:num_reqs], prepared.buf)
+                                         batch.common.seq_lens[:num_reqs], prepared.buf, self.grammar.bitmask,
+                                         batch.mask_index[:num_reqs])
                 sampled = self.sampler(logits, meta)
                 self.table.write_sampled(batch.sample_index[:num_reqs], sampled.sampled_token_ids)
         if not self.tp.is_driver:       # every rank samples the same tokens into its table; rank 0 reports them

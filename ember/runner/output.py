@@ -95,13 +95,19 @@ class AsyncModelRunnerOutput:
             self._event.record(torch.cuda.current_stream(ring.device_index if ring is not None else device))
             packed = host
         self._packed = packed
+        self._result: ModelRunnerOutput | None = None
 
     def result(self) -> ModelRunnerOutput:
+        """The step's tokens (and logprobs) on the host, waiting for them the first time."""
+        if self._result is not None:
+            return self._result
         if self._event is not None:
             with section("ember.wait"):
                 self._event.synchronize()
         packed, k = self._packed, self._k
         if k is None:
-            return ModelRunnerOutput(packed.tolist())
-        return ModelRunnerOutput(packed[:, 0].long().tolist(), packed[:, 2:2 + k].long().tolist(),
-                                 packed[:, 2 + k:].tolist(), packed[:, 1].long().tolist())
+            self._result = ModelRunnerOutput(packed.tolist())
+        else:
+            self._result = ModelRunnerOutput(packed[:, 0].long().tolist(), packed[:, 2:2 + k].long().tolist(),
+                                             packed[:, 2 + k:].tolist(), packed[:, 1].long().tolist())
+        return self._result

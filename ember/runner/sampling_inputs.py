@@ -3,6 +3,7 @@ sampler does), device tensors gathered from its rows (no per-step host lists).""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,19 +33,26 @@ class SamplingPlan:
     blocked: tuple[int, int] | None       # upload segment of [N, width] blocked ids (min_tokens), or None
     blocked_width: int
     max_num_logprobs: int | None
+    num_masked: int = 0                   # rows sampling under a grammar bitmask (its first rows hold theirs)
 
 
-def plan_sampling(table: RequestTable, rows: np.ndarray, seq_ends: np.ndarray, upload: PackedUpload) -> SamplingPlan:
+def plan_sampling(table: RequestTable, rows: np.ndarray, seq_ends: np.ndarray, upload: PackedUpload,
+                  num_masked: int = 0) -> SamplingPlan:
     """Host flags for the batch rows `rows` whose queries end at `seq_ends`; stages the min_tokens block list.
+    `num_masked`: how many rows sample under a grammar bitmask.
 
     The same rows holding the same requests as the last step (the table's version unchanged) give the same plan,
-    unless it has penalties (their widths follow the token counts) or a min_tokens block list (which ends once
-    enough tokens are out); otherwise the last plan is reused and no numpy runs."""
+    unless it has penalties (their widths follow the token counts), a min_tokens block list (which ends once
+    enough tokens are out) or grammar rows (which sample only at the ends of their prompts); otherwise the last
+    plan is reused and no numpy runs."""
     cached = table.plan_cache
-    if cached is not None and cached[0] == table.version and np.array_equal(cached[1], rows):
+    if not num_masked and cached is not None and cached[0] == table.version and np.array_equal(cached[1], rows):
         return cached[2]
     plan = _plan(table, rows, seq_ends, upload)
-    reusable = plan.blocked is None and not (plan.use_repetition or plan.use_presence or plan.use_frequency)
+    if num_masked:
+        plan = dataclasses.replace(plan, num_masked=num_masked)
+    reusable = (plan.blocked is None and not (plan.use_repetition or plan.use_presence or plan.use_frequency)
+                and not num_masked)
     table.plan_cache = (table.version, rows.copy(), plan) if reusable else None
     return plan
 
@@ -87,8 +95,10 @@ def _plan(table: RequestTable, rows: np.ndarray, seq_ends: np.ndarray, upload: P
 
 
 def sampling_metadata(table: RequestTable, plan: SamplingPlan, idx: torch.Tensor, seq_lens: torch.Tensor,
-                      buf: torch.Tensor) -> SamplingMetadata:
-    """Gather the batch rows `idx` [N] of the table on the device; `seq_lens` [N] are the step's (device)."""
+                      buf: torch.Tensor, bitmask: torch.Tensor | None = None,
+                      mask_index: torch.Tensor | None = None) -> SamplingMetadata:
+    """Gather the batch rows `idx` [N] of the table on the device; `seq_lens` [N] are the step's (device);
+    `bitmask` [R, W] and `mask_index` [N] (row + 1, 0 for none): the grammar rows' allowed tokens."""
     n, V = plan.num_reqs, table.vocab_size
     pf, pi = table.params_f[idx], table.params_i[idx]                  # [N, 7], [N, 3]
     num_prompt = pi[:, NUM_PROMPT]
@@ -117,7 +127,8 @@ def sampling_metadata(table: RequestTable, plan: SamplingPlan, idx: torch.Tensor
         repetition_penalty=col(pf, REPETITION) if plan.use_repetition else None,
         presence_penalty=col(pf, PRESENCE) if plan.use_presence else None,
         frequency_penalty=col(pf, FREQUENCY) if plan.use_frequency else None,
-        blocked_token_ids=blocked, max_num_logprobs=plan.max_num_logprobs)
+        blocked_token_ids=blocked, max_num_logprobs=plan.max_num_logprobs,
+        bitmask=bitmask if plan.num_masked else None, mask_index=mask_index if plan.num_masked else None)
 
 
 def _tokens(table: RequestTable, idx: torch.Tensor, start: torch.Tensor, count: torch.Tensor,
@@ -131,15 +142,18 @@ def _tokens(table: RequestTable, idx: torch.Tensor, start: torch.Tensor, count: 
 
 def fits_graph_tail(plan: SamplingPlan) -> bool:
     """Whether a step's sampling needs nothing beyond what `graph_sampling_metadata` describes (temperature and
-    seeds, greedy rows among random ones), so the sampling recorded in a decode graph gives its tokens."""
+    seeds, greedy rows among random ones, grammar bitmasks), so the sampling recorded in a decode graph gives its
+    tokens (grammar rows only if their bitmask was in place before the replay)."""
     return not (plan.max_top_k or plan.use_top_p or plan.use_min_p or plan.use_repetition or plan.use_presence
                 or plan.use_frequency or plan.blocked is not None or plan.max_num_logprobs is not None)
 
 
-def graph_sampling_metadata(table: RequestTable, idx: torch.Tensor, seq_lens: torch.Tensor) -> SamplingMetadata:
+def graph_sampling_metadata(table: RequestTable, idx: torch.Tensor, seq_lens: torch.Tensor, bitmask: torch.Tensor,
+                            mask_index: torch.Tensor) -> SamplingMetadata:
     """Metadata for rows `idx` [N] that holds for every batch a decode graph may replay: greedy rows beside random
-    ones, temperatures always applied (greedy rows hold 1.0) and no host-side flags, so one recording serves any
-    mix. It samples the tokens `sampling_metadata` does for any plan that `fits_graph_tail`."""
+    ones, temperatures always applied (greedy rows hold 1.0), the grammar bitmask always read (rows whose
+    `mask_index` is 0 skip it) and no host-side flags, so one recording serves any mix. It samples the tokens
+    `sampling_metadata` does for any plan that `fits_graph_tail`."""
     pf, pi = table.params_f[idx], table.params_i[idx]                  # [N, 7], [N, 3]
     num_out = (seq_lens.to(torch.int64) - pi[:, NUM_PROMPT]).clamp_(min=0)
     return SamplingMetadata(
@@ -147,4 +161,4 @@ def graph_sampling_metadata(table: RequestTable, idx: torch.Tensor, seq_lens: to
         greedy_mask=pf[:, GREEDY] > 0.5, temperature=pf[:, TEMPERATURE].contiguous(), top_k=None, max_top_k=0,
         top_p=None, min_p=None, seeds=pi[:, SEED].contiguous(), output_lens=num_out, prompt_token_ids=None,
         output_token_ids=None, repetition_penalty=None, presence_penalty=None, frequency_penalty=None,
-        blocked_token_ids=None, max_num_logprobs=None)
+        blocked_token_ids=None, max_num_logprobs=None, bitmask=bitmask, mask_index=mask_index)

@@ -59,6 +59,8 @@ class StepInput:
     # per batch request, the tokens proposed after its last one (ember.spec_decode), or () when the step has none;
     # a request with proposals runs its last token and them, and the step verifies them
     spec_token_ids: tuple[tuple[int, ...], ...] = ()
+    # batch rows that sample under a grammar: the step's token bitmask has one row for each, in this order
+    grammar_rows: tuple[int, ...] = ()
 
     def __post_init__(self):
         if len(self.req_ids) != len(self.num_scheduled_tokens):

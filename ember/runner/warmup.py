@@ -13,7 +13,8 @@ a pointer is 16-byte aligned. Per-step counts are left out of the key in the ker
 - the token count: tiles of long prefills;
 - the sampling settings: greedy, random with and without temperature, a mix of both, each on the model's logits
   and on the float32 copy that penalties make; the noise kernel of top-k/top-p (run on a batch with a prefill,
-  which samples outside any graph).
+  which samples outside any graph); each again under a grammar bitmask (structured output), which the bitmask
+  buffer's start-up content, every token allowed, serves.
 
 Steps inside the CUDA-graph buckets replay graphs whose kernels compiled at capture, so they cost little; steps
 past the buckets (or every step without graphs) run eagerly and compile here. Every warm-up request is a prompt
@@ -40,7 +41,7 @@ from ember.graphs.modes import CUDAGraphMode
 from ember.kernels.gemv import GEMV_MAX_M
 from ember.runner.sampler import SamplingMetadata
 from ember.runner.step_input import null_block_step
-from ember.sampling_params import SamplingParams
+from ember.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger("ember")
 
@@ -49,13 +50,25 @@ RANDOM = SamplingParams(temperature=1.0, max_tokens=1)            # no temperatu
 HOT = SamplingParams(temperature=0.8, max_tokens=1)
 FILTERED = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, min_p=0.01, max_tokens=1)
 LOGPROBS = SamplingParams(temperature=0.8, logprobs=2, max_tokens=1)
-# the profile run's sampling (`ModelRunner._profile_run`): the filtered path, whose work is the largest
+# the profile run's sampling (`profile_run`): the filtered path, whose work is the largest
 PROFILE_SAMPLING = SamplingParams(temperature=1.0, top_p=0.9, top_k=50)
 
 # each batch mix of the one-pass sampling kernel's flags (all greedy, all random with / without temperature,
 # greedy and random rows together with / without temperature)
 _SAMPLER_MIXES = ((GREEDY,), (RANDOM,), (HOT,), (GREEDY, RANDOM), (GREEDY, HOT))
 _SAMPLER_ROWS = 4
+# rows whose params carry a grammar sample under the bitmask (no grammar is compiled: the runner only sees rows)
+_GRAMMAR = StructuredOutputsParams(json_object=True)
+
+
+def _constrained(p: SamplingParams) -> SamplingParams:
+    return dataclasses.replace(p, structured_outputs=_GRAMMAR)
+
+
+def _grammar_rows(step) -> tuple[int, ...]:
+    """The batch rows of a null-block step whose requests carry a grammar."""
+    constrained = {r.req_id for r in step.new_requests if r.sampling_params.structured_outputs is not None}
+    return tuple(i for i, req_id in enumerate(step.req_ids) if req_id in constrained)
 
 
 @dataclass(frozen=True)
@@ -119,7 +132,42 @@ def warmup_plan(max_num_tokens: int, max_num_reqs: int, max_model_len: int,
         add(rows, tuple(_penalised(p) for p in mix))
     add(rows, (FILTERED, GREEDY))
     add(rows, (LOGPROBS,))
+    for mix in _SAMPLER_MIXES + ((FILTERED, GREEDY), (LOGPROBS,)):
+        add(rows, tuple(_constrained(p) for p in mix))
     return steps
+
+
+@torch.inference_mode()
+def profile_run(runner) -> int:
+    """One dummy step of max_num_batched_tokens tokens spread over max_num_seqs requests, plus sampling a
+    full batch; compiles the model (the first call) and returns the peak memory in bytes. On the CPU it only
+    compiles, on a small step: nothing measures memory there, and the LM head and sampler over a full batch
+    (eager code) took 8 of a 37 s start-up of the Qwen3-0.6B config on two cores."""
+    cuda = runner.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(runner.device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(runner.device)
+        before = torch.cuda.memory_allocated(runner.device)
+    t0 = time.perf_counter()
+    # on the CPU there is no memory to measure: a small step suffices to compile
+    num_tokens = runner.max_num_tokens if cuda else min(runner.max_num_tokens, 64)
+    hidden = runner._dummy_forward(num_tokens, runner.max_num_reqs)[0]
+    stats = runner.compile_stats
+    if stats is not None:
+        runner.times.compile_s = stats.seconds
+        runner.times.compile_cache_hit = stats.artifacts_loaded > 0 or stats.fxgraph_cache_hits > 0
+    if not cuda:
+        return 0
+    logits = runner.model.compute_logits(hidden[torch.arange(runner.max_num_reqs, device=runner.device) % len(hidden)])
+    n = logits.shape[0]
+    meta = SamplingMetadata.build([PROFILE_SAMPLING] * n, [0] * n,
+                                  [[]] * n, [[0]] * n, [()] * n, runner.vocab_size, runner.device)
+    runner.sampler(logits, meta)
+    del hidden, logits
+    torch.cuda.synchronize(runner.device)
+    logger.info("profile run of %d tokens in %.1f s", runner.max_num_tokens, time.perf_counter() - t0)
+    return torch.cuda.max_memory_allocated(runner.device) - before
 
 
 def run_warmup(runner) -> float:
@@ -129,6 +177,7 @@ def run_warmup(runner) -> float:
     block_size, num_groups = runner.config.cache.block_size, len(runner.attn.groups)
     for step in plan:
         step_input = null_block_step("__warmup", step.query_lens, step.params, block_size, num_groups)
+        step_input = dataclasses.replace(step_input, grammar_rows=_grammar_rows(step_input))
         try:
             runner.execute(step_input)
         finally:
@@ -234,8 +283,13 @@ def _dry_sample(runner, mix: tuple[SamplingParams, ...]) -> None:
     n = len(mix)
     hidden = torch.zeros(n, runner.hf_config.hidden_size, dtype=runner.dtype, device=runner.device)
     logits = runner.model.compute_logits(hidden)
+    grammar = {}
+    if any(p.structured_outputs is not None for p in mix):   # rows under the bitmask buffer (every token allowed)
+        rows = [i for i, p in enumerate(mix) if p.structured_outputs is not None]
+        mask_index = [rows.index(i) + 1 if i in rows else 0 for i in range(n)]
+        grammar = dict(bitmask=runner.grammar.bitmask, mask_index=mask_index)
     meta = SamplingMetadata.build(list(mix), [0] * n, [[]] * n, [[0]] * n, [()] * n, runner.vocab_size,
-                                  runner.device)
+                                  runner.device, **grammar)
     runner.sampler(logits, meta)
 
 

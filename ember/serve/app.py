@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from typing import AsyncIterator, Callable
@@ -22,6 +23,8 @@ from ember.serve.async_engine import AsyncEngine, EngineFailed, RequestStream, S
 from ember.serve.metrics import ServerMetrics
 from ember.serve.protocol import ApiError, ChatCompletionRequest, CompletionRequest, validation_error
 from ember.serve.render import DONE, ChoiceCursor, EchoedPrompt, Renderer, TokenText, error_event, usage
+from ember.serve.chat_prompt import ChatPrompts, check_structured
+from ember.serve.tool_calls import TOOL_CALL_PARSERS
 
 logger = logging.getLogger("ember.serve")
 
@@ -35,9 +38,12 @@ class ClientGone(Exception):
 class ServerState:
     """What the routes share: the engine front, the tokenizer side of `LLM`, the metrics and the served name."""
 
-    def __init__(self, llm, model_name: str, max_waiting: int):
+    def __init__(self, llm, model_name: str, max_waiting: int, tool_call_parser: str | None = None,
+                 chat_template: str | None = None):
         self.llm = llm
         self.model_name = model_name
+        self.tool_call_parser = tool_call_parser
+        self.chat = ChatPrompts(llm, chat_template)
         self.metrics = ServerMetrics(model_name, llm.engine.runner.device)
         self.front = AsyncEngine(llm.engine, max_waiting, self.metrics.on_tokens, self.metrics.on_finish)
         self.token_text = TokenText(llm.tokenizer)
@@ -45,9 +51,14 @@ class ServerState:
         self.checkpoint = llm.checkpoint
 
 
-def build_app(llm, model_name: str, max_waiting: int = 512) -> FastAPI:
-    """The server's app around a loaded `LLM`; the engine thread runs while the app's lifespan does."""
-    state = ServerState(llm, model_name, max_waiting)
+def build_app(llm, model_name: str, max_waiting: int = 512, tool_call_parser: str | None = None,
+              chat_template: str | None = None) -> FastAPI:
+    """The server's app around a loaded `LLM`; the engine thread runs while the app's lifespan does.
+    `tool_call_parser`: how `tool_choice` "auto" finds calls (`ember.serve.tool_calls.TOOL_CALL_PARSERS`);
+    `chat_template`: a template (its text) to use instead of the tokenizer's."""
+    if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
+        raise ValueError(f"tool call parser {tool_call_parser!r} is not one of {', '.join(TOOL_CALL_PARSERS)}")
+    state = ServerState(llm, model_name, max_waiting, tool_call_parser, chat_template)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -102,6 +113,7 @@ def build_app(llm, model_name: str, max_waiting: int = 512) -> FastAPI:
         body.check_fields()
         _check_model(state, body.model)
         params = body.sampling_params(default_max_tokens=16)
+        check_structured(state.front, params, body.structured_field)
         prompts = [_tokenize(state.llm, p) for p in body.prompts()]
         echo = None
         if body.echo:
@@ -116,8 +128,13 @@ def build_app(llm, model_name: str, max_waiting: int = 512) -> FastAPI:
         body.check_fields()
         _check_model(state, body.model)
         params = body.sampling_params(default_max_tokens=None)
-        ids = _chat_prompt_ids(state.llm, body)
-        renderer = Renderer(True, state.model_name, state.token_text, params.logprobs, _hold_back(params), params.n)
+        tools = body.tool_mode(state.tool_call_parser)
+        if tools is not None and tools.structured_output() is not None:    # "required" or a named function
+            params = dataclasses.replace(params, structured_outputs=tools.structured_output())
+        check_structured(state.front, params, body.structured_field or ("tool_choice" if tools is not None else None))
+        ids = state.chat.prompt_ids(body)
+        renderer = Renderer(True, state.model_name, state.token_text, params.logprobs, _hold_back(params), params.n,
+                            tools=tools)
         return await _serve(state, request, [(ids, None)], params, renderer, body)
 
     return app
@@ -136,19 +153,6 @@ def _tokenize(llm, prompt: str | list[int]) -> tuple[list[int], str | None]:
             raise ApiError("text prompts need a tokenizer and this model has none; send token ids", param="prompt")
         return llm.tokenizer.encode(prompt), prompt
     return list(prompt), None
-
-
-def _chat_prompt_ids(llm, body: ChatCompletionRequest) -> list[int]:
-    if llm.tokenizer is None or not getattr(llm.tokenizer, "chat_template", None):
-        raise ApiError("this model has no chat template; use /v1/completions", param="messages")
-    conversation = body.conversation()
-    kwargs = dict(body.chat_template_kwargs or {})
-    if body.continue_final_message:
-        kwargs["continue_final_message"] = True
-    try:
-        return llm.chat_prompt_ids(conversation, bool(body.add_generation_prompt), **kwargs)
-    except Exception as exc:   # noqa: BLE001 - a template that refuses the conversation (jinja raises its own types)
-        raise ApiError(f"the chat template refused the messages: {exc}", param="messages") from None
 
 
 def _hold_back(params: SamplingParams) -> int:

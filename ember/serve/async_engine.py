@@ -134,6 +134,10 @@ class AsyncEngine:
         call it)."""
         self.engine.validate(prompt_token_ids, params)
 
+    def check_structured_output(self, structured_outputs) -> None:
+        """Raise ValueError naming the problem if the grammar cannot be served (no engine state: any thread)."""
+        self.engine.check_structured_output(structured_outputs)
+
     def add(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None) -> RequestStream:
         """Queue a request for the engine thread; returns the stream of its outputs."""
         if self.draining:

@@ -3,27 +3,28 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
-from ember.compat import STRUCTURED_OUTPUT_UNSUPPORTED
-from ember.sampling_params import MAX_LOGPROBS, SamplingParams
+from ember.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams, check_grammar_backend
+from ember.serve.tool_calls import ToolChoiceError, ToolMode, ToolSpec, tool_mode
 
 # OpenAI fields ember does not implement, with the values that mean "not used": a request that sets one of them to
 # anything else is refused by name rather than silently served without it
 NEUTRAL_VALUES: dict[str, tuple] = {
     "best_of": (None, 1), "logit_bias": (None, {}), "suffix": (None, ""),
-    "response_format": (None, {"type": "text"}), "tools": (None, []), "tool_choice": (None, "none"),
-    "functions": (None, []), "function_call": (None, "none"), "parallel_tool_calls": (None, True, False),
+    "tools": (None, []), "tool_choice": (None, "none"), "parallel_tool_calls": (None, True, False),
+    "functions": (None, []), "function_call": (None, "none"),
     "store": (None, False), "metadata": (None, {}), "service_tier": (None, "auto", "default"),
     "modalities": (None, ["text"]), "prediction": (None,), "audio": (None,), "reasoning_effort": (None,),
     "web_search_options": (None,), "user": None,   # user: any value, it only labels the caller
 }
-# fields that ask for structured output (OpenAI's and vLLM's extra ones), refused with one message where set
-STRUCTURED_OUTPUT_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-                            "guided_decoding_backend", "guided_whitespace_pattern", "structured_outputs")
-CHAT_ROLES = ("system", "developer", "user", "assistant")
+# the fields that ask for structured output: OpenAI's response_format, vLLM's structured_outputs and guided_*
+STRUCTURED_OUTPUT_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                            "guided_grammar")
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 class ApiError(Exception):
@@ -79,6 +80,23 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool | None = False
 
 
+class JsonSchemaFormat(BaseModel):
+    """`response_format.json_schema`: the schema the reply must match (`strict` closes its objects to properties
+    they do not name, as OpenAI's strict mode does)."""
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """`response_format`: `text` (no constraint), `json_object` (any JSON object) or `json_schema`."""
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: str
+    json_schema: JsonSchemaFormat | None = None
+
+
 class _Request(BaseModel):
     """The sampling fields both endpoints share; None means the OpenAI default."""
     model_config = ConfigDict(extra="allow", strict=True)
@@ -101,14 +119,19 @@ class _Request(BaseModel):
     stream_options: StreamOptions | None = None
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
+    # structured output: OpenAI's field, then vLLM's extra ones (at most one of them per request)
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
+    guided_decoding_backend: str | None = None
 
     def check_fields(self) -> None:
         """Refuse fields ember does not know, or knows but does not implement, by name."""
         for name, value in (self.model_extra or {}).items():
-            if name in STRUCTURED_OUTPUT_FIELDS:
-                if value not in NEUTRAL_VALUES.get(name, (None,)):
-                    raise ApiError(f"'{name}': {STRUCTURED_OUTPUT_UNSUPPORTED}", param=name, code="unsupported_field")
-                continue
             if name not in NEUTRAL_VALUES:
                 raise ApiError(f"unknown field '{name}'", param=name, code="unsupported_field")
             neutral = NEUTRAL_VALUES[name]
@@ -121,6 +144,42 @@ class _Request(BaseModel):
     def _logprobs(self) -> int | None:
         raise NotImplementedError
 
+    @property
+    def structured_field(self) -> str | None:
+        """The field that asks for structured output, if one does (ApiError if several do)."""
+        fields = [name for name in STRUCTURED_OUTPUT_FIELDS if getattr(self, name) is not None]
+        if self.response_format is not None and self.response_format.type == "text":
+            fields.remove("response_format")
+        if len(fields) > 1:
+            raise ApiError(f"{' and '.join(repr(f) for f in fields)} each ask for structured output; give one",
+                           param=fields[1])
+        return fields[0] if fields else None
+
+    def structured_output(self) -> StructuredOutputsParams | None:
+        """What the reply must match, from whichever field asks (ApiError naming the field if it is malformed)."""
+        field = self.structured_field
+        if field is None:
+            if self.guided_whitespace_pattern is not None:
+                raise ApiError("'guided_whitespace_pattern' needs 'guided_json' or a JSON response_format",
+                               param="guided_whitespace_pattern")
+            return None
+        try:
+            check_grammar_backend(self.guided_decoding_backend, "guided_decoding_backend")
+        except ValueError as exc:
+            raise ApiError(str(exc), param="guided_decoding_backend") from None
+        whitespace = {"whitespace_pattern": self.guided_whitespace_pattern} if self.guided_whitespace_pattern else {}
+        try:
+            if field == "response_format":
+                return _response_format(self.response_format, whitespace)
+            if field == "structured_outputs":
+                return StructuredOutputsParams(**{**self.structured_outputs, **whitespace})
+            kind = field.removeprefix("guided_")
+            return StructuredOutputsParams(**{kind: getattr(self, field)}, **whitespace)
+        except ApiError:
+            raise
+        except (ValueError, TypeError) as exc:
+            raise ApiError(f"'{field}': {exc}", param=field) from None
+
     def sampling_params(self, default_max_tokens: int | None) -> SamplingParams:
         """The request's `SamplingParams`; a bad value raises ApiError naming it."""
         values = dict(n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
@@ -132,6 +191,7 @@ class _Request(BaseModel):
         kwargs = {k: v for k, v in values.items() if v is not None}
         kwargs["max_tokens"] = self._max_tokens() if self._max_tokens() is not None else default_max_tokens
         kwargs["logprobs"] = self._logprobs()
+        kwargs["structured_outputs"] = self.structured_output()
         try:
             return SamplingParams(**kwargs)
         except (ValueError, TypeError) as exc:
@@ -141,6 +201,21 @@ class _Request(BaseModel):
 
     def _max_tokens(self) -> int | None:
         return self.max_tokens
+
+
+def _response_format(fmt: ResponseFormat, whitespace: dict) -> StructuredOutputsParams:
+    if fmt.type == "json_object":
+        if fmt.json_schema is not None:
+            raise ApiError("response_format of type 'json_object' takes no 'json_schema'", param="response_format")
+        return StructuredOutputsParams(json_object=True, **whitespace)
+    if fmt.type != "json_schema":
+        raise ApiError(f"response_format type {fmt.type!r} is not one of 'text', 'json_object', 'json_schema'",
+                       param="response_format")
+    if fmt.json_schema is None or fmt.json_schema.json_schema is None:
+        raise ApiError("response_format of type 'json_schema' needs 'json_schema': {'name': ..., 'schema': {...}}",
+                       param="response_format")
+    return StructuredOutputsParams(json=fmt.json_schema.json_schema,
+                                   disable_additional_properties=bool(fmt.json_schema.strict), **whitespace)
 
 
 class CompletionRequest(_Request):
@@ -182,6 +257,8 @@ class ChatMessage(BaseModel):
     role: str
     content: str | list[dict] | None = None
     name: str | None = None
+    tool_calls: list[dict] | None = None     # an assistant's calls
+    tool_call_id: str | None = None          # a tool's reply names the call it answers
 
     def to_template(self, index: int) -> dict:
         """The message as chat templates expect it; refuses what the server cannot render."""
@@ -207,7 +284,36 @@ class ChatMessage(BaseModel):
         message = {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_calls:
+            if self.role != "assistant":
+                raise ApiError(f"{where}.tool_calls belong to assistant messages, not {self.role!r} ones",
+                               param=f"{where}.tool_calls")
+            message["tool_calls"] = [_template_call(call, f"{where}.tool_calls[{j}]")
+                                     for j, call in enumerate(self.tool_calls)]
+        if self.role == "tool":
+            if self.tool_call_id is None:
+                raise ApiError(f"{where} of role 'tool' needs 'tool_call_id', the id of the call it answers",
+                               param=f"{where}.tool_call_id")
+            message["tool_call_id"] = self.tool_call_id
         return message
+
+
+def _template_call(call: dict, where: str) -> dict:
+    """An assistant's call as chat templates take it: the arguments parsed from their JSON text into a dict."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise ApiError(f"{where} must be {{'id': ..., 'type': 'function', 'function': {{'name': ..., 'arguments': "
+                       f"'...'}}}}", param=where)
+    arguments = function.get("arguments", "{}")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except ValueError as exc:
+            raise ApiError(f"{where}.function.arguments is not valid JSON: {exc}", param=where) from None
+    out = {"type": "function", "function": {"name": function["name"], "arguments": arguments}}
+    if "id" in call:
+        out["id"] = call["id"]
+    return out
 
 
 class ChatCompletionRequest(_Request):
@@ -219,6 +325,9 @@ class ChatCompletionRequest(_Request):
     add_generation_prompt: bool | None = True
     continue_final_message: bool | None = False
     chat_template_kwargs: dict | None = None
+    tools: list[ToolSpec] | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None
 
     def check_fields(self) -> None:
         super().check_fields()
@@ -234,6 +343,21 @@ class ChatCompletionRequest(_Request):
 
     def conversation(self) -> list[dict]:
         return [m.to_template(i) for i, m in enumerate(self.messages)]
+
+    def tool_mode(self, parser: str | None) -> ToolMode | None:
+        """How the reply is read for tool calls (None: as plain content); ApiError for what cannot be served."""
+        try:
+            mode = tool_mode(self.tools, self.tool_choice, self.parallel_tool_calls, parser)
+        except ToolChoiceError as exc:
+            raise ApiError(str(exc), param=exc.param) from None
+        if mode is not None and mode.choice != "auto" and self.structured_field is not None:
+            raise ApiError(f"tool_choice {self.tool_choice!r} forces the reply's shape, and so does "
+                           f"'{self.structured_field}'; give one", param=self.structured_field)
+        return mode
+
+    def tool_dicts(self) -> list[dict] | None:
+        """`tools` as chat templates take them (None without tools)."""
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
 
     def _logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None

@@ -11,6 +11,7 @@ import uuid
 from dataclasses import dataclass
 
 from ember.engine.request import CompletionOutput, Logprob, RequestOutput
+from ember.serve.tool_calls import ToolCallStream, ToolMode
 
 
 def new_id(prefix: str) -> str:
@@ -32,6 +33,14 @@ class TokenText:
         return text
 
 
+# JSON has no -inf (a grammar's forbidden tokens have that logprob): like vLLM, send this instead
+MIN_LOGPROB = -9999.0
+
+
+def _finite(logprob: float) -> float:
+    return logprob if logprob >= MIN_LOGPROB else MIN_LOGPROB
+
+
 def _top(entry: dict[int, Logprob], num: int) -> list[tuple[int, Logprob]]:
     """The `num` most likely tokens of a position (the sampled token may be among them or not)."""
     ranked = [(t, lp) for t, lp in entry.items() if lp.rank is not None and lp.rank <= num]
@@ -46,8 +55,8 @@ def completion_logprobs(entries: list[dict[int, Logprob] | None], token_ids: lis
     for token_id, entry in zip(token_ids, entries):
         piece = text(token_id)
         tokens.append(piece)
-        token_logprobs.append(entry[token_id].logprob if entry is not None else None)
-        tops.append({text(t): lp.logprob for t, lp in _top(entry, num)} if entry is not None else None)
+        token_logprobs.append(_finite(entry[token_id].logprob) if entry is not None else None)
+        tops.append({text(t): _finite(lp.logprob) for t, lp in _top(entry, num)} if entry is not None else None)
         offsets.append(offset)
         offset += len(piece)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
@@ -75,7 +84,7 @@ def chat_logprobs(entries: list[dict[int, Logprob]], token_ids: list[int], num: 
     """The chat `logprobs` object for these positions."""
     def item(token_id, lp):
         piece = text(token_id)
-        return {"token": piece, "logprob": lp.logprob, "bytes": list(piece.encode("utf-8"))}
+        return {"token": piece, "logprob": _finite(lp.logprob), "bytes": list(piece.encode("utf-8"))}
     content = []
     for token_id, entry in zip(token_ids, entries):
         content.append({**item(token_id, entry[token_id]),
@@ -91,21 +100,23 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
 
 class ChoiceCursor:
     """How much of one choice's text, tokens and logprobs a stream has sent."""
-    __slots__ = ("text_len", "num_tokens", "num_logprobs", "finished", "echoed", "echo_end")
+    __slots__ = ("text_len", "num_tokens", "num_logprobs", "finished", "echoed", "echo_end", "tools")
 
     def __init__(self):
         self.text_len = self.num_tokens = self.num_logprobs = 0
         self.finished = self.echoed = False
         self.echo_end = 0   # with echo and logprobs: where the prompt's text ends, by its token offsets
+        self.tools: ToolCallStream | None = None   # a chat reply read for tool calls: what it has sent of them
 
 
 class Renderer:
     """Builds the bodies of one response (one id, model and creation time), for completions or chat."""
 
     def __init__(self, chat: bool, model: str, text: TokenText, num_logprobs: int | None, hold_back: int,
-                 n: int = 1, echo: list[EchoedPrompt] | None = None):
+                 n: int = 1, echo: list[EchoedPrompt] | None = None, tools: ToolMode | None = None):
         self.chat, self.model, self.text, self.num_logprobs = chat, model, text, num_logprobs
         self.echo = echo   # completions with `echo`: per prompt, what goes before its completions
+        self.tools = tools   # chat with tools: how each reply is read for calls
         self.id = new_id("chatcmpl" if chat else "cmpl")
         self.created = int(time.time())
         self.hold_back = hold_back   # characters a stop string could still claim
@@ -131,8 +142,13 @@ class Renderer:
         if self.chat:
             if self.num_logprobs is not None and c.logprobs is not None:
                 logprobs = chat_logprobs(c.logprobs, c.token_ids, self.num_logprobs, self.text)
-            return {"index": index, "message": {"role": "assistant", "content": c.text}, "logprobs": logprobs,
-                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+            if self.tools is None:
+                message, finish_reason = {"role": "assistant", "content": c.text}, c.finish_reason
+            else:
+                message = self.tools.message(c.text)
+                finish_reason = self.tools.finish_reason(c.finish_reason, "tool_calls" in message)
+            return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason,
+                    "stop_reason": c.stop_reason}
         head = self._echo_logprobs(echo)
         if self.num_logprobs is not None and c.logprobs is not None:
             logprobs = completion_logprobs(c.logprobs, c.token_ids, self.num_logprobs, self.text,
@@ -175,7 +191,16 @@ class Renderer:
                                                 cursor.echo_end + cursor.text_len))
                 cursor.num_logprobs = len(c.logprobs)
             index = prompt_index * self.n + c.index
-            if self.chat:
+            if self.chat and self.tools is not None:
+                if cursor.tools is None:
+                    cursor.tools = ToolCallStream(self.tools)
+                delta = cursor.tools.delta(c.text[:end], done)
+                if delta is None and not done and logprobs is None:
+                    cursor.text_len, cursor.num_tokens = end, num_tokens
+                    continue
+                choices.append({"index": index, "delta": delta or {}, "logprobs": logprobs,
+                                "finish_reason": self.tools.finish_reason(c.finish_reason, cursor.tools.called)})
+            elif self.chat:
                 choices.append({"index": index, "delta": {"content": delta_text}, "logprobs": logprobs,
                                 "finish_reason": c.finish_reason})
             else:

@@ -100,6 +100,20 @@ def reserve_address(host: str, port: int) -> socket.socket:
     return sock
 
 
+def read_chat_template(value: str | None) -> str | None:
+    """--chat-template: the text of a template file, or the value itself when it is a template ('{' in it)."""
+    if value is None:
+        return None
+    from pathlib import Path
+    path = Path(value)
+    if path.is_file():
+        return path.read_text()
+    if "{" in value:
+        return value
+    raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template; give the path of a template "
+                     f"file")
+
+
 def main(args) -> int:
     """Run `ember serve` with parsed arguments."""
     from ember import LLM
@@ -111,6 +125,7 @@ def main(args) -> int:
         raise ValueError(f"--drain-timeout {args.drain_timeout} must be >= 0")
     if args.config and args.model:
         raise ValueError(f"give a model {args.model!r} or --config {args.config!r}, not both")
+    chat_template = read_chat_template(getattr(args, "chat_template", None))
     sock = reserve_address(args.host, args.port)
     try:
         if args.config:
@@ -121,7 +136,8 @@ def main(args) -> int:
         # interval, and the default 5 ms is a third of a decode step
         sys.setswitchinterval(SWITCH_INTERVAL_S)
         name = served_model_name(args)
-        app = build_app(llm, name, max_waiting=args.max_waiting)
+        app = build_app(llm, name, max_waiting=args.max_waiting, tool_call_parser=getattr(args, "tool_call_parser", None),
+                        chat_template=chat_template)
         port = sock.getsockname()[1]      # the one the system chose, for --port 0
         server = make_server(app, args.host, port, args.drain_timeout, "info" if args.verbose else "warning")
         print(startup_message(name, llm.checkpoint, args.host, port), flush=True)

@@ -12,7 +12,7 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-gpu_test_out}; mkdir -p "$OUT"
 case "${1:-}" in
   1) FILES="test_graphs_engine_gpu test_graphs_gpu_toy test_sampling_gpu test_gemv_gpu test_fused_linear_gpu test_fusion_model_gpu" ;;
-  2) FILES="test_triton_unified_gpu test_parity_gpu" ;;
+  2) FILES="test_triton_unified_gpu test_parity_gpu test_structured_gpu" ;;
   3) FILES="test_flash_gpu test_flash_engine_gpu test_kv_sharing_gpu test_engine_release_gpu test_kernels_per_layer_gpu" ;;
   4) FILES="test_jit_warmup_gpu"; LIMIT=${LIMIT:-560} ;;
   5) FILES="test_moe_gpu"; LIMIT=${LIMIT:-560} ;;     # MoE kernels, and Qwen3-MoE / Mixtral against transformers

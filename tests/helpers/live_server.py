@@ -40,11 +40,13 @@ class LiveServer:
 
 
 @contextlib.contextmanager
-def live_server(llm, model_name: str = "test-model", max_waiting: int = 512, drain_timeout: float = 5.0):
-    """Serve `llm` on 127.0.0.1 at a free port until the block exits, then stop the server and its engine thread."""
+def live_server(llm, model_name: str = "test-model", max_waiting: int = 512, drain_timeout: float = 5.0,
+                **app_kwargs):
+    """Serve `llm` on 127.0.0.1 at a free port until the block exits, then stop the server and its engine thread.
+    `app_kwargs` go to `build_app` (tool_call_parser, chat_template)."""
     from ember.serve.app import build_app
     from ember.serve.server import bound_port, make_server, start_in_thread
-    app = build_app(llm, model_name, max_waiting=max_waiting)
+    app = build_app(llm, model_name, max_waiting=max_waiting, **app_kwargs)
     server = make_server(app, "127.0.0.1", 0, drain_timeout)
     thread = start_in_thread(server)
     try:

@@ -21,3 +21,26 @@ def save_tiny_tokenizer(folder: str | Path, vocab_size: int) -> None:
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(str(folder))
+
+
+# text the byte-level BPE tokenizer learns its merges from: words, digits and JSON punctuation
+BPE_CORPUS = ["hello world the capital of france is paris a cat and a dog sat on the mat yes no maybe so",
+              '{"k": "a", "n": 12} {"name": "Ann", "age": 42} [1, 2, 3] true false null',
+              "0123456789 abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ -_.,:;!?()[]{}"] * 4
+
+
+def save_bpe_tokenizer(folder: str | Path, vocab_size: int) -> None:
+    """Save a byte-level BPE tokenizer of `vocab_size` tokens (every byte, then merges learnt from `BPE_CORPUS`, then
+    filler tokens), with "</s>" as EOS and the tiny chat template, into `folder`: a real byte-level vocabulary, as
+    grammar engines need, small enough that tests sample fast."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<unk>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(BPE_CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(str(folder))

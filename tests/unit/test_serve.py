@@ -292,6 +292,8 @@ BAD_INPUTS = [
     ("completions", {"prompt": "x", "frobnicate": 1}, 400, "unknown field 'frobnicate'"),
     ("completions", {"prompt": "x", "logit_bias": {"5": 10}}, 400, "'logit_bias' is not supported"),
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, 400,
+     "'tools.0.function' is required"),
+    ("completions", {"prompt": "x", "tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
      "'tools' is not supported"),
     ("completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "'stream_options'"),
     ("completions", {"prompt": "x", "model": "gpt-9"}, 404, "'gpt-9' does not exist"),

@@ -62,7 +62,10 @@ def test_chat_messages_map_to_the_template():
                                       {"role": "user", "content": "Hi there"}]
     params = request.sampling_params(None)
     assert (params.max_tokens, params.logprobs) == (7, 3)
-    assert _error(ChatCompletionRequest, {"messages": [{"role": "tool", "content": "x"}]}).param == "messages[0].role"
+    assert _error(ChatCompletionRequest, {"messages": [{"role": "robot", "content": "x"}]}).param == "messages[0].role"
+    # a tool's reply must name the call it answers
+    assert _error(ChatCompletionRequest, {"messages": [{"role": "tool", "content": "x"}]}).param == \
+        "messages[0].tool_call_id"
 
 
 def _output(text: str, num_tokens: int, finish: str | None) -> RequestOutput:

@@ -127,41 +127,57 @@ def test_prompt_logprobs_out_of_range_is_refused():
         SamplingParams(prompt_logprobs=21)
 
 
-STRUCTURED = ("structured output (guided decoding by JSON schema, regex, choice or grammar) is not supported yet; drop "
-              "it, describe the format in the prompt and check the reply yourself (for JSON: parse it, and retry if it "
-              "fails)")
+def test_structured_output_spellings_of_vllm_are_taken():
+    from ember import GuidedDecodingParams, StructuredOutputsParams
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    new = SamplingParams(structured_outputs=StructuredOutputsParams(json=schema))
+    old = SamplingParams(guided_decoding=GuidedDecodingParams(json=json.dumps(schema), backend="guidance"))
+    assert new.structured_outputs == old.structured_outputs and new.structured_outputs.kind == "json"
+    assert hash(new) == hash(SamplingParams(structured_outputs=StructuredOutputsParams(json=dict(schema))))
+    with pytest.raises(TypeError, match=r"structured_outputs must be a StructuredOutputsParams .*got dict"):
+        SamplingParams(structured_outputs={"json": schema})
+    with pytest.raises(ValueError, match=r"structured_outputs or its older name guided_decoding, not both"):
+        SamplingParams(structured_outputs=StructuredOutputsParams(regex="a"),
+                       guided_decoding=GuidedDecodingParams(regex="b"))
+    with pytest.raises(ValueError, match=r"backend 'xgrammar' is not available: ember's structured output runs on "
+                                         r"llguidance; use backend='guidance'"):
+        GuidedDecodingParams(regex="a", backend="xgrammar")
+    with pytest.raises(ValueError, match=r"sets \['json', 'regex'\] of .*; set exactly one"):
+        StructuredOutputsParams(json=schema, regex="a")
 
 
-@pytest.mark.parametrize("owner, name", [("SamplingParams()", "structured_outputs"),
-                                         ("SamplingParams()", "guided_decoding")])
-def test_structured_output_in_sampling_params_gets_the_one_message(owner, name):
-    with pytest.raises(TypeError) as info:
-        SamplingParams(**{name: {"json": {"type": "object"}}})
-    assert str(info.value) == f"{owner} got an unexpected keyword argument {name!r}: {STRUCTURED}"
-
-
-@pytest.mark.parametrize("name", ["guided_decoding_backend", "structured_outputs_config"])
-def test_structured_output_in_llm_gets_the_one_message(folder, monkeypatch, name):
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(guided_decoding_backend="xgrammar"), ValueError,
+     r"guided_decoding_backend 'xgrammar' is not available: ember's structured output runs on llguidance"),
+    (dict(structured_outputs_config={"backend": "xgrammar"}), TypeError,
+     r"'structured_outputs_config': ember's structured output runs on llguidance and needs no configuration"),
+])
+def test_structured_output_settings_of_llm_are_checked_before_loading(folder, monkeypatch, kwargs, error, match):
     monkeypatch.setattr("ember.llm.Engine", lambda *a, **k: pytest.fail("the model was loaded"))
-    with pytest.raises(TypeError) as info:
-        LLM(str(folder), device="cpu", **{name: "xgrammar"})
-    assert str(info.value) == f"LLM() got an unexpected keyword argument {name!r}: {STRUCTURED}"
+    with pytest.raises(error, match=match):
+        LLM(str(folder), device="cpu", **kwargs)
 
 
-def test_structured_output_in_generate_and_in_requests_gets_the_one_message(llm):
-    with pytest.raises(TypeError) as info:
+def test_structured_output_in_generate_and_in_requests(llm):
+    with pytest.raises(TypeError, match=r"'guided_options_request': pass SamplingParams\(structured_outputs="):
         llm.generate("hello", GREEDY, guided_options_request={"guided_json": {}})
-    assert str(info.value) == (f"LLM.generate() got an unexpected keyword argument 'guided_options_request': "
-                               f"{STRUCTURED}")
     from ember.serve.protocol import ApiError, ChatCompletionRequest, CompletionRequest
-    for model, body in [(CompletionRequest, {"prompt": "x", "guided_json": {"type": "object"}}),
-                        (CompletionRequest, {"prompt": "x", "structured_outputs": {"regex": "a+"}}),
-                        (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}],
-                                                 "response_format": {"type": "json_object"}})]:
-        name = [k for k in body if k not in ("prompt", "messages")][0]
-        with pytest.raises(ApiError) as info:
-            model.model_validate(body).check_fields()
-        assert (info.value.message, info.value.param, info.value.status) == (f"'{name}': {STRUCTURED}", name, 400)
-    # the values that ask for nothing pass
-    CompletionRequest.model_validate({"prompt": "x", "guided_json": None, "response_format": {"type": "text"}}
-                                     ).check_fields()
+    chat = {"messages": [{"role": "user", "content": "x"}]}
+    for model, body, kind in [(CompletionRequest, {"prompt": "x", "guided_json": {"type": "object"}}, "json"),
+                              (CompletionRequest, {"prompt": "x", "structured_outputs": {"regex": "a+"}}, "regex"),
+                              (CompletionRequest, {"prompt": "x", "guided_choice": ["a", "b"]}, "choice"),
+                              (ChatCompletionRequest, {**chat, "response_format": {"type": "json_object"}},
+                               "json_object"),
+                              (ChatCompletionRequest, {**chat, "response_format": {
+                                  "type": "json_schema", "json_schema": {"name": "n", "schema": {}, "strict": True}}},
+                               "json")]:
+        request = model.model_validate(body)
+        request.check_fields()
+        assert request.sampling_params(16).structured_outputs.kind == kind
+    # the values that ask for nothing pass, and give nothing
+    request = CompletionRequest.model_validate({"prompt": "x", "guided_json": None, "response_format": {"type": "text"}})
+    request.check_fields()
+    assert request.sampling_params(16).structured_outputs is None
+    with pytest.raises(ApiError) as info:
+        CompletionRequest.model_validate({"prompt": "x", "guided_regex": "a", "guided_choice": ["b"]}).sampling_params(16)
+    assert info.value.param == "guided_choice" and "each ask for structured output; give one" in info.value.message

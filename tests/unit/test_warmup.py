@@ -240,18 +240,23 @@ def test_the_dry_pass_samples_with_every_sampler_kernel_setting_the_warm_up_reac
     runner.sampler = Sampler(use_triton=True)      # the Triton kernels, interpreted on the CPU
     seen = set()
 
-    def one_pass(logits, temperature, seeds, counters, greedy_mask, all_greedy):
+    def one_pass(logits, temperature, seeds, counters, greedy_mask, all_greedy, bitmask=None, mask_index=None):
         seen.add(("one_pass", logits.dtype, temperature is not None and not all_greedy,
-                  greedy_mask is not None and not all_greedy, all_greedy))
-        return sample(logits, temperature, seeds, counters, greedy_mask, all_greedy)
+                  greedy_mask is not None and not all_greedy, all_greedy, bitmask is not None))
+        return sample(logits, temperature, seeds, counters, greedy_mask, all_greedy, bitmask, mask_index)
+
+    def apply_mask(logits, bitmask, mask_index):
+        seen.add(("bitmask",))
+        return apply(logits, bitmask, mask_index)
 
     def noise(seeds, counters, vocab_size):
         seen.add(("noise",))
         return gumbel(seeds, counters, vocab_size)
 
-    sample, gumbel = sampling.sample_triton, sampling.gumbel_noise_triton
+    sample, gumbel, apply = sampling.sample_triton, sampling.gumbel_noise_triton, sampling.apply_token_bitmask_triton
     monkeypatch.setattr(sampling, "sample_triton", one_pass)
     monkeypatch.setattr(sampling, "gumbel_noise_triton", noise)
+    monkeypatch.setattr(sampling, "apply_token_bitmask_triton", apply_mask)
     run_warmup(runner)
     warm_up, seen = seen, set()
     mixes = _dry_sampling_mixes(runner)
@@ -259,5 +264,6 @@ def test_the_dry_pass_samples_with_every_sampler_kernel_setting_the_warm_up_reac
     assert len(mixes) == len({repr(m) for m in mixes})
     for mix in mixes:
         _dry_sample(runner, mix)
-    assert ("noise",) in warm_up and len(warm_up) >= 6, warm_up
+    assert ("noise",) in warm_up and ("bitmask",) in warm_up and len(warm_up) >= 12, warm_up
+    assert any(key[-1] for key in warm_up if key[0] == "one_pass")      # the one-pass kernel under a bitmask
     assert warm_up <= seen, warm_up - seen

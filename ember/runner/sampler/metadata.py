@@ -35,6 +35,10 @@ class SamplingMetadata:
     frequency_penalty: torch.Tensor | None      # [N] float32
     blocked_token_ids: torch.Tensor | None      # [N, max_blocked] int64, padded with vocab_size (min_tokens)
     max_num_logprobs: int | None                # largest `logprobs` asked for in the batch; None: none asked
+    # structured output: allowed tokens as bits (bit t of row j, word t // 32, set where token t may come), and per
+    # request the bitmask row + 1 it samples under (0: none). None when no request of the step has a grammar
+    bitmask: torch.Tensor | None = None         # [K, ceil(V / 32)] int32
+    mask_index: torch.Tensor | None = None      # [N] int64
 
     @property
     def has_penalties(self) -> bool:
@@ -44,9 +48,12 @@ class SamplingMetadata:
     @classmethod
     def build(cls, params: list[SamplingParams], seeds: list[int], output_token_ids: list[list[int]],
               prompt_token_ids: list[list[int]], eos_token_ids: list[tuple[int, ...]], vocab_size: int,
-              device: torch.device) -> "SamplingMetadata":
+              device: torch.device, bitmask: torch.Tensor | None = None,
+              mask_index: list[int] | None = None) -> "SamplingMetadata":
         """Build the metadata from host lists (tests and the profile run; the engine's steps read the request
-        table instead, see `ember.runner.sampling_inputs`); only the tensors some request needs are made."""
+        table instead, see `ember.runner.sampling_inputs`); only the tensors some request needs are made.
+        `bitmask` [K, ceil(V / 32)] int32 and `mask_index` (per request its bitmask row + 1, 0 for none) go
+        together."""
         n = len(params)
         for name, values in (("seeds", seeds), ("output_token_ids", output_token_ids),
                              ("prompt_token_ids", prompt_token_ids), ("eos_token_ids", eos_token_ids)):
@@ -60,6 +67,10 @@ class SamplingMetadata:
             if not 0 <= s < 2**63:
                 raise ValueError(f"seed {s} must be in [0, 2**63)")
         device = torch.device(device)
+        if (bitmask is None) != (mask_index is None):
+            raise ValueError("give bitmask and mask_index together (or neither)")
+        if mask_index is not None and len(mask_index) != n:
+            raise ValueError(f"mask_index has {len(mask_index)} entries but there are {n} requests")
 
         def vec(values, dtype):
             return _to_device(torch.tensor(values, dtype=dtype), device)
@@ -124,6 +135,8 @@ class SamplingMetadata:
             frequency_penalty=vec(freq, torch.float32) if use_freq else None,
             blocked_token_ids=_padded(blocked, vocab_size, device) if any(blocked) else None,
             max_num_logprobs=max(logprob_counts) if logprob_counts else None,
+            bitmask=bitmask.to(device) if bitmask is not None else None,
+            mask_index=vec(mask_index, torch.int64) if mask_index is not None else None,
         )
 
 

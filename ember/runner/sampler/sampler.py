@@ -22,7 +22,7 @@ from torch import nn
 from ember.runner.sampler.metadata import SamplingMetadata
 
 __all__ = ["Sampler", "SamplerOutput", "SamplingMetadata", "apply_penalties", "apply_top_k_top_p", "apply_min_p",
-           "random_bits", "gumbel_noise"]
+           "apply_token_bitmask", "random_bits", "gumbel_noise"]
 
 
 @dataclass
@@ -46,32 +46,43 @@ class Sampler(nn.Module):
         self.use_triton = use_triton
 
     def forward(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
-        """Sample the next token of every request; logprobs come from the raw logits, as vLLM does by default."""
+        """Sample the next token of every request; logprobs come from the logits as they are, as vLLM does by
+        default (with a grammar, after its bitmask: what it forbids has logprob -inf)."""
         if logits.dim() != 2 or logits.shape[0] != meta.num_reqs or logits.shape[1] != meta.vocab_size:
             raise ValueError(f"logits of shape {tuple(logits.shape)} do not match the sampling metadata "
                              f"[num_reqs={meta.num_reqs}, vocab_size={meta.vocab_size}]")
         if not logits.is_floating_point():
             raise ValueError(f"logits dtype {logits.dtype} must be a floating-point type")
-        raw_logprobs = None
-        if meta.max_num_logprobs is not None:
-            raw_logprobs = torch.log_softmax(logits.float(), dim=-1)   # [N, V]
-
         kernels = self._kernels(logits)
         has_filters = meta.top_k is not None or meta.top_p is not None or meta.min_p is not None
         one_pass = kernels is not None and not has_filters
-        # greedy rows with nothing to apply take the argmax of the caller's logits as they are: no copy to make
-        argmax_only = kernels is None and meta.all_greedy and not meta.has_penalties and meta.blocked_token_ids is None
+        wants_logprobs = meta.max_num_logprobs is not None
         # the one-pass kernel reads the caller's logits in their own dtype unless something must change them first
-        if not argmax_only and (not one_pass or meta.has_penalties or meta.blocked_token_ids is not None
-                                or logits.dtype not in _KERNEL_LOGITS_DTYPES):
+        needs_copy = (not one_pass or meta.has_penalties or meta.blocked_token_ids is not None
+                      or logits.dtype not in _KERNEL_LOGITS_DTYPES)
+        masked = meta.bitmask is not None
+        # the one-pass kernel applies a grammar's bitmask as it reads; any other path applies it to its copy first
+        copied = masked and (needs_copy or wants_logprobs)
+        if copied:
             # a private float32 copy: the steps below work in place and the caller's logits stay untouched
             logits = logits.to(torch.float32, copy=True)                 # [N, V]
+            apply_token_bitmask(logits, meta.bitmask, meta.mask_index, kernels)
+        raw_logprobs = torch.log_softmax(logits.float(), dim=-1) if wants_logprobs else None   # [N, V]
+
+        # greedy rows with nothing to apply take the argmax of the caller's logits as they are: no copy to make
+        argmax_only = (kernels is None and meta.all_greedy and not meta.has_penalties
+                       and meta.blocked_token_ids is None)
+        if not argmax_only and needs_copy:
+            if not copied:
+                logits = logits.to(torch.float32, copy=True)             # [N, V]
             logits = apply_penalties(logits, meta)
             if meta.blocked_token_ids is not None:
                 logits.masked_fill_(_token_mask(meta.blocked_token_ids, meta.vocab_size), float("-inf"))
         if one_pass:
+            fused = masked and not copied
             sampled = kernels.sample_triton(logits, meta.temperature, meta.seeds, meta.output_lens,
-                                            meta.greedy_mask, meta.all_greedy)
+                                            meta.greedy_mask, meta.all_greedy,
+                                            meta.bitmask if fused else None, meta.mask_index if fused else None)
         else:
             noise = gumbel_noise if kernels is None else kernels.gumbel_noise_triton
             sampled = self._sample(logits, meta, noise)
@@ -124,6 +135,29 @@ def _kernel_module():
 @functools.cache
 def _triton_installed() -> bool:
     return importlib.util.find_spec("triton") is not None
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, mask_index: torch.Tensor, kernels=None) -> None:
+    """In place on float32 `logits` [N, V]: -inf where row i's grammar forbids the token (bit t % 32 of word t // 32
+    of bitmask row mask_index[i] - 1); rows with mask_index 0 keep every token. `kernels`: the Triton module, else
+    torch ops (the CPU path and the reference)."""
+    if kernels is not None:
+        kernels.apply_token_bitmask_triton(logits, bitmask, mask_index)
+        return
+    num_rows, vocab_size = logits.shape
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)                 # [32]
+    if logits.device.type == "cpu":
+        # only the rows with a grammar (finding them costs nothing on the CPU: no device to wait for)
+        rows = torch.nonzero(mask_index > 0).flatten()
+        if rows.numel() == 0:
+            return
+        words = bitmask[mask_index[rows] - 1]                                          # [n, W]
+        forbidden = ((words.unsqueeze(-1) >> shifts) & 1).view(rows.numel(), -1)[:, :vocab_size] == 0
+        logits[rows] = logits[rows].masked_fill_(forbidden, float("-inf"))
+        return
+    words = bitmask[(mask_index - 1).clamp(min=0)]                                     # [N, W]
+    allowed = ((words.unsqueeze(-1) >> shifts) & 1).view(num_rows, -1)[:, :vocab_size]   # [N, V]
+    logits.masked_fill_((allowed == 0) & (mask_index > 0)[:, None], float("-inf"))
 
 
 def _token_mask(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:

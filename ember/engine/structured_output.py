@@ -1,0 +1,206 @@
+"""Structured output in the engine: each constrained request's grammar matcher, advanced by its sampled tokens, and
+the token bitmask of a step's constrained rows, filled on the host for the runner to apply in its sampler.
+
+The state is token-level and lives here, in the engine, beside the scheduler: a matcher consumes exactly the tokens
+that `Scheduler.update` appends to its request (a token of a request preempted or finished while its step ran is
+dropped by both). A request waits in the queue until its grammar has compiled (`RequestGrammar.ready`); the
+scheduler skips it meanwhile and admits the requests behind it.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import torch
+
+from ember.engine.grammar import GrammarCompiler, check_grammar, llguidance
+from ember.engine.request import Request, RequestStatus
+from ember.profiling import section
+from ember.sampling_params import StructuredOutputsParams
+
+logger = logging.getLogger("ember")
+
+# below this many rows a step's tokens and masks are handled one by one: the thread pool's dispatch costs more
+PARALLEL_MIN_ROWS = 8
+# A/B switch: 0 puts a FULL-graph step's bitmask after the replay and samples again outside the graph
+MASK_IN_GRAPH_ENV = "EMBER_GRAMMAR_MASK_IN_GRAPH"
+COMPILE_POLL_S = 0.05        # the longest an idle engine waits for a compile before it looks at new requests
+
+
+class RequestGrammar:
+    """One request's grammar: the compile it waits for, then its own matcher (a copy of the compiled one)."""
+    __slots__ = ("future", "matcher", "error")
+
+    def __init__(self, future: Future):
+        self.future = future
+        self.matcher = None
+        self.error: str | None = None          # why the matcher refused a token (the request is then ended)
+
+    @property
+    def ready(self) -> bool:
+        """Whether the grammar has compiled (the request may be scheduled)."""
+        if self.matcher is None:
+            if not self.future.done() or self.future.exception() is not None:
+                return False
+            self.matcher = self.future.result().deep_copy()
+        return True
+
+    @property
+    def failed(self) -> BaseException | None:
+        """The compile's error, once it has failed."""
+        return self.future.exception() if self.future.done() else None
+
+    @property
+    def terminated(self) -> bool:
+        """Whether the grammar is complete and takes no more tokens (or refused one): the request ends."""
+        return self.matcher is not None and (self.error is not None or self.matcher.is_stopped())
+
+
+@dataclass
+class GrammarStats:
+    """Counters the benchmark reads: steps with constrained rows, rows filled, and host seconds spent waiting for
+    the step in flight before a bitmask, advancing matchers and filling bitmasks."""
+    num_steps: int = 0
+    num_rows: int = 0
+    num_before_forward: int = 0      # steps whose bitmask went before the forward (a FULL graph samples)
+    wait_s: float = 0.0
+    advance_s: float = 0.0
+    fill_s: float = 0.0
+
+
+class StructuredOutputs:
+    """The engine's structured-output state: the grammar compiler and the requests still compiling."""
+
+    def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...]):
+        llg = llguidance()
+        threads = max(1, min(16, (os.cpu_count() or 2) - 1))
+        self.compiler = GrammarCompiler(hf_tokenizer, vocab_size, eos_token_ids, max_workers=min(4, threads))
+        self.executor = llg.LLExecutor(threads)
+        self._compiling: dict[str, tuple[Request, RequestGrammar]] = {}
+        self._llg_torch = llg.torch
+        self.mask_in_graph = os.environ.get(MASK_IN_GRAPH_ENV, "1") != "0"
+        self.stats = GrammarStats()
+
+    @staticmethod
+    def check(params: StructuredOutputsParams) -> None:
+        """ValueError naming the problem if the grammar cannot compile (no tokenizer needed)."""
+        check_grammar(params)
+
+    def attach(self, request: Request) -> None:
+        """Start compiling the request's grammar (or find it compiled) and give the request its state."""
+        grammar = RequestGrammar(self.compiler.submit(request.sampling_params.structured_outputs))
+        request.grammar = grammar
+        if not grammar.future.done() or grammar.failed is not None:
+            self._compiling[request.request_id] = (request, grammar)
+
+    def wait_for_compiles(self, timeout: float = COMPILE_POLL_S) -> None:
+        """Block until a grammar some request waits for has compiled, or `timeout` seconds (new requests and aborts
+        are applied between waits)."""
+        futures = [grammar.future for _, grammar in self._compiling.values()]
+        if futures:
+            concurrent.futures.wait(futures, timeout, return_when=concurrent.futures.FIRST_COMPLETED)
+
+    def take_failed(self) -> list[tuple[Request, BaseException]]:
+        """Requests whose grammar failed to compile since the last call (the engine ends them)."""
+        if not self._compiling:
+            return []
+        failed = []
+        for request_id, (request, grammar) in list(self._compiling.items()):
+            if grammar.future.done():
+                del self._compiling[request_id]
+                if grammar.failed is not None and not request.status.finished:
+                    failed.append((request, grammar.failed))
+        return failed
+
+    # ---- the step ---------------------------------------------------------------------------------------------
+    def launch(self, runner, out, previous, stats) -> object:
+        """Launch a step that has constrained rows, as `ModelRunner.execute_async` does, with its bitmask put where
+        the step reads it: before the forward when a FULL graph samples (the graph reads the bitmask buffer; with
+        `EMBER_GRAMMAR_MASK_IN_GRAPH=0` the bitmask follows the replay and the step samples again), else after the
+        forward is launched, so that filling it overlaps the forward on the device. `previous`: the step in flight
+        before it (a `LaunchedStep`), whose tokens the bitmask may need."""
+        prepared = runner.prepare_step(out.step)
+        first = self.mask_in_graph and runner.graph_samples(prepared)
+        self.stats.num_steps += 1
+        self.stats.num_before_forward += first
+        if first:
+            self._put(runner, out, previous, stats)
+        hidden, tokens = runner.forward(prepared)
+        if not first:
+            self._put(runner, out, previous, stats)
+        return runner.sample_step(prepared, hidden, tokens if first else None)
+
+    def _put(self, runner, out, previous, stats) -> None:
+        """Bring the grammars up to date (waiting for the step in flight if a constrained row needs its token),
+        fill the step's bitmask and send it."""
+        if (previous is not None and not previous.grammar_advanced and previous.out.step.grammar_rows
+                and self.waits_on_step_in_flight(out)):
+            start = time.perf_counter()
+            try:
+                result = previous.handle.result()
+            except Exception:   # noqa: BLE001 - the engine meets it again when it processes that step
+                result = None
+            waited = time.perf_counter() - start
+            stats.device_wait_s += waited
+            self.stats.wait_s += waited
+            if result is not None:
+                previous.grammar_advanced = True
+                self.advance(previous.out, result.sampled_token_ids)
+        start = time.perf_counter()
+        with section("ember.grammar_fill"):
+            num_rows = self.fill(out, runner.grammar_staging())
+        self.stats.fill_s += time.perf_counter() - start
+        self.stats.num_rows += num_rows
+        runner.put_grammar_bitmask(num_rows)
+
+    @staticmethod
+    def waits_on_step_in_flight(out) -> bool:
+        """Whether a constrained row of `out` has a token in the step before it still in flight (its mask needs
+        that token): its request counts this step's token and that one as pending."""
+        scheduled = out.scheduled
+        return any(scheduled[row].request.num_pending > 1 for row in out.step.grammar_rows)
+
+    def advance(self, out, sampled_token_ids) -> None:
+        """Feed each constrained request the token it sampled in the step `out`, where `Scheduler.update` appends
+        one (the request still runs); a token its grammar refuses ends the request (`RequestGrammar.error`)."""
+        start = time.perf_counter()
+        pairs = []
+        for row in out.step.grammar_rows:
+            req = out.scheduled[row].request
+            if req.status is RequestStatus.RUNNING and req.grammar.error is None:
+                pairs.append((req, int(sampled_token_ids[row])))
+        if len(pairs) >= PARALLEL_MIN_ROWS:
+            accepted = self._llg_torch.consume_token_par(self.executor, [(r.grammar.matcher, t) for r, t in pairs])
+        else:
+            accepted = [r.grammar.matcher.consume_token(t) for r, t in pairs]
+        for (req, token), ok in zip(pairs, accepted):
+            if not ok:
+                req.grammar.error = req.grammar.matcher.get_error() or f"token {token} does not fit the grammar"
+                logger.error("request %s: its grammar refused token %d (%s); the request ends", req.request_id,
+                             token, req.grammar.error)
+        self.stats.advance_s += time.perf_counter() - start
+
+    def fill(self, out, bitmask: torch.Tensor) -> int:
+        """Write the next-token bitmask of each constrained row of `out` into `bitmask` [k, words] int32 (row j for
+        the step's j-th constrained row); returns k."""
+        rows = out.step.grammar_rows
+        pairs = []
+        for j, row in enumerate(rows):
+            grammar = out.scheduled[row].request.grammar
+            if grammar.error is not None:
+                bitmask[j].fill_(-1)        # the request ends before this row's token is read
+            else:
+                pairs.append((grammar.matcher, j))
+        if len(pairs) >= 2:
+            self._llg_torch.fill_next_token_bitmask_par(self.executor, pairs, bitmask[:len(rows)])
+        elif pairs:
+            self._llg_torch.fill_next_token_bitmask(pairs[0][0], bitmask, pairs[0][1])
+        return len(rows)
+
+    def close(self) -> None:
+        self.compiler.close()

@@ -1,0 +1,183 @@
+"""Structured output inside the engine, on a tiny random Llama with a small byte-level BPE tokenizer (garbage text, a
+real byte-level vocabulary, fast steps): async scheduling and the bitmask put before the forward (as a FULL decode graph needs it)
+give the synchronous engine's tokens, through preemptions too; a request waits while its grammar compiles without
+holding up the others; a grammar that fails to compile in the engine fails its request only; n > 1, EOS only where
+the grammar may end, and logprobs under a grammar."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from concurrent.futures import Future
+
+import pytest
+import torch
+
+from ember import LLM, SamplingParams, StructuredOutputsParams
+from ember.engine.engine import EngineStepError
+from tests.helpers.tiny_tokenizer import save_bpe_tokenizer
+
+pytest.importorskip("llguidance")
+
+CHOICES = ["yes", "no", "maybe so"]
+REGEX = r"[a-z]{2,6}-[0-9]{2}"
+SCHEMA = {"type": "object", "properties": {"k": {"enum": ["a", "b"]}, "n": {"type": "integer", "minimum": 0,
+                                                                            "maximum": 99}},
+          "required": ["k", "n"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+    path = tmp_path_factory.mktemp("tiny_llama_bpe")
+    cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(path)
+    save_bpe_tokenizer(path, 512)
+    return path
+
+
+def _llm(folder, **kwargs) -> LLM:
+    return LLM(str(folder), device="cpu", max_model_len=144, max_num_seqs=16, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def sync_llm(folder):
+    return _llm(folder, num_kv_blocks=64)
+
+
+def _requests() -> list[tuple[list[int], SamplingParams]]:
+    kinds = [StructuredOutputsParams(choice=CHOICES), StructuredOutputsParams(regex=REGEX),
+             StructuredOutputsParams(json=SCHEMA), None]
+    out = []
+    for i in range(8):
+        so = kinds[i % 4]
+        # prompts of 20-76 tokens: in a cache of 10 blocks of 16 the longer requests preempt one another
+        prompt = [(7 * i + j) % 400 + 3 for j in range(20 + 8 * i)]
+        params = SamplingParams(temperature=0.0 if i % 2 == 0 else 0.9, seed=i, max_tokens=40 if so else 16,
+                                ignore_eos=so is None, structured_outputs=so)
+        out.append((prompt, params))
+    return out
+
+
+def _run(llm, requests):
+    outs = llm.generate([{"prompt_token_ids": p} for p, _ in requests], [s for _, s in requests], use_tqdm=False)
+    return [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason) for o in outs]
+
+
+def _check_matches(results, requests) -> None:
+    for (tokens, text, reason), (_, params) in zip(results, requests):
+        so = params.structured_outputs
+        if so is None:
+            assert reason == "length"
+            continue
+        assert reason == "stop", text
+        if so.kind == "choice":
+            assert text in CHOICES
+        elif so.kind == "regex":
+            assert re.fullmatch(REGEX, text), text
+        else:
+            value = json.loads(text)
+            assert value["k"] in ("a", "b") and 0 <= value["n"] <= 99
+
+
+def test_async_scheduling_and_the_bitmask_before_the_forward_give_the_synchronous_tokens(folder, sync_llm,
+                                                                                        monkeypatch):
+    requests = _requests()
+    expected = _run(sync_llm, requests)
+    _check_matches(expected, requests)
+    # a small cache: requests are preempted by recompute and come back with their grammar state
+    async_llm = _llm(folder, num_kv_blocks=10, async_scheduling=True)
+    assert _run(async_llm, requests) == expected
+    assert async_llm.engine.stats.num_preemptions > 0
+    # as under a FULL decode graph: the host waits for the step in flight, advances and fills before the forward
+    runner = async_llm.engine.runner
+    puts = runner.grammar.num_puts
+    monkeypatch.setattr(type(runner), "graph_samples", lambda self, prepared: True)
+    assert _run(async_llm, requests) == expected
+    assert runner.grammar.num_puts > puts
+
+
+def test_a_request_waits_for_its_grammar_without_holding_up_the_batch(sync_llm, monkeypatch):
+    engine = sync_llm.engine
+    compiler = engine.structured.compiler
+    gate = Future()
+    real_submit = compiler.submit
+
+    def slow_submit(params):
+        done = real_submit(params)
+        if params.kind != "regex":
+            return done
+        held = Future()      # the regex's compile finishes only when the test says so
+        gate.add_done_callback(lambda _: held.set_result(done.result()))
+        return held
+
+    monkeypatch.setattr(compiler, "submit", slow_submit)
+    waiting = engine.add_request([5, 6, 7], SamplingParams(max_tokens=20, structured_outputs=StructuredOutputsParams(
+        regex=r"[0-9]{4}")))
+    other = engine.add_request([8, 9, 10], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    finished = {}
+    for _ in range(4):
+        for out in engine.step():
+            finished[out.request_id] = out
+    assert other in finished and waiting not in finished
+    assert engine.scheduler.waiting[0].request_id == waiting        # it kept its place in the queue
+    gate.set_result(None)
+    while engine.has_unfinished():
+        for out in engine.step():
+            finished[out.request_id] = out
+    assert re.fullmatch(r"[0-9]{4}", finished[waiting].outputs[0].text)
+
+
+def test_a_grammar_that_fails_in_the_engine_fails_its_request_only(sync_llm, monkeypatch):
+    engine = sync_llm.engine
+
+    def failing(params):
+        future = Future()
+        future.set_exception(ValueError("the grammar cannot be compiled: too complex"))
+        return future
+
+    monkeypatch.setattr(engine.structured.compiler, "submit", failing)
+    bad = engine.add_request([5, 6], SamplingParams(structured_outputs=StructuredOutputsParams(regex="x+")))
+    good = engine.add_request([7, 8], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    with pytest.raises(EngineStepError) as info:
+        engine.step()
+    assert info.value.request_ids == [bad] and "too complex" in str(info.value)
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step()
+    reasons = {o.request_id: o.outputs[0].finish_reason for o in outputs}
+    assert reasons == {bad: "abort", good: "length"}
+
+
+def test_n_samples_eos_only_at_the_end_and_logprobs_under_a_grammar(sync_llm):
+    tokenizer = sync_llm.get_tokenizer()
+    eos = tokenizer.eos_token_id
+    # each sample follows its own grammar state
+    out = sync_llm.generate("pick:", SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=30,
+                                                    structured_outputs=StructuredOutputsParams(regex=REGEX)),
+                            use_tqdm=False)[0]
+    assert len(out.outputs) == 4 and all(re.fullmatch(REGEX, c.text) for c in out.outputs)
+    # a grammar that may end after "ab" or go on to "abab": EOS is allowed only at those points, and the request
+    # ends once nothing but EOS may follow
+    so = StructuredOutputsParams(regex="(ab){1,2}")
+    outs = sync_llm.generate([f"go {i}" for i in range(8)],
+                             SamplingParams(temperature=1.0, seed=11, max_tokens=10, structured_outputs=so),
+                             use_tqdm=False)
+    for o in outs:
+        c = o.outputs[0]
+        assert c.finish_reason == "stop" and c.text in ("ab", "abab")
+        assert eos not in c.token_ids[:-1]
+    # logprobs come after the bitmask: the sampled token's are finite, a forbidden token's are -inf
+    lp = sync_llm.generate("choose:", SamplingParams(temperature=0, max_tokens=5, logprobs=10,
+                                                     structured_outputs=StructuredOutputsParams(choice=["yes", "no"])),
+                           use_tqdm=False)[0].outputs[0]
+    assert lp.text in ("yes", "no")
+    first = lp.logprobs[0]
+    assert math.isfinite(first[lp.token_ids[0]].logprob)
+    allowed = [t for t, entry in first.items() if math.isfinite(entry.logprob)]
+    assert allowed and all(any(w.startswith(tokenizer.decode([t])) for w in ("yes", "no")) for t in allowed)
+    assert sum(entry.logprob == -math.inf for entry in first.values()) >= 10 - len(allowed)
