@@ -15,6 +15,8 @@
 #   bash benches/run_gpu.sh fp8           # fp8 weights and KV cache: batch-1 latency beside bf16, the GEMV sweep
 #   bash benches/run_gpu.sh fp8_throughput   # the throughput workload with an fp8 KV cache (and fp8 weights)
 #   bash benches/run_gpu.sh fallback [qwen3|llama|pythia]   # native vs the transformers fallback, throughput + batch 1
+#   [TOKENIZER=folder] bash benches/run_gpu.sh structured   # structured output: GPU tests, the throughput workload
+#                                         # unconstrained / one JSON schema / 64 schemas, bitmask in and after the graph
 # Each part's own switches are described above its function.
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -40,6 +42,20 @@ part_decode() {
   grep -h "passed\|failed" "$OUT/bitwise.log" | tail -1
   grep -h "decode \|TPOT\|host \|start-up" "$OUT"/latency_qwen3.log "$OUT"/latency_llama8b.log
   grep -h "step " "$OUT/step.log"
+}
+
+# structured: needs llguidance (docs/structured_output.md says which wheel to carry) and a tokenizer folder in
+# TOKENIZER (default .bench_tokenizer): a bundled config has none, and the grammar needs a real vocabulary
+part_structured() {
+  local tok=${TOKENIZER:-.bench_tokenizer} args="--config qwen3-0.6b --structured-output json --num-schemas 64"
+  run structured_tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_structured_gpu.py
+  run structured_in_graph 180 python3 -m ember bench throughput $args --tokenizer "$tok" \
+    --json "$OUT/structured_in_graph.json"
+  run structured_after_graph 180 env EMBER_GRAMMAR_MASK_IN_GRAPH=0 python3 -m ember bench throughput $args \
+    --tokenizer "$tok" --json "$OUT/structured_after_graph.json"
+  echo "== summary"
+  grep -h "passed\|failed" "$OUT/structured_tests.log" | tail -1
+  grep -h "unconstrained\|schema\|vocabulary" "$OUT"/structured_in_graph.log "$OUT"/structured_after_graph.log
 }
 
 part_throughput() {
@@ -301,7 +317,8 @@ case "$part" in
   fp8) part_fp8 ;;
   fp8_throughput) part_fp8_throughput ;;
   fallback) part_fallback "$@" ;;
+  structured) part_structured ;;
   *) echo "usage: bash benches/run_gpu.sh decode|throughput|headline|serve|startup [MODEL ...]|flash|fusion|ab|moe|" \
-          "moe_sweep [CONFIG]|moe_throughput|fp8|fp8_throughput|fallback [qwen3|llama|pythia]" >&2
+          "moe_sweep [CONFIG]|moe_throughput|fp8|fp8_throughput|fallback [qwen3|llama|pythia]|structured" >&2
      exit 2 ;;
 esac

@@ -59,16 +59,20 @@ def model_bytes(llm, tokens_per_step: int | None = None) -> tuple[int, int]:
                                runner.config.parallel.tensor_parallel_size))
 
 
-def run_throughput(llm, workload: Workload, temperature: float = 0.6, warmup: bool = True) -> dict:
+def run_throughput(llm, workload: Workload, temperature: float = 0.6, warmup: bool = True,
+                   structured: list | None = None) -> dict:
     """Generate the whole workload in one `generate` call; returns rates, step count, elapsed time and the Triton
-    compilations inside the timed call."""
+    compilations inside the timed call. `structured`: grammars (`StructuredOutputsParams`) dealt to the requests in
+    turn."""
     from ember import SamplingParams
     device = llm.engine.runner.device
     if warmup:
         # shorter than a block, so that it leaves nothing in the prefix cache
         llm.generate([{"prompt_token_ids": list(range(1, 9))}], SamplingParams(max_tokens=4, ignore_eos=True),
                      use_tqdm=False)
-    params = [SamplingParams(temperature=temperature, ignore_eos=True, max_tokens=n) for n in workload.output_lens]
+    params = [SamplingParams(temperature=temperature, ignore_eos=True, max_tokens=n,
+                             structured_outputs=structured[i % len(structured)] if structured else None)
+              for i, n in enumerate(workload.output_lens)]
     stats = llm.engine.stats
     steps_before, host_before, wait_before = stats.num_steps, stats.host_s, stats.device_wait_s
     hits_before = stats.num_prefix_cache_hits
@@ -313,6 +317,12 @@ def _throughput(args) -> int:
     bandwidth = measure_copy_bandwidth(device)        # before the KV cache takes the free memory
     llm, startup_compiles = _build_counted(args)
     workload = random_workload(*workload_args, seed=args.seed, max_token_id=_max_token_id(llm))
+    if args.structured_output:
+        from ember.bench.structured import run_structured_throughput, structured_rows
+        result = {"command": "throughput --structured-output json", **_header(llm, args, startup_compiles),
+                  **run_structured_throughput(llm, workload, args.temperature, args.num_schemas, run_throughput)}
+        _finish(result, structured_rows(result), args.json)
+        return 0
     result = {"command": "throughput", **_header(llm, args, startup_compiles),
               **run_throughput_repeats(llm, workload, args.temperature, args.repeat)}
     weight_bytes, kv_token_bytes = model_bytes(llm)
@@ -420,6 +430,11 @@ def add_bench_parser(subparsers) -> None:
     t.add_argument("--repeat", type=int, default=1, metavar="N",
                    help="time the same workload N times in this process (prefix cache emptied in between); the "
                         "first run leads the report, every run is listed")
+    t.add_argument("--structured-output", choices=["json"], default=None,
+                   help="run the workload unconstrained, then with every request constrained by a JSON schema "
+                        "(needs a tokenizer: --tokenizer for a bundled config)")
+    t.add_argument("--num-schemas", type=int, default=1, metavar="N",
+                   help="with --structured-output: also run with N distinct schemas dealt to the requests")
     t.add_argument("--hf-num-prompts", type=int, default=32, help="prompts transformers runs (bounds its time)")
     t.add_argument("--hf-batch-size", type=int, default=32)
     t.set_defaults(func=_throughput)

@@ -1,0 +1,87 @@
+"""`ember bench throughput --structured-output json`: the same workload unconstrained, then with every request
+constrained by one JSON schema, then (with `--num-schemas N`) by N distinct schemas, in one process; reports each
+run's rate, the ratios to the unconstrained run, the grammar compiles and the host time the bitmasks took.
+
+With random weights the JSON is garbage, but every token is sampled under its grammar's bitmask, so the mask work
+(advancing the matchers, filling the bitmasks on the host, copying and applying them on the device) is real. The
+vocabulary is the tokenizer's (`--tokenizer` for a bundled config, which has none); ids past it are never allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ember.bench.workloads import Workload
+
+
+def bench_schema(i: int) -> dict:
+    """The i-th benchmark schema: an object with nested objects, arrays, enums and required fields; schemas of
+    different i differ (in a property name and an enum), so each compiles on its own."""
+    return {
+        "type": "object",
+        "properties": {
+            "id": {"type": "integer"},
+            f"title_{i}": {"type": "string"},
+            "status": {"enum": ["open", "closed", f"state_{i}"]},
+            "tags": {"type": "array", "items": {"type": "string"}},
+            "owner": {"type": "object", "properties": {"name": {"type": "string"}, "email": {"type": "string"}},
+                      "required": ["name"]},
+            "score": {"type": "number"},
+        },
+        "required": ["id", f"title_{i}", "status", "tags", "owner"],
+    }
+
+
+def run_structured_throughput(llm, workload: Workload, temperature: float, num_schemas: int, run) -> dict:
+    """`run(llm, workload, temperature, warmup, structured)` (`commands.run_throughput`) without a grammar, with one
+    schema for every request and with `num_schemas` schemas dealt round-robin; the compiles each run made, and
+    the ratios of the constrained rates to the unconstrained one."""
+    from ember import SamplingParams, StructuredOutputsParams
+    engine = llm.engine
+    plain = run(llm, workload, temperature, True, None)
+    # build the grammar engine's vocabulary and compile the mask kernels on a schema no run uses
+    warm = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(json=bench_schema(-1)))
+    llm.generate([{"prompt_token_ids": list(range(1, 9))}], warm, use_tqdm=False)
+    structured = engine.structured
+    result = {"unconstrained": plain, "constrained": {}, "tokenizer_s": structured.compiler.tokenizer_s}
+    for name, count in (("one_schema", 1), (f"{num_schemas}_schemas", num_schemas)):
+        if name != "one_schema" and num_schemas <= 1:
+            continue
+        engine.kv.pool.reset_prefix_cache()
+        first = 0 if count == 1 else 1000      # schemas no earlier run compiled
+        schemas = [StructuredOutputsParams(json=bench_schema(first + i)) for i in range(count)]
+        compiled, compile_s = structured.compiler.num_compiled, structured.compiler.compile_s
+        before = dataclasses.replace(structured.stats)
+        figures = run(llm, workload, temperature, False, schemas)
+        after = structured.stats
+        steps = max(after.num_steps - before.num_steps, 1)
+        figures.update(
+            ratio=figures["output_tok_s"] / plain["output_tok_s"],
+            grammars_compiled=structured.compiler.num_compiled - compiled,
+            compile_s=structured.compiler.compile_s - compile_s,
+            constrained_steps=after.num_steps - before.num_steps,
+            bitmask_before_forward_steps=after.num_before_forward - before.num_before_forward,
+            rows_per_step=(after.num_rows - before.num_rows) / steps,
+            wait_ms_per_step=(after.wait_s - before.wait_s) * 1e3 / steps,
+            advance_ms_per_step=(after.advance_s - before.advance_s) * 1e3 / steps,
+            fill_ms_per_step=(after.fill_s - before.fill_s) * 1e3 / steps)
+        result["constrained"][name] = figures
+    return result
+
+
+def structured_rows(result: dict) -> list[tuple[str, str]]:
+    """The report's lines for `run_structured_throughput`'s result."""
+    plain = result["unconstrained"]
+    rows = [("unconstrained", f"{plain['output_tok_s']:,.1f} output tok/s, {plain['output_tokens']:,} tokens in "
+                              f"{plain['num_steps']:,} steps, {plain['host_ms_per_step']:.3f} ms/step busy")]
+    for name, figures in result["constrained"].items():
+        rows.append((name.replace("_", " "),
+                     f"{figures['output_tok_s']:,.1f} output tok/s ({figures['ratio']:.3f}x), "
+                     f"{figures['output_tokens']:,} tokens in {figures['num_steps']:,} steps; "
+                     f"{figures['grammars_compiled']} grammars compiled in {figures['compile_s']:.3f} s (thread "
+                     f"time); per step: {figures['rows_per_step']:.1f} rows, wait {figures['wait_ms_per_step']:.3f} "
+                     f"ms, advance {figures['advance_ms_per_step']:.3f} ms, fill {figures['fill_ms_per_step']:.3f} "
+                     f"ms; bitmask before the forward in {figures['bitmask_before_forward_steps']} of "
+                     f"{figures['constrained_steps']} steps"))
+    rows.append(("vocabulary", f"converted for the grammar engine in {result['tokenizer_s']:.2f} s (once)"))
+    return rows
