@@ -124,16 +124,8 @@ class Engine:
 
     def check_structured_output(self, structured_outputs) -> None:
         """Raise ValueError naming the problem if the grammar cannot be served (any thread may call it)."""
-        if self.tokenizer is None:
-            raise ValueError("structured output needs the model's tokenizer (its vocabulary), and this engine has "
-                             "none; give the model folder a tokenizer or pass tokenizer=")
-        if self.config.speculative is not None or self.config.parallel.tensor_parallel_size > 1:
-            raise ValueError("structured output runs without speculative decoding and on one device (a grammar "
-                             "would have to check every proposed token, and the bitmask is not sent to other "
-                             "ranks yet); serve such requests from an engine without speculative_config and with "
-                             "tensor_parallel_size=1")
-        from ember.engine.structured_output import StructuredOutputs
-        StructuredOutputs.check(structured_outputs)
+        from ember.engine.structured_output import check_request
+        check_request(structured_outputs, self.config, self.tokenizer)
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None,
                     request_id: str | None = None) -> str:

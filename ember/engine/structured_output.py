@@ -32,6 +32,19 @@ MASK_IN_GRAPH_ENV = "EMBER_GRAMMAR_MASK_IN_GRAPH"
 COMPILE_POLL_S = 0.05        # the longest an idle engine waits for a compile before it looks at new requests
 
 
+def check_request(params: StructuredOutputsParams, config, tokenizer) -> None:
+    """ValueError naming the problem if an engine of `config` with `tokenizer` cannot serve the grammar (no
+    tokenizer, speculative decoding, tensor parallel) or it cannot compile."""
+    if tokenizer is None:
+        raise ValueError("structured output needs the model's tokenizer (its vocabulary), and this engine has none; "
+                         "give the model folder a tokenizer or pass tokenizer=")
+    if config.speculative is not None or config.parallel.tensor_parallel_size > 1:
+        raise ValueError("structured output runs without speculative decoding and on one device (a grammar would "
+                         "have to check every proposed token, and the bitmask is not sent to other ranks yet); serve "
+                         "such requests from an engine without speculative_config and with tensor_parallel_size=1")
+    check_grammar(params)
+
+
 class RequestGrammar:
     """One request's grammar: the compile it waits for, then its own matcher (a copy of the compiled one)."""
     __slots__ = ("future", "matcher", "error")
@@ -85,11 +98,6 @@ class StructuredOutputs:
         self._llg_torch = llg.torch
         self.mask_in_graph = os.environ.get(MASK_IN_GRAPH_ENV, "1") != "0"
         self.stats = GrammarStats()
-
-    @staticmethod
-    def check(params: StructuredOutputsParams) -> None:
-        """ValueError naming the problem if the grammar cannot compile (no tokenizer needed)."""
-        check_grammar(params)
 
     def attach(self, request: Request) -> None:
         """Start compiling the request's grammar (or find it compiled) and give the request its state."""
