@@ -9,12 +9,16 @@ class IncrementalDetokenizer:
     Decodes a small window (from `prefix_offset`) twice, before and after the new tokens, and emits the
     difference, holding back text that ends in an incomplete UTF-8 sequence.
 
-    Without stop strings nothing needs the text until an output is built, so tokens wait in `pending` and are
-    decoded together, in one window, when the text is read: a batch run decodes each request once, at its end.
+    The output tokens live in `output_ids`: the caller's list when it passes one (it appends each token there,
+    then calls `add` only for a token that may end the request or whose text is needed at once), else this
+    detokenizer's own (`add` appends). Without stop strings nothing needs the text until an output is built, so
+    tokens wait there and are decoded together, in one window, when the text is read: a batch run decodes each
+    request once, at its end.
     """
 
     def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True,
-                 stop: tuple[str, ...] = (), include_stop_str_in_output: bool = False):
+                 stop: tuple[str, ...] = (), include_stop_str_in_output: bool = False,
+                 output_ids: list[int] | None = None):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.stop = stop
@@ -24,29 +28,42 @@ class IncrementalDetokenizer:
         self.prefix_offset = 0
         self.read_offset = len(self.token_ids)
         self.text = ""
-        self.pending: list[int] = []     # tokens added but not decoded yet (only without stop strings)
+        self._owns_output = output_ids is None
+        self.output_ids: list[int] = [] if output_ids is None else output_ids
+        self.num_taken = 0               # output tokens in the text (or left out of it) so far; the rest wait
         self._new_start = 0              # where the text the last emit added begins
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def add(self, token_id: int, add_text: bool = True, check_stop: bool = True) -> str | None:
-        """Append one token; returns the stop string if the text now contains one (the text is cut before it, or
-        after it with include_stop_str_in_output). `add_text=False` leaves the token's text out (a stop token);
+        """Take one more token (appending it, unless the caller owns `output_ids` and has); returns the stop
+        string if the text now contains one (the text is cut before it, or after it with
+        include_stop_str_in_output). `add_text=False` leaves the token's text out (a stop token);
         `check_stop=False` looks for no stop string (min_tokens not reached yet)."""
-        if self.tokenizer is None or not add_text:
+        if self._owns_output:
+            self.output_ids.append(token_id)
+        if self.tokenizer is None:
+            return None
+        if not add_text:
+            self._flush(len(self.output_ids) - 1)
+            self.num_taken = len(self.output_ids)
             return None
         if not self.stop:
-            self.pending.append(token_id)
             return None
+        self._flush(len(self.output_ids) - 1)
+        self.num_taken = len(self.output_ids)
         if self._emit([token_id], keep=True):
             return self._check_stop(self._new_start) if check_stop else None
         return None
 
-    def _flush(self) -> None:
-        """Decode the pending tokens: in one window when that ends on a whole character, else one by one (as
-        they came, so that the text equals what adding each at once would have given)."""
-        pending, self.pending = self.pending, []
+    def _flush(self, end: int) -> None:
+        """Decode the waiting tokens before `end`: in one window when that ends on a whole character, else one by
+        one (as they came, so that the text equals what adding each at once would have given)."""
+        pending = self.output_ids[self.num_taken:end]
+        if not pending:
+            return
+        self.num_taken = end
         if len(pending) > 1 and self._emit(pending, keep=False):
             return
         for token_id in pending:
@@ -86,8 +103,8 @@ class IncrementalDetokenizer:
     def output_text(self, finished: bool) -> str:
         """The text to show now. While unfinished, an end that could still grow into a stop string is held back
         (it would be cut if it did), so that the text shown only ever grows."""
-        if self.pending:
-            self._flush()
+        if self.num_taken < len(self.output_ids) and self.tokenizer is not None:
+            self._flush(len(self.output_ids))
         if finished or not self.stop or self.include_stop:
             return self.text
         return self.text[:len(self.text) - self._stop_prefix_len()]

@@ -40,6 +40,7 @@ class Request:
     sampling_seed: int = 0                # sampling_params.seed, or one drawn from the engine's generator
     max_tokens: int = 16                  # resolved: sampling_params.max_tokens or what fits in max_model_len
     grammar: object | None = None         # structured output: its `RequestGrammar` (engine/structured_output.py)
+    stop_ids: frozenset[int] = frozenset()  # tokens that end it: stop_token_ids, and EOS unless ignore_eos
 
     @property
     def num_prompt_tokens(self) -> int:

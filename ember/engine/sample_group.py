@@ -28,6 +28,11 @@ class SampleGroup:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    samples: list = field(default_factory=list)   # the engine's per-sample output state, sample i at index i
+    samples: list = field(default_factory=list)   # the front end's per-sample state, sample i at index i
     num_unfinished: int = 0
-    queued: bool = False     # waiting in the engine for its output to be made (once per step)
+    queued: bool = False     # its output is already due from the outputs being processed (once per batch)
+    core_id: str = ""        # the id the core runs it under; sample i runs as sample_request_id(core_id, i)
+
+    @property
+    def finished(self) -> bool:
+        return self.num_unfinished == 0

@@ -90,15 +90,16 @@ def test_failure_in_one_requests_update_aborts_that_request_only(llm, reference,
     engine = llm.engine
     bad = engine.add_request(PROMPTS[0], GREEDY)
     good = engine.add_request(PROMPTS[1], GREEDY)
-    detok = engine._tracked[bad].detokenizer
-    real = detok.add
+    state = engine.output_processor.states[bad]
 
-    def add(token_id, *args, **kwargs):
-        if len(engine._tracked[bad].request.output_token_ids) == 2:
-            raise _Boom("detokenizer broke")
-        return real(token_id, *args, **kwargs)
+    class Breaking(list):
+        """The request's tokens, whose third append fails (as a tokenizer error would)."""
+        def append(self, token_id):
+            if len(self) == 2:
+                raise _Boom("taking a token broke")
+            super().append(token_id)
 
-    monkeypatch.setattr(detok, "add", add)
+    state.token_ids = state.detokenizer.output_ids = Breaking(state.token_ids)
     outputs, errors = [], []
     for _ in range(200):
         if not engine.has_unfinished():

@@ -103,7 +103,7 @@ def _lifecycle(folder, pool, seed: int, async_scheduling: bool, rounds: int, mon
                     live[rid]["aborted"] = True
                     expect_final(rid)
                 counts["failed_steps"] += 1
-        assert set(engine._tracked) == set(live)
+        assert set(engine.output_processor.states) == set(live)
         assert set(engine.scheduler.requests) == set(live)
         for manager in engine.kv.managers:
             assert set(manager.req_blocks) <= set(live)

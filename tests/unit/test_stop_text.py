@@ -82,7 +82,7 @@ def test_stop_token_text_is_left_out(llm, full, monkeypatch, how, include):
     first = ids.index(token)
     kwargs = dict(stop_token_ids=[token]) if how == "stop_token_ids" else {}
     if how == "eos":
-        monkeypatch.setattr(llm.engine, "eos_token_ids", (token,))
+        monkeypatch.setattr(llm.engine.core, "eos_token_ids", (token,))   # the core ends requests at EOS
     params = SamplingParams(temperature=0.0, max_tokens=24, skip_special_tokens=False,
                             include_stop_str_in_output=include, **kwargs)
     c = llm.generate(PROMPT, params, use_tqdm=False)[0].outputs[0]
