@@ -5,6 +5,7 @@
 #   bash benches/run_gpu.sh throughput    # the nano-vllm throughput workload, Qwen3-0.6B config
 #   bash benches/run_gpu.sh headline      # decode, then throughput: the pass behind the README's figures
 #   bash benches/run_gpu.sh serve         # the offline workload, then `ember serve` + `ember bench serve` at 8, 32, inf
+#   bash benches/run_gpu.sh serve_dp      # two GPUs: one engine core against two (--data-parallel-size 2), rate inf
 #   [PYC=1] [STAMP_AB=1] bash benches/run_gpu.sh startup [MODEL ...]   # cold then warm start-up, fresh processes
 #   bash benches/run_gpu.sh flash         # the flash backend's kernels, GPU tests and time to first token
 #   bash benches/run_gpu.sh fusion        # fusion passes on / off, batch-1 decode with a step profile
@@ -64,38 +65,109 @@ part_throughput() {
   grep -h "output \|host \|start-up" "$OUT"/throughput_qwen3.log
 }
 
-# serve: PORT (default 8000), COUNTS (requests per rate, default 64,128,256; the inf run sends the same 256 requests
-# as the offline run). Writes offline.json, serve.json, serve.png, metrics.txt and server.log.
-part_serve() {
-  local port=${PORT:-8000} workload="--input-len 100:1024 --output-len 100:1024 --seed 0" server
-  python3 -m ember bench throughput --config qwen3-0.6b --num-prompts 256 $workload --json "$OUT/offline.json"
-  python3 -m ember serve --config qwen3-0.6b --port "$port" > "$OUT/server.log" 2>&1 &
+# serve, serve_dp: the server, whose engine core runs in a process of its own, against the offline engine, Qwen3-0.6B
+# config with random weights, nano-vllm's workload (random token prompts, input and output lengths U[100, 1024]).
+#   serve: `ember bench throughput` (256 prompts), then `ember serve` with `ember bench serve` at request rates 8, 32
+#   and inf (the inf run sends the same 256 requests as the offline run); about 5 minutes on one GPU.
+#   serve_dp (two GPUs): 512 requests at rate inf through `ember serve` with one engine core, then with
+#   --data-parallel-size 2, against offline on one GPU.
+# Switches: WHEELS=/path/to/wheels installs the server's packages first, offline (fastapi, uvicorn,
+# prometheus_client, aiohttp, pyzmq, msgspec and their dependencies; httptools and uvloop too where the folder has
+# them: uvicorn's fast HTTP parser and event loop, on which the front end's share of a step depends). PORT (default
+# 8000), COUNTS (requests per rate, default 64,128,256), DP_COUNT (default 512), MODEL, WORKLOAD and
+# BENCH_SERVE_ARGS (a CPU dry run on a tiny model of vocabulary 320: MODEL="--model tiny/folder --device cpu"
+# WORKLOAD="--input-len 4:8 --output-len 4:8" COUNTS=8,8,8 DP_COUNT=16 BENCH_SERVE_ARGS="--max-token-id 319").
+# Each run prints the front end's and the engine core's busy time per step.
+serve_setup() {
+  if [ -n "${WHEELS:-}" ]; then
+    python3 -m pip install -q --no-index --find-links "$WHEELS" fastapi uvicorn prometheus_client aiohttp pyzmq msgspec \
+      || { echo "installing the server's packages from $WHEELS failed"; return 1; }
+    for optional in httptools uvloop; do
+      python3 -m pip install -q --no-index --find-links "$WHEELS" "$optional" >/dev/null 2>&1 \
+        && echo "installed $optional from $WHEELS" || echo "no $optional in $WHEELS (uvicorn uses its fallback)"
+    done
+  fi
+  python3 - <<'PY'
+import importlib.util
+from ember.config import package_version
+print("packages: " + ", ".join(f"{n} {package_version(n)}" for n in
+                               ("uvicorn", "fastapi", "pyzmq", "msgspec", "httptools", "uvloop")))
+missing = [m for m in ("fastapi", "uvicorn", "zmq", "msgspec", "aiohttp", "prometheus_client")
+           if importlib.util.find_spec(m) is None]
+if missing:
+    raise SystemExit(f"missing {missing}: set WHEELS to a folder of wheels to install them from")
+PY
+}
+
+# serve_run NAME COUNTS RATES OFFLINE_JSON [ember serve flags...]: a server, `ember bench serve` against it, SIGTERM
+serve_run() {
+  local name=$1 counts=$2 rates=$3 offline=$4 port=${PORT:-8000} server
+  shift 4
+  python3 -m ember serve ${MODEL:---config qwen3-0.6b} --port "$port" "$@" > "$OUT/$name.server.log" 2>&1 &
   server=$!
-  python3 - "$port" <<'PY'
-import sys, time, urllib.request
-deadline = time.time() + 300
+  python3 - "$port" "$server" <<'PY' || { tail -20 "$OUT/$name.server.log"; kill -TERM "$server"; return 1; }
+import os, sys, time, urllib.request
+port, pid = sys.argv[1], int(sys.argv[2])
+deadline = time.time() + 420
 while time.time() < deadline:
     try:
-        urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/health", timeout=1)
-        break
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
+        sys.exit(0)
     except OSError:
+        try:
+            os.kill(pid, 0)
+        except OSError:
+            sys.exit("the server exited during start-up")
         time.sleep(0.5)
-else:
-    sys.exit("the server did not start")
+sys.exit("the server did not start within 420 s")
 PY
-  python3 -m ember bench serve --base-url "http://127.0.0.1:$port" --request-rate 8,32,inf \
-    --num-prompts "${COUNTS:-64,128,256}" $workload --compare-offline "$OUT/offline.json" --json "$OUT/serve.json" \
-    --plot "$OUT/serve.png"
-  python3 - "$port" > "$OUT/metrics.txt" <<'PY'
+  grep "ember serve:" "$OUT/$name.server.log"
+  local plot=""
+  python3 -c "import matplotlib" 2>/dev/null && plot="--plot $OUT/$name.png"
+  timeout 400 python3 -m ember bench serve --base-url "http://127.0.0.1:$port" --request-rate "$rates" \
+    --num-prompts "$counts" $(serve_workload) ${BENCH_SERVE_ARGS:-} --compare-offline "$offline" \
+    --json "$OUT/$name.json" $plot 2>&1 | filter | tee "$OUT/$name.log"
+  python3 - "$port" > "$OUT/$name.metrics.txt" <<'PY'
 import sys, urllib.request
 text = urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/metrics").read().decode()
-print("\n".join(l for l in text.splitlines() if l.startswith(("ember_num", "ember_kv", "ember_prompt",
-                                                             "ember_generation", "ember_request"))))
+print("\n".join(l for l in text.splitlines() if l.startswith(("ember_num", "ember_kv", "ember_prompt", "ember_engine",
+                                                             "ember_frontend", "ember_generation", "ember_request"))))
 PY
   kill -TERM "$server"
   wait "$server"
-  echo "server exited with $? after SIGTERM"
-  tail -3 "$OUT/server.log"
+  echo "$name: server exited with $? after SIGTERM"
+}
+
+serve_workload() { echo "${WORKLOAD:---input-len 100:1024 --output-len 100:1024} --seed 0"; }
+
+part_serve() {
+  serve_setup || return 1
+  local counts=${COUNTS:-64,128,256}
+  run offline 300 python3 -m ember bench throughput ${MODEL:---config qwen3-0.6b} --num-prompts "${counts##*,}" \
+    $(serve_workload) --json "$OUT/offline.json"
+  serve_run serve "$counts" 8,32,inf "$OUT/offline.json"
+  echo "== summary"
+  grep -h "output \|offline \|busy " "$OUT"/offline.log "$OUT"/serve.log
+}
+
+part_serve_dp() {
+  serve_setup || return 1
+  local count=${DP_COUNT:-512} gpus
+  gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
+  case "${MODEL:-}" in *"--device cpu"*) gpus=2 ;; esac      # the CPU dry run: two core processes
+  if [ "$gpus" -lt 2 ]; then echo "== serve_dp needs 2 GPUs; this machine has $gpus"; return 1; fi
+  run offline_dp 300 python3 -m ember bench throughput ${MODEL:---config qwen3-0.6b} --num-prompts "$count" \
+    $(serve_workload) --json "$OUT/offline_dp.json"
+  serve_run serve_dp1 "$count" inf "$OUT/offline_dp.json"
+  serve_run serve_dp2 "$count" inf "$OUT/offline_dp.json" --data-parallel-size 2
+  echo "== summary"
+  grep -h "output \|offline \|busy " "$OUT"/offline_dp.log "$OUT"/serve_dp1.log "$OUT"/serve_dp2.log
+  python3 - "$OUT" <<'PY'
+import json, sys
+runs = {n: json.load(open(f"{sys.argv[1]}/{n}.json"))["runs"][0] for n in ("serve_dp1", "serve_dp2")}
+one, two = runs["serve_dp1"]["output_tok_s"], runs["serve_dp2"]["output_tok_s"]
+print(f"data parallel: 1 core {one:,.0f} output tok/s, 2 cores {two:,.0f} output tok/s ({two / one:.2f}x)")
+PY
 }
 
 # startup [MODEL ...] (default: the Qwen3-0.6B and Llama-3.1-8B configs): each start in a fresh process; cold starts
@@ -300,13 +372,15 @@ part_fallback() {
 part=${1:-}
 [ $# -gt 0 ] && shift
 case "$part" in
-  decode|throughput|headline|serve|startup|flash|fusion|ab|moe|moe_sweep|moe_throughput|fp8|fp8_throughput|fallback) mkdir -p "$OUT" ;;
+  decode|throughput|headline|serve|serve_dp|startup|flash|fusion|ab|moe|moe_sweep|moe_throughput|fp8|fp8_throughput|\
+  fallback) mkdir -p "$OUT" ;;
 esac
 case "$part" in
   decode) part_decode ;;
   throughput) part_throughput ;;
   headline) part_decode; part_throughput ;;
   serve) part_serve ;;
+  serve_dp) part_serve_dp ;;
   startup) part_startup "$@" ;;
   flash) part_flash ;;
   fusion) part_fusion ;;
@@ -318,7 +392,7 @@ case "$part" in
   fp8_throughput) part_fp8_throughput ;;
   fallback) part_fallback "$@" ;;
   structured) part_structured ;;
-  *) echo "usage: bash benches/run_gpu.sh decode|throughput|headline|serve|startup [MODEL ...]|flash|fusion|ab|moe|" \
-          "moe_sweep [CONFIG]|moe_throughput|fp8|fp8_throughput|fallback [qwen3|llama|pythia]|structured" >&2
+  *) echo "usage: bash benches/run_gpu.sh decode|throughput|headline|serve|serve_dp|startup [MODEL ...]|flash|fusion|ab|" \
+          "moe|moe_sweep [CONFIG]|moe_throughput|fp8|fp8_throughput|fallback [qwen3|llama|pythia]|structured" >&2
      exit 2 ;;
 esac

@@ -76,3 +76,15 @@ def _check_message(message, where: str) -> None:
             raise ValueError(f"part {j} of the content of {where} is {part!r}; only text parts "
                              f"{{'type': 'text', 'text': ...}} are supported")
         check_text(part["text"], f"part {j} of the content of {where}")
+
+
+def chat_prompt_text(tokenizer, conversation: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
+    """One checked conversation rendered by the tokenizer's chat template."""
+    return tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                         **kwargs)
+
+
+def chat_prompt_ids(tokenizer, conversation: list[dict], add_generation_prompt: bool = True, **kwargs) -> list[int]:
+    """The token ids of the rendered conversation (the template carries its own special tokens)."""
+    return tokenizer.encode(chat_prompt_text(tokenizer, conversation, add_generation_prompt, **kwargs),
+                            add_special_tokens=False)

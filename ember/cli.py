@@ -44,6 +44,8 @@ def _serve(args) -> int:
     _one_model(args)
     try:
         import ember.serve.app  # noqa: F401 - fails early, before the model loads, without the extras
+        import msgspec  # noqa: F401 - the engine core's messages
+        import zmq  # noqa: F401 - and their sockets
         from ember.serve.server import main as serve_main
     except ImportError as exc:
         raise ValueError(f"ember serve needs the server extras ({exc.name} is missing): "
@@ -137,6 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "<tool_call>{json}</tool_call>) or llama3_json (Llama 3's JSON calls)")
     s.add_argument("--chat-template", default=None, metavar="FILE_OR_TEXT",
                    help="a Jinja chat template (a file, or the template itself) to use instead of the tokenizer's")
+    s.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
+                   help="engine cores, each in its own process on its own GPU(s), behind this one server; each "
+                        "request goes to the least-loaded one")
     s.set_defaults(func=_serve)
 
     b = sub.add_parser("backends", help="list registered attention backends")

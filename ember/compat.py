@@ -96,3 +96,13 @@ def check_llm_arguments(kwargs: Mapping[str, object], known: Iterable[str], tens
     if tensor_parallel_size < 1:
         raise ValueError(f"tensor_parallel_size {tensor_parallel_size} must be at least 1")
 
+
+def check_data_parallel_size(data_parallel_size) -> int:
+    """`data_parallel_size` as a number of engine cores (TypeError or ValueError naming it)."""
+    if isinstance(data_parallel_size, bool) or not isinstance(data_parallel_size, int):
+        raise TypeError(f"data_parallel_size must be an int, got {type(data_parallel_size).__name__} "
+                        f"{data_parallel_size!r}")
+    if data_parallel_size < 1:
+        raise ValueError(f"data_parallel_size {data_parallel_size} must be at least 1 (the number of engine cores, "
+                         f"each with its own GPU)")
+    return data_parallel_size

@@ -7,11 +7,12 @@ import json
 import logging
 import operator
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from ember.chat_input import check_conversations, check_text
-from ember.compat import GENERATE_HINTS, check_kwargs, check_llm_arguments
+from ember.chat_input import chat_prompt_ids, chat_prompt_text, check_conversations, check_text
+from ember.compat import GENERATE_HINTS, check_data_parallel_size, check_kwargs, check_llm_arguments
 from ember.models.architecture_check import check_architecture
 from ember.config import (CacheConfig, CompileConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig,
                           check_model_impl)
@@ -66,8 +67,105 @@ def _tokenizer_model_config(path: Path):
     return ConfigSnapshot(**{**vars(config), "_name_or_path": str(path)})
 
 
+@dataclass(frozen=True)
+class EngineSetup:
+    """What starting an engine takes, resolved from `LLM(...)`'s arguments: the config, the model folder, a bundled
+    config for random weights (else None), how to load the weights, the tokenizer (None if there is none) and
+    which weights these are."""
+    config: EngineConfig
+    model_path: str
+    hf_config: object
+    load_format: str
+    tokenizer: object
+    checkpoint: object
+
+
+# the cycle collector waits for the end of the start-up, the tokenizer's load included (ember.runner.warmup)
+@cycle_collector_paused()
+def engine_setup(model: str | None = None, *, dtype: str = "auto", device: str = "auto",
+                 max_model_len: int | None = None, block_size: int = 16, num_kv_blocks: int | None = None,
+                 gpu_memory_utilization: float = 0.9, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
+                 enable_prefix_caching: bool = True, attention_backend: str = "auto", seed: int = 0,
+                 compile_mode: str = "auto", cudagraph_mode: str = "auto",
+                 cudagraph_capture_sizes: Sequence[int] | None = None, enforce_eager: bool = False,
+                 attention_backend_options: dict | None = None, load_format: str = "auto",
+                 tokenizer: str | None = None, tokenizer_mode: str = "auto", tokenizer_revision: str | None = None,
+                 async_scheduling: bool | None = None, disabled_fusions: Sequence[str] = (),
+                 cudagraph_capture: str = "eager", jit_warmup: bool | None = None,
+                 triton_compile_workers: int | None = None, tensor_parallel_size: int = 1,
+                 data_parallel_size: int = 1, worker_timeout_s: float = 600.0, symm_mem_all_reduce: bool = False,
+                 trust_remote_code: bool = False, revision: str | None = None, download_dir: str | None = None,
+                 quantization: str | None = None, kv_cache_dtype: str = "auto",
+                 speculative_config: dict | None = None, model_impl: str = "auto") -> EngineSetup:
+    """Check the arguments, find the model (fetching the default one if none is named), resolve the config and load
+    the tokenizer; `LLM(...)` and `ember serve` start their engines from this."""
+    check_quantization(quantization)
+    check_model_impl(model_impl)
+    check_kv_cache_dtype(kv_cache_dtype)
+    check_data_parallel_size(data_parallel_size)
+    speculative = SpeculativeConfig.from_dict(speculative_config)     # a bad value fails before the model loads
+    if attention_backend != "auto":      # a misspelt name fails now, not after the model has loaded
+        from ember.attention_backends.registry import get_backend
+        get_backend(attention_backend)
+    if attention_backend_options:
+        from ember.attention_backends.registry import check_backend_options
+        check_backend_options(dict(attention_backend_options), attention_backend)
+    if load_format not in ("auto", "dummy"):
+        raise ValueError(f"load_format {load_format!r} is not supported; use 'auto' or 'dummy' (random weights)")
+    from ember.tokenizer_args import check_tokenizer_mode, tokenizer_folder
+    check_tokenizer_mode(tokenizer_mode)
+    # a tokenizer of its own resolves first: a wrong one fails before the model is fetched or built
+    tokenizer_path = tokenizer_folder(tokenizer, tokenizer_revision, model, None, download_dir)
+    hf_config = None
+    if load_format == "dummy" and model is not None and not Path(model).exists():
+        # a bundled public config by name: random weights of the real shape, no download
+        from ember.models.bundled import bundled_config
+        hf_config, path = bundled_config(model), Path(model)
+    else:
+        from ember.models.default_model import resolve_model_path
+        path = resolve_model_path(model, revision, download_dir)
+        check_architecture(path, trust_remote_code, model_impl)
+    from ember.models.checkpoint_origin import checkpoint_origin
+    checkpoint = checkpoint_origin(model, path, load_format)   # which weights these are, said once
+    if checkpoint.warning:
+        logger.warning("%s", checkpoint.warning)
+    logger.info("weights: %s", checkpoint.describe())
+    config = EngineConfig(
+        model=ModelConfig(str(path), dtype, max_model_len, seed, quantization, model_impl),
+        cache=CacheConfig(block_size, num_kv_blocks, gpu_memory_utilization, enable_prefix_caching,
+                          kv_cache_dtype),
+        scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, async_scheduling),
+        compile=CompileConfig(compile_mode, cudagraph_mode,
+                              tuple(cudagraph_capture_sizes) if cudagraph_capture_sizes else None,
+                              enforce_eager, tuple(disabled_fusions), cudagraph_capture, jit_warmup,
+                              triton_compile_workers),
+        device=device, attention_backend=attention_backend,
+        attention_backend_options=tuple(sorted(dict(attention_backend_options or {}).items())),
+        parallel=ParallelConfig(tensor_parallel_size, data_parallel_size, worker_timeout_s=worker_timeout_s,
+                                symm_mem_all_reduce=symm_mem_all_reduce),
+        speculative=speculative,
+    ).resolve()
+    if tokenizer_path is None and hf_config is None:     # the model folder's own
+        tokenizer_path = path
+    loaded = _load_tokenizer(tokenizer_path, trust_remote_code) if tokenizer_path is not None else None
+    return EngineSetup(config, str(path), hf_config, load_format, loaded, checkpoint)
+
+
+def start_engine_cores(setup: EngineSetup):
+    """The engine cores of `setup` in processes of their own (`config.parallel.data_parallel_size` of them), behind
+    one client."""
+    from ember.engine.core_client import MPClient
+    return MPClient(setup.config, setup.model_path, setup.hf_config, setup.load_format,
+                    setup.tokenizer, setup.config.parallel.data_parallel_size)
+
+
 class LLM:
-    """Load a model folder (or ember's default model) and generate from batches of prompts."""
+    """Load a model folder (or ember's default model) and generate from batches of prompts.
+
+    The engine core runs in this process by default. `engine_process=True` runs it in a process of its own (the
+    outputs are the same; this process keeps the tokenizer and the text), and `data_parallel_size=N` runs N of
+    them, each on its own GPUs (N processes on the CPU), each request going to the least-loaded one. `shutdown()`
+    stops such processes (they also stop when this process exits)."""
 
     # the cycle collector waits for the end of the start-up, the tokenizer's load included (ember.runner.warmup)
     @cycle_collector_paused()
@@ -82,6 +180,7 @@ class LLM:
                  async_scheduling: bool | None = None, disabled_fusions: Sequence[str] = (),
                  cudagraph_capture: str = "eager", jit_warmup: bool | None = None,
                  triton_compile_workers: int | None = None, tensor_parallel_size: int = 1,
+                 data_parallel_size: int = 1, engine_process: bool = False,
                  worker_timeout_s: float = 600.0, symm_mem_all_reduce: bool = False,
                  trust_remote_code: bool = False, revision: str | None = None, download_dir: str | None = None,
                  quantization: str | None = None, kv_cache_dtype: str = "auto",
@@ -90,61 +189,39 @@ class LLM:
         check_llm_arguments(kwargs, _LLM_PARAMETERS, tensor_parallel_size)
         # structured output runs on llguidance; vLLM's name for it ('guidance') and 'auto' are accepted
         check_grammar_backend(guided_decoding_backend, "guided_decoding_backend")
-        check_quantization(quantization)
-        check_model_impl(model_impl)
-        check_kv_cache_dtype(kv_cache_dtype)
-        speculative = SpeculativeConfig.from_dict(speculative_config)     # a bad value fails before the model loads
-        if attention_backend != "auto":      # a misspelt name fails now, not after the model has loaded
-            from ember.attention_backends.registry import get_backend
-            get_backend(attention_backend)
-        if attention_backend_options:
-            from ember.attention_backends.registry import check_backend_options
-            check_backend_options(dict(attention_backend_options), attention_backend)
-        if load_format not in ("auto", "dummy"):
-            raise ValueError(f"load_format {load_format!r} is not supported; use 'auto' or 'dummy' (random weights)")
-        from ember.tokenizer_args import check_tokenizer_mode, tokenizer_folder
-        check_tokenizer_mode(tokenizer_mode)
-        # a tokenizer of its own resolves first: a wrong one fails before the model is fetched or built
-        tokenizer_path = tokenizer_folder(tokenizer, tokenizer_revision, model, None, download_dir)
-        hf_config = None
-        if load_format == "dummy" and model is not None and not Path(model).exists():
-            # a bundled public config by name: random weights of the real shape, no download
-            from ember.models.bundled import bundled_config
-            hf_config, path = bundled_config(model), Path(model)
-        else:
-            from ember.models.default_model import resolve_model_path
-            path = resolve_model_path(model, revision, download_dir)
-            check_architecture(path, trust_remote_code, model_impl)
-        from ember.models.checkpoint_origin import checkpoint_origin
-        self.checkpoint = checkpoint_origin(model, path, load_format)   # which weights these are, said once
-        if self.checkpoint.warning:
-            logger.warning("%s", self.checkpoint.warning)
-        logger.info("weights: %s", self.checkpoint.describe())
-        config = EngineConfig(
-            model=ModelConfig(str(path), dtype, max_model_len, seed, quantization, model_impl),
-            cache=CacheConfig(block_size, num_kv_blocks, gpu_memory_utilization, enable_prefix_caching,
-                              kv_cache_dtype),
-            scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, async_scheduling),
-            compile=CompileConfig(compile_mode, cudagraph_mode,
-                                  tuple(cudagraph_capture_sizes) if cudagraph_capture_sizes else None,
-                                  enforce_eager, tuple(disabled_fusions), cudagraph_capture, jit_warmup,
-                                  triton_compile_workers),
-            device=device, attention_backend=attention_backend,
-            attention_backend_options=tuple(sorted(dict(attention_backend_options or {}).items())),
-            parallel=ParallelConfig(tensor_parallel_size, worker_timeout_s=worker_timeout_s,
-                                    symm_mem_all_reduce=symm_mem_all_reduce),
-            speculative=speculative,
-        ).resolve()
-        self.config = config
-        if tokenizer_path is None and hf_config is None:     # the model folder's own
-            tokenizer_path = path
-        self.tokenizer = _load_tokenizer(tokenizer_path, trust_remote_code) if tokenizer_path is not None else None
-        self.engine = Engine(config, str(path), self.tokenizer, hf_config=hf_config, load_format=load_format)
+        if not isinstance(engine_process, bool):
+            raise TypeError(f"engine_process must be a bool, got {type(engine_process).__name__} {engine_process!r}")
+        setup = engine_setup(
+            model, dtype=dtype, device=device, max_model_len=max_model_len, block_size=block_size,
+            num_kv_blocks=num_kv_blocks, gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
+            attention_backend=attention_backend, seed=seed, compile_mode=compile_mode,
+            cudagraph_mode=cudagraph_mode, cudagraph_capture_sizes=cudagraph_capture_sizes,
+            enforce_eager=enforce_eager, attention_backend_options=attention_backend_options,
+            load_format=load_format, tokenizer=tokenizer, tokenizer_mode=tokenizer_mode,
+            tokenizer_revision=tokenizer_revision, async_scheduling=async_scheduling,
+            disabled_fusions=disabled_fusions, cudagraph_capture=cudagraph_capture, jit_warmup=jit_warmup,
+            triton_compile_workers=triton_compile_workers, tensor_parallel_size=tensor_parallel_size,
+            data_parallel_size=data_parallel_size, worker_timeout_s=worker_timeout_s,
+            symm_mem_all_reduce=symm_mem_all_reduce, trust_remote_code=trust_remote_code, revision=revision,
+            download_dir=download_dir, quantization=quantization, kv_cache_dtype=kv_cache_dtype,
+            speculative_config=speculative_config, model_impl=model_impl)
+        self.setup = setup
+        self.config = setup.config
+        self.checkpoint = setup.checkpoint
+        self.tokenizer = setup.tokenizer
+        client = start_engine_cores(setup) if engine_process or data_parallel_size > 1 else None
+        self.engine = Engine(setup.config, setup.model_path, self.tokenizer, hf_config=setup.hf_config,
+                             load_format=setup.load_format, client=client)
         # requests a live generate() or stream waits for: the latest output of each (outputs are cumulative, so
         # the latest is all a waiter needs), and the error of each that a failed step aborted
         self._latest: dict[str, RequestOutput | None] = {}
         self._streams: set[str] = set()
         self._errors: dict[str, EngineStepError] = {}
+
+    def shutdown(self) -> None:
+        """Stop the engine core's processes, if it runs in any (`engine_process`, `data_parallel_size`)."""
+        self.engine.shutdown()
 
     # ---- prompts ----------------------------------------------------------------------------------------------
     def _tokenize(self, prompt: PromptType) -> tuple[list[int], str | None]:
@@ -241,8 +318,9 @@ class LLM:
         self.engine.abort(rid)
 
     def _prompt_logprobs(self, token_ids: list[int], params: SamplingParams) -> list | None:
-        from ember.prompt_logprobs import prompt_logprobs
-        return prompt_logprobs(self.engine, token_ids, params.prompt_logprobs, self.tokenizer)
+        # one teacher-forced pass of the prompt through the paged cache before the request is queued, so that the
+        # sampling path stays as it is; the request's own prefill then runs as usual
+        return self.engine.prompt_logprobs(token_ids, params.prompt_logprobs)
 
     def generate_stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None
                         ) -> Iterator[RequestOutput]:
@@ -287,13 +365,11 @@ class LLM:
 
     def chat_prompt_text(self, conversation: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
         """One checked conversation rendered by the tokenizer's chat template."""
-        return self.tokenizer.apply_chat_template(conversation, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt, **kwargs)
+        return chat_prompt_text(self.tokenizer, conversation, add_generation_prompt, **kwargs)
 
     def chat_prompt_ids(self, conversation: list[dict], add_generation_prompt: bool = True, **kwargs) -> list[int]:
         """The token ids of the rendered conversation (the template carries its own special tokens)."""
-        return self.tokenizer.encode(self.chat_prompt_text(conversation, add_generation_prompt, **kwargs),
-                                     add_special_tokens=False)
+        return chat_prompt_ids(self.tokenizer, conversation, add_generation_prompt, **kwargs)
 
     def get_tokenizer(self):
         return self.tokenizer

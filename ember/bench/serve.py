@@ -105,10 +105,11 @@ async def _one(session, url: str, body: dict, result: RequestResult, t0: float) 
 
 
 async def run_workload(base_url: str, model: str | None, workload: Workload, rate: float, seed: int = 0,
-                       temperature: float = 0.6, max_concurrency: int | None = None) -> tuple[list[RequestResult],
-                                                                                          float, str]:
+                       temperature: float = 0.6, max_concurrency: int | None = None
+                       ) -> tuple[list[RequestResult], float, str, dict | None]:
     """Send every request of `workload` at its arrival time; returns the results, the elapsed seconds (first send
-    to last response) and the served model's name."""
+    to last response), the served model's name and the server's busy time per step over the run (`busy_summary`;
+    None if its /metrics has no such counters)."""
     import aiohttp
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=30)
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
@@ -142,10 +143,12 @@ async def run_workload(base_url: str, model: str | None, workload: Workload, rat
                 async with gate:
                     await _one(session, url, body(workload.prompts[i], workload.output_lens[i]), results[i], t0)
 
+        before = scrape_busy(base_url)      # after the warm-up: its steps are not the run's
         t0 = time.perf_counter()
         await asyncio.gather(*(scheduled(i, t0) for i in range(len(results))))
         elapsed = time.perf_counter() - t0
-    return results, elapsed, model
+        busy = busy_summary(before, scrape_busy(base_url), elapsed)
+    return results, elapsed, model, busy
 
 
 def summarize(results: list[RequestResult], elapsed: float) -> dict:
@@ -190,6 +193,43 @@ def plot_latency(results: list[RequestResult], path: str, title: str) -> None:
     plt.close(fig)
 
 
+BUSY_COUNTERS = ("ember_engine_core_steps_total", "ember_engine_core_busy_seconds_total",
+                 "ember_engine_core_step_seconds_total", "ember_frontend_busy_seconds_total")
+
+
+def scrape_busy(base_url: str) -> dict[str, float] | None:
+    """The server's busy-time counters from `/metrics`, summed over replicas (None if it has none)."""
+    import re
+    import urllib.request
+    root = base_url[:-len("/v1")] if base_url.endswith("/v1") else base_url
+    try:
+        text = urllib.request.urlopen(f"{root}/metrics", timeout=10).read().decode()
+    except OSError:
+        return None
+    totals = {}
+    for name in BUSY_COUNTERS:
+        values = re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.MULTILINE)
+        if values:
+            totals[name] = sum(float(v) for v in values)
+    return totals if len(totals) == len(BUSY_COUNTERS) else None
+
+
+def busy_summary(before: dict[str, float] | None, after: dict[str, float] | None, elapsed: float) -> dict | None:
+    """Per engine-core step: the front end's event-loop busy time and the engine core's host busy time and step
+    time (ms), from two scrapes around a run; and the front end's busy share of the run."""
+    if before is None or after is None:
+        return None
+    delta = {name: after[name] - before[name] for name in BUSY_COUNTERS}
+    steps = delta["ember_engine_core_steps_total"]
+    if steps <= 0:
+        return None
+    return {"steps": int(steps),
+            "frontend_busy_ms_per_step": delta["ember_frontend_busy_seconds_total"] * 1e3 / steps,
+            "frontend_busy_share": delta["ember_frontend_busy_seconds_total"] / elapsed,
+            "core_busy_ms_per_step": delta["ember_engine_core_busy_seconds_total"] * 1e3 / steps,
+            "core_step_ms": delta["ember_engine_core_step_seconds_total"] * 1e3 / steps}
+
+
 def _pct(d: dict) -> str:
     return f"{d['mean']:.2f} / {d['p50']:.2f} / {d['p90']:.2f} / {d['p99']:.2f} ms (mean / p50 / p90 / p99)"
 
@@ -203,6 +243,12 @@ def _report_rows(rate: str, summary: dict, offline: dict | None) -> list[tuple[s
             ("req/s", f"{summary['requests_s']:,.2f}"),
             ("TTFT", _pct(summary["ttft_ms"])), ("TPOT", _pct(summary["tpot_ms"])), ("ITL", _pct(summary["itl_ms"])),
             ("E2E", _pct(summary["e2e_ms"]))]
+    busy = summary.get("busy")
+    if busy is not None:
+        rows.append(("busy", f"front end {busy['frontend_busy_ms_per_step']:.2f} ms a step "
+                             f"({busy['frontend_busy_share']:.0%} of the run); engine core "
+                             f"{busy['core_busy_ms_per_step']:.2f} ms a step (its steps take "
+                             f"{busy['core_step_ms']:.2f} ms; {busy['steps']:,} steps)"))
     if offline is not None:
         rows.append(("offline", f"{offline['output_tok_s']:,.1f} output tok/s (ember bench throughput); "
                                 f"server/offline {summary['output_tok_s'] / offline['output_tok_s']:.3f}"))
@@ -238,9 +284,10 @@ def _bench_serve(args) -> int:
     for rate_text, rate, count in zip(rates, parsed, counts):
         # the same draw as `ember bench throughput --num-prompts N --seed S`, so the two compare
         workload = random_workload(count, *lengths, seed=args.seed, max_token_id=args.max_token_id)
-        results, elapsed, model = asyncio.run(run_workload(base_url, args.model, workload, rate, args.seed,
-                                                           args.temperature, args.max_concurrency))
+        results, elapsed, model, busy = asyncio.run(run_workload(base_url, args.model, workload, rate, args.seed,
+                                                                 args.temperature, args.max_concurrency))
         summary = summarize(results, elapsed)
+        summary["busy"] = busy
         run = {"request_rate": rate_text, "num_prompts": count, "max_concurrency": args.max_concurrency, **summary}
         if offline is not None:
             run["offline_output_tok_s"] = offline["output_tok_s"]

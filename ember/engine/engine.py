@@ -1,8 +1,9 @@
 """The offline engine: validate and add requests, step the engine core, turn its tokens into outputs.
 
 `Engine` is a front end (`OutputProcessor`: text, stop strings, logprobs, samples) over an engine core reached
-through a client: in this process by default (`InprocClient`: a step is a call, nothing is copied or sent). The
-token-level work (scheduling, the KV cache, the runner) is the core's (`ember.engine.core`)."""
+through a client: in this process by default (`InprocClient`: a step is a call, nothing is copied or sent), or in
+processes of its own (`MPClient`). The token-level work (scheduling, the KV cache, the runner) is the core's
+(`ember.engine.core`)."""
 
 from __future__ import annotations
 
@@ -60,8 +61,8 @@ class Engine:
     def core(self):
         """The engine core, when it runs in this process."""
         if not self.inproc:
-            raise AttributeError("the engine core runs in a process of its own: its scheduler, KV cache and runner are "
-                                 "not in this process")
+            raise AttributeError("the engine core runs in a process of its own (engine_process=True or "
+                                 "data_parallel_size > 1): its scheduler, KV cache and runner are not in this process")
         return self.client.core
 
     @property

@@ -36,29 +36,33 @@ class ClientGone(Exception):
 
 
 class ServerState:
-    """What the routes share: the engine front, the tokenizer side of `LLM`, the metrics and the served name."""
+    """What the routes share: the engine front, the config, the tokenizer, the metrics and the served name."""
 
-    def __init__(self, llm, model_name: str, max_waiting: int, tool_call_parser: str | None = None,
-                 chat_template: str | None = None):
-        self.llm = llm
+    def __init__(self, client, setup, model_name: str, max_waiting: int, owns_client: bool,
+                 tool_call_parser: str | None = None, chat_template: str | None = None):
+        self.config = setup.config
+        self.tokenizer = setup.tokenizer
+        self.checkpoint = setup.checkpoint
         self.model_name = model_name
         self.tool_call_parser = tool_call_parser
-        self.chat = ChatPrompts(llm, chat_template)
-        self.metrics = ServerMetrics(model_name, llm.engine.runner.device)
-        self.front = AsyncEngine(llm.engine, max_waiting, self.metrics.on_tokens, self.metrics.on_finish)
-        self.token_text = TokenText(llm.tokenizer)
+        self.chat = ChatPrompts(setup.tokenizer, chat_template)
+        self.metrics = ServerMetrics(model_name, client.num_replicas, setup.config.device.startswith("cuda"))
+        self.front = AsyncEngine(client, setup.config, setup.tokenizer, max_waiting, self.metrics.on_tokens,
+                                 self.metrics.on_finish, owns_client)
+        self.token_text = TokenText(setup.tokenizer)
         self.created = int(time.time())
-        self.checkpoint = llm.checkpoint
 
 
-def build_app(llm, model_name: str, max_waiting: int = 512, tool_call_parser: str | None = None,
-              chat_template: str | None = None) -> FastAPI:
-    """The server's app around a loaded `LLM`; the engine thread runs while the app's lifespan does.
-    `tool_call_parser`: how `tool_choice` "auto" finds calls (`ember.serve.tool_calls.TOOL_CALL_PARSERS`);
-    `chat_template`: a template (its text) to use instead of the tokenizer's."""
+def build_app(client, setup, model_name: str, max_waiting: int = 512, owns_client: bool = True,
+              tool_call_parser: str | None = None, chat_template: str | None = None) -> FastAPI:
+    """The server's app around started engine cores (an `MPClient`) and the `EngineSetup` they run (its config,
+    tokenizer and checkpoint). The app takes the cores' outputs while its lifespan runs, and stops the cores when
+    it ends if it owns them. `tool_call_parser`: how `tool_choice` "auto" finds calls
+    (`ember.serve.tool_calls.TOOL_CALL_PARSERS`); `chat_template`: a template (its text) to use instead of the
+    tokenizer's."""
     if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
         raise ValueError(f"tool call parser {tool_call_parser!r} is not one of {', '.join(TOOL_CALL_PARSERS)}")
-    state = ServerState(llm, model_name, max_waiting, tool_call_parser, chat_template)
+    state = ServerState(client, setup, model_name, max_waiting, owns_client, tool_call_parser, chat_template)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -92,7 +96,10 @@ def build_app(llm, model_name: str, max_waiting: int = 512, tool_call_parser: st
     @app.get("/health")
     async def health():
         if not state.front.alive:
-            return JSONResponse({"status": "engine stopped"}, status_code=503)
+            body = {"status": "engine stopped"}
+            if state.front.error is not None:
+                body["error"] = str(state.front.error)
+            return JSONResponse(body, status_code=503)
         return JSONResponse({"status": "draining" if state.front.draining else "ok"})
 
     @app.get("/v1/models")
@@ -105,7 +112,7 @@ def build_app(llm, model_name: str, max_waiting: int = 512, tool_call_parser: st
 
     @app.get("/metrics")
     async def metrics():
-        return Response(state.metrics.render(state.front.load, state.front.num_unfinished),
+        return Response(state.metrics.render(state.front.client.stats, state.front.streams_per_replica()),
                         media_type="text/plain; version=0.0.4")
 
     @app.post("/v1/completions")
@@ -114,7 +121,7 @@ def build_app(llm, model_name: str, max_waiting: int = 512, tool_call_parser: st
         _check_model(state, body.model)
         params = body.sampling_params(default_max_tokens=16)
         check_structured(state.front, params, body.structured_field)
-        prompts = [_tokenize(state.llm, p) for p in body.prompts()]
+        prompts = [_tokenize(state.tokenizer, p) for p in body.prompts()]
         echo = None
         if body.echo:
             _validate(state, prompts, params, "prompt")
@@ -147,11 +154,11 @@ def _check_model(state: ServerState, model: str | None) -> None:
                        "not_found_error", "model", "model_not_found")
 
 
-def _tokenize(llm, prompt: str | list[int]) -> tuple[list[int], str | None]:
+def _tokenize(tokenizer, prompt: str | list[int]) -> tuple[list[int], str | None]:
     if isinstance(prompt, str):
-        if llm.tokenizer is None:
+        if tokenizer is None:
             raise ApiError("text prompts need a tokenizer and this model has none; send token ids", param="prompt")
-        return llm.tokenizer.encode(prompt), prompt
+        return tokenizer.encode(prompt), prompt
     return list(prompt), None
 
 
@@ -164,7 +171,7 @@ async def _echoed(state: ServerState, prompts: list[tuple[list[int], str | None]
     """What `echo` puts before each prompt's completions: its text and, with logprobs, its prompt logprobs."""
     scores: list = [None] * len(prompts)
     if num_logprobs is not None:
-        limit = state.llm.config.scheduler.max_num_batched_tokens
+        limit = state.config.scheduler.max_num_batched_tokens
         for i, (ids, _) in enumerate(prompts):
             if len(ids) > limit:
                 raise ApiError(f"echo with logprobs scores each prompt in one step, and prompt {i} has {len(ids)} "
@@ -180,7 +187,7 @@ async def _echoed(state: ServerState, prompts: list[tuple[list[int], str | None]
             raise ApiError(str(exc), 503, "server_error", code="engine_stopped") from None
         except (ValueError, TypeError) as exc:
             raise ApiError(str(exc), param="prompt") from None
-    tokenizer = state.llm.tokenizer
+    tokenizer = state.tokenizer
     return [EchoedPrompt(text if text is not None else (tokenizer.decode(ids) if tokenizer is not None else ""),
                          ids, entries) for (ids, text), entries in zip(prompts, scores)]
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from ember.chat_input import chat_prompt_ids, chat_prompt_text
 from ember.sampling_params import SamplingParams
 from ember.serve.protocol import ApiError, ChatCompletionRequest
 
@@ -24,15 +25,15 @@ def check_structured(front, params: SamplingParams, field: str | None) -> None:
 class ChatPrompts:
     """Renders chat requests with the model's chat template, or `chat_template` (its text) in its place."""
 
-    def __init__(self, llm, chat_template: str | None = None):
-        self.llm = llm
+    def __init__(self, tokenizer, chat_template: str | None = None):
+        self.tokenizer = tokenizer
         self.chat_template = chat_template
         self._renders_tools: bool | None = None
 
     def prompt_ids(self, body: ChatCompletionRequest) -> list[int]:
         """The token ids of the request's rendered conversation; ApiError naming what the template refuses."""
-        llm = self.llm
-        if llm.tokenizer is None or not (self.chat_template or getattr(llm.tokenizer, "chat_template", None)):
+        tokenizer = self.tokenizer
+        if tokenizer is None or not (self.chat_template or getattr(tokenizer, "chat_template", None)):
             raise ApiError("this model has no chat template; use /v1/completions (or start the server with "
                            "--chat-template)", param="messages")
         conversation = body.conversation()
@@ -49,7 +50,7 @@ class ChatPrompts:
                                "FILE holding a template that renders tools", param="tools")
             kwargs["tools"] = tools
         try:
-            return llm.chat_prompt_ids(conversation, bool(body.add_generation_prompt), **kwargs)
+            return chat_prompt_ids(tokenizer, conversation, bool(body.add_generation_prompt), **kwargs)
         except Exception as exc:   # noqa: BLE001 - a template that refuses the conversation (jinja raises its own)
             raise ApiError(f"the chat template refused the messages: {exc}", param="messages") from None
 
@@ -58,8 +59,8 @@ class ChatPrompts:
         if self._renders_tools is None:
             kwargs = {"chat_template": self.chat_template} if self.chat_template else {}
             try:
-                text = self.llm.chat_prompt_text([{"role": "user", "content": "hi"}], True, tools=[_PROBE_TOOL],
-                                                 **kwargs)
+                text = chat_prompt_text(self.tokenizer, [{"role": "user", "content": "hi"}], True,
+                                        tools=[_PROBE_TOOL], **kwargs)
             except Exception:   # noqa: BLE001 - a template that fails on tools does not render them
                 text = ""
             self._renders_tools = _PROBE_TOOL["function"]["name"] in text

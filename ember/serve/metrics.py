@@ -1,10 +1,14 @@
-"""Prometheus metrics of the server: load gauges read at scrape time, latency histograms and token counters fed
-as outputs arrive. Each app has its own registry, so that several servers can live in one process (tests)."""
+"""Prometheus metrics of the server: load gauges and the engine cores' counters read at scrape time, latency
+histograms and token counters fed as outputs arrive, and this process's own (resident memory, CPU time, open
+files). Every figure of a core or of the requests it served carries its replica (`replica="0"`). Each app has its
+own registry, so that several servers can live in one process (tests)."""
 
 from __future__ import annotations
 
-from ember.engine.request import RequestOutput
-from ember.serve.async_engine import EngineLoad, RequestStream
+import time
+
+from ember.engine.core_io import CoreStats
+from ember.serve.async_engine import RequestStream
 
 # seconds; dense below 100 ms, where decode latencies live, up to minutes for queued prefills
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
@@ -15,58 +19,75 @@ E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320
 
 
 class ServerMetrics:
-    """The collectors behind `/metrics`, labelled with the served model's name; with the process's own (resident
-    memory, CPU time, open files) and, for an engine on CUDA, the device memory torch holds."""
+    """The collectors behind `/metrics`, labelled with the served model's name and the replica."""
 
-    def __init__(self, model_name: str, device=None):
+    def __init__(self, model_name: str, num_replicas: int = 1, cuda: bool = False):
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
         self.registry = CollectorRegistry()
-        reg, label = self.registry, ["model_name"]
+        reg, labels = self.registry, ["model_name", "replica"]
         ProcessCollector(registry=reg)
+        replicas = [str(i) for i in range(num_replicas)]
 
-        def gauge(name, doc):
-            return Gauge(name, doc, label, registry=reg).labels(model_name)
+        def per_replica(kind, name, doc, **kwargs):
+            metric = kind(name, doc, labels, registry=reg, **kwargs)
+            return [metric.labels(model_name, r) for r in replicas]
 
-        def histogram(name, doc, buckets):
-            return Histogram(name, doc, label, buckets=buckets, registry=reg).labels(model_name)
-
-        def counter(name, doc):
-            return Counter(name, doc, label, registry=reg).labels(model_name)
-
-        self.num_running = gauge("ember_num_requests_running", "Requests the engine is running")
-        self.num_waiting = gauge("ember_num_requests_waiting", "Requests waiting to be scheduled")
-        self.kv_cache_usage = gauge("ember_kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0 to 1)")
-        self.time_to_first_token = histogram("ember_time_to_first_token_seconds",
-                                             "From a request's arrival to its first output token", TTFT_BUCKETS)
-        self.inter_token_latency = histogram("ember_inter_token_latency_seconds",
-                                             "Time between consecutive output tokens of a request", ITL_BUCKETS)
-        self.e2e_latency = histogram("ember_e2e_request_latency_seconds",
-                                     "From a request's arrival to its last output token", E2E_BUCKETS)
-        self.spec_draft_tokens = gauge("ember_spec_decode_num_draft_tokens", "Proposed tokens verified (total)")
-        self.spec_accepted_tokens = gauge("ember_spec_decode_num_accepted_tokens", "Proposed tokens accepted (total)")
-        self.spec_acceptance_rate = gauge("ember_spec_decode_acceptance_rate", "Accepted / proposed tokens")
-        self.spec_mean_acceptance_length = gauge("ember_spec_decode_mean_acceptance_length",
-                                                 "Tokens a verified request emits per step (accepted + 1)")
-        self.tokens_per_step = gauge("ember_tokens_per_step", "Generated tokens per engine step")
-        self.prompt_tokens = counter("ember_prompt_tokens", "Prompt tokens of finished requests")
-        self.generation_tokens = counter("ember_generation_tokens", "Output tokens generated")
+        self.num_running = per_replica(Gauge, "ember_num_requests_running", "Requests the engine is running")
+        self.num_waiting = per_replica(Gauge, "ember_num_requests_waiting", "Requests waiting to be scheduled")
+        self.kv_cache_usage = per_replica(Gauge, "ember_kv_cache_usage_perc",
+                                          "Fraction of KV-cache blocks in use (0 to 1)")
+        self.time_to_first_token = per_replica(Histogram, "ember_time_to_first_token_seconds",
+                                               "From a request's arrival to its first output token",
+                                               buckets=TTFT_BUCKETS)
+        self.inter_token_latency = per_replica(Histogram, "ember_inter_token_latency_seconds",
+                                               "Time between consecutive output tokens of a request",
+                                               buckets=ITL_BUCKETS)
+        self.e2e_latency = per_replica(Histogram, "ember_e2e_request_latency_seconds",
+                                       "From a request's arrival to its last output token", buckets=E2E_BUCKETS)
+        self.prompt_tokens = per_replica(Counter, "ember_prompt_tokens", "Prompt tokens of finished requests")
+        self.generation_tokens = per_replica(Counter, "ember_generation_tokens", "Output tokens generated")
+        self.core_steps = per_replica(Counter, "ember_engine_core_steps", "Steps the engine core ran")
+        self.core_step_seconds = per_replica(Counter, "ember_engine_core_step_seconds",
+                                             "Wall time the engine core spent in steps")
+        self.core_busy_seconds = per_replica(Counter, "ember_engine_core_busy_seconds",
+                                             "Host time the engine core was busy: steps less their waits for "
+                                             "the device, and its messages")
+        self.preemptions = per_replica(Counter, "ember_num_preemptions", "Requests preempted to free KV blocks")
+        self.spec_draft_tokens = per_replica(Gauge, "ember_spec_decode_num_draft_tokens",
+                                             "Proposed tokens verified (total)")
+        self.spec_accepted_tokens = per_replica(Gauge, "ember_spec_decode_num_accepted_tokens",
+                                                "Proposed tokens accepted (total)")
+        self.spec_acceptance_rate = per_replica(Gauge, "ember_spec_decode_acceptance_rate",
+                                                "Accepted / proposed tokens")
+        self.spec_mean_acceptance_length = per_replica(Gauge, "ember_spec_decode_mean_acceptance_length",
+                                                       "Tokens a verified request emits per step (accepted + 1)")
+        self.tokens_per_step = per_replica(Gauge, "ember_tokens_per_step", "Generated tokens per engine step")
+        self.frontend_busy_seconds = Counter("ember_frontend_busy_seconds",
+                                             "CPU time of the front end's event loop (HTTP, JSON, text, streams)",
+                                             ["model_name"], registry=reg).labels(model_name)
         self._finished = Counter("ember_request_success", "Finished requests, by finish reason",
-                                 ["model_name", "finished_reason"], registry=reg)
-        # where requests are held: the server's streams, the engine's output state, the runner's request table
+                                 ["model_name", "replica", "finished_reason"], registry=reg)
+        # where requests are held: the server's streams, the engine core, the runner's request table
         held = Gauge("ember_num_requests_held", "Requests held, by holder (server, engine, runner)",
-                     ["model_name", "holder"], registry=reg)
-        self._held = {holder: held.labels(model_name, holder) for holder in ("server", "engine", "runner")}
-        self._device = device if device is not None and device.type == "cuda" else None
-        if self._device is not None:
-            self.gpu_allocated = gauge("ember_gpu_memory_allocated_bytes", "Device memory torch has allocated")
-            self.gpu_reserved = gauge("ember_gpu_memory_reserved_bytes", "Device memory torch's allocator holds")
+                     ["model_name", "replica", "holder"], registry=reg)
+        self._held = [{holder: held.labels(model_name, r, holder) for holder in ("server", "engine", "runner")}
+                      for r in replicas]
+        self._cuda = cuda
+        if cuda:
+            self.gpu_allocated = per_replica(Gauge, "ember_gpu_memory_allocated_bytes",
+                                             "Device memory torch has allocated in the engine core")
+            self.gpu_reserved = per_replica(Gauge, "ember_gpu_memory_reserved_bytes",
+                                            "Device memory torch's allocator holds in the engine core")
         self._model_name = model_name
+        self._seen = [CoreStats() for _ in replicas]   # the counters as of the last scrape
+        self._loop_cpu: float | None = None   # the loop thread's CPU time at the last scrape (none before the first)
 
     def on_tokens(self, stream: RequestStream, num_new: int, now: float) -> None:
         """Record `num_new` tokens that reached `stream` at `now` (perf_counter seconds)."""
-        self.generation_tokens.inc(num_new)
+        replica = stream.replica
+        self.generation_tokens[replica].inc(num_new)
         if stream.last_token_at is None:
-            self.time_to_first_token.observe(now - stream.arrival)
+            self.time_to_first_token[replica].observe(now - stream.arrival)
             num_new -= 1
             if num_new == 0:
                 return
@@ -75,34 +96,48 @@ class ServerMetrics:
             last = stream.last_token_at
         # tokens that arrive together share the gap since the last ones
         gap = (now - last) / num_new
+        itl = self.inter_token_latency[replica]
         for _ in range(num_new):
-            self.inter_token_latency.observe(gap)
+            itl.observe(gap)
 
-    def on_finish(self, stream: RequestStream, output: RequestOutput) -> None:
-        """Record a request that finished."""
-        self.prompt_tokens.inc(stream.num_prompt_tokens)
-        self.e2e_latency.observe((stream.last_token_at or stream.arrival) - stream.arrival)
-        for completion in output.outputs:
-            self._finished.labels(self._model_name, completion.finish_reason or "unknown").inc()
+    def on_finish(self, stream: RequestStream, finish_reasons: list[str | None]) -> None:
+        """Record a request that finished, with each of its completions' finish reasons."""
+        replica = stream.replica
+        self.prompt_tokens[replica].inc(stream.num_prompt_tokens)
+        self.e2e_latency[replica].observe((stream.last_token_at or stream.arrival) - stream.arrival)
+        for reason in finish_reasons:
+            self._finished.labels(self._model_name, str(replica), reason or "unknown").inc()
 
-    def render(self, load: EngineLoad, num_unfinished: int = 0) -> bytes:
-        """The text exposition format, with the load gauges set from `load` and the server's `num_unfinished`
-        streams."""
+    def render(self, stats: list[CoreStats], num_streams: list[int]) -> bytes:
+        """The text exposition format, with the load gauges and core counters set from each replica's latest
+        stats, and the server's open streams per replica. Call it on the event loop's thread: the front end's busy
+        time is that thread's CPU time, counted from the first scrape on."""
         from prometheus_client import generate_latest
-        self.num_running.set(load.num_running)
-        self.num_waiting.set(load.num_waiting)
-        self.kv_cache_usage.set(load.kv_cache_usage)
-        self.spec_draft_tokens.set(load.num_draft_tokens)
-        self.spec_accepted_tokens.set(load.num_accepted_tokens)
-        if load.spec_summary is not None:
-            self.spec_acceptance_rate.set(load.spec_summary["acceptance_rate"])
-            self.spec_mean_acceptance_length.set(load.spec_summary["mean_acceptance_length"])
-            self.tokens_per_step.set(load.spec_summary["tokens_per_step"])
-        for holder, count in (("server", num_unfinished), ("engine", load.num_tracked),
-                              ("runner", load.num_runner_rows)):
-            self._held[holder].set(count)
-        if self._device is not None:
-            import torch
-            self.gpu_allocated.set(torch.cuda.memory_allocated(self._device))
-            self.gpu_reserved.set(torch.cuda.memory_reserved(self._device))
+        for replica, (now, seen) in enumerate(zip(stats, self._seen)):
+            self.num_running[replica].set(now.num_running)
+            self.num_waiting[replica].set(now.num_waiting)
+            self.kv_cache_usage[replica].set(now.kv_cache_usage)
+            self.spec_draft_tokens[replica].set(now.num_draft_tokens)
+            self.spec_accepted_tokens[replica].set(now.num_accepted_tokens)
+            summary = now.spec_summary()
+            self.spec_acceptance_rate[replica].set(summary["acceptance_rate"])
+            self.spec_mean_acceptance_length[replica].set(summary["mean_acceptance_length"])
+            self.tokens_per_step[replica].set(summary["tokens_per_step"])
+            held = self._held[replica]
+            held["server"].set(num_streams[replica])
+            held["engine"].set(now.num_requests)
+            held["runner"].set(now.num_runner_rows)
+            if self._cuda:
+                self.gpu_allocated[replica].set(now.gpu_memory_allocated)
+                self.gpu_reserved[replica].set(now.gpu_memory_reserved)
+            for counter, field in ((self.core_steps, "num_steps"), (self.core_step_seconds, "step_s"),
+                                   (self.core_busy_seconds, "busy_s"), (self.preemptions, "num_preemptions")):
+                delta = getattr(now, field) - getattr(seen, field)
+                if delta > 0:
+                    counter[replica].inc(delta)
+            self._seen[replica] = now
+        cpu = time.thread_time()
+        if self._loop_cpu is not None:
+            self.frontend_busy_seconds.inc(max(cpu - self._loop_cpu, 0.0))
+        self._loop_cpu = cpu
         return generate_latest(self.registry)

@@ -1,8 +1,10 @@
-"""`ember serve`: bind the address (a busy port fails before anything loads), load the model, then run the app under
-uvicorn on that socket until SIGINT or SIGTERM.
+"""`ember serve`: bind the address (a busy port fails before anything loads), start the engine cores, each in a
+process of its own, then run the app under uvicorn in this process, on that socket, until SIGINT or SIGTERM.
 
 On a signal the server stops accepting connections, refuses new requests on open ones (503), lets the requests in
-flight finish for up to `--drain-timeout` seconds, aborts what is left, stops the engine thread and exits 0."""
+flight finish for up to `--drain-timeout` seconds, aborts what is left, stops the engine cores and exits 0. If an
+engine core's process dies, every open request ends with an error naming it, `/health` answers 503, and the server
+exits with status 1 a moment later (`DEAD_EXIT_DELAY_S`: long enough for the error events to go out)."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import threading
 
 logger = logging.getLogger("ember.serve")
 
-SWITCH_INTERVAL_S = 0.0005
+DEAD_EXIT_DELAY_S = 1.0
 
 
 def served_model_name(args) -> str:
@@ -30,9 +32,11 @@ def served_model_name(args) -> str:
     return DEFAULT_MODEL_NAME
 
 
-def startup_message(name: str, checkpoint, host: str, port: int) -> str:
-    """The lines `ember serve` prints once it serves: which weights, and where."""
-    return f"ember serve: weights: {checkpoint.describe()}\nember serve: {name} on http://{host}:{port}/v1"
+def startup_message(name: str, checkpoint, host: str, port: int, core_pids: list[int] = ()) -> str:
+    """The lines `ember serve` prints once it serves: which weights, where, and the engine cores' processes."""
+    cores = ", ".join(f"{i}: pid {pid}" for i, pid in enumerate(core_pids))
+    return (f"ember serve: weights: {checkpoint.describe()}\nember serve: {name} on http://{host}:{port}/v1"
+            + (f"\nember serve: engine cores {cores}" if cores else ""))
 
 
 def make_server(app, host: str, port: int, drain_timeout: float, log_level: str = "warning"):
@@ -115,9 +119,9 @@ def read_chat_template(value: str | None) -> str | None:
 
 
 def main(args) -> int:
-    """Run `ember serve` with parsed arguments."""
-    from ember import LLM
+    """Run `ember serve` with parsed arguments; returns the exit status."""
     from ember.args import engine_kwargs
+    from ember.llm import engine_setup, start_engine_cores
     from ember.serve.app import build_app
     if args.max_waiting < 0:
         raise ValueError(f"--max-waiting {args.max_waiting} must be >= 0")
@@ -127,21 +131,34 @@ def main(args) -> int:
         raise ValueError(f"give a model {args.model!r} or --config {args.config!r}, not both")
     chat_template = read_chat_template(getattr(args, "chat_template", None))
     sock = reserve_address(args.host, args.port)
+    client = None
     try:
+        kwargs = dict(engine_kwargs(args), data_parallel_size=args.data_parallel_size)
         if args.config:
-            llm = LLM(args.config, load_format="dummy", **engine_kwargs(args))
+            setup = engine_setup(args.config, load_format="dummy", **kwargs)
         else:
-            llm = LLM(args.model, load_format=args.load_format, **engine_kwargs(args))
-        # the engine thread and the event loop share the GIL: a thread that asks for it waits up to the switch
-        # interval, and the default 5 ms is a third of a decode step
-        sys.setswitchinterval(SWITCH_INTERVAL_S)
+            setup = engine_setup(args.model, load_format=args.load_format, **kwargs)
+        client = start_engine_cores(setup)
         name = served_model_name(args)
-        app = build_app(llm, name, max_waiting=args.max_waiting, tool_call_parser=getattr(args, "tool_call_parser", None),
-                        chat_template=chat_template)
+        app = build_app(client, setup, name, max_waiting=args.max_waiting,
+                        tool_call_parser=getattr(args, "tool_call_parser", None), chat_template=chat_template)
         port = sock.getsockname()[1]      # the one the system chose, for --port 0
         server = make_server(app, args.host, port, args.drain_timeout, "info" if args.verbose else "warning")
-        print(startup_message(name, llm.checkpoint, args.host, port), flush=True)
+        front = app.state.ember.front
+        front.on_dead = lambda error: exit_soon(server)
+        print(startup_message(name, setup.checkpoint, args.host, port, [p.pid for p in client.procs]), flush=True)
         server.run(sockets=[sock])
     finally:
         sock.close()
+        if client is not None:
+            client.shutdown()
+    if front.error is not None:
+        print(f"ember serve: exiting: {front.error}", file=sys.stderr, flush=True)
+        return 1
     return 0
+
+
+def exit_soon(server) -> None:
+    """Make uvicorn shut down after `DEAD_EXIT_DELAY_S` (call on its loop)."""
+    import asyncio
+    asyncio.get_running_loop().call_later(DEAD_EXIT_DELAY_S, setattr, server, "should_exit", True)

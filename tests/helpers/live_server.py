@@ -1,4 +1,6 @@
-"""A live `ember serve` app on a free local port, in a thread of the test process, around an already loaded LLM."""
+"""A live `ember serve` app on a free local port, in a thread of the test process, with its engine core in a
+process of its own: started from an `LLM`'s setup, or a running `MPClient` shared by several servers (starting a
+core process costs seconds on a small CPU)."""
 
 from __future__ import annotations
 
@@ -39,20 +41,36 @@ class LiveServer:
                              f"load {self.front.load}")
 
 
+def start_core(llm, num_replicas: int = 1):
+    """An `MPClient` running `llm`'s model (its config, weights and tokenizer's EOS) in processes of its own."""
+    from ember.engine.core_client import MPClient
+    setup = llm.setup
+    return MPClient(setup.config, setup.model_path, setup.hf_config, setup.load_format,
+                    setup.tokenizer, num_replicas)
+
+
 @contextlib.contextmanager
 def live_server(llm, model_name: str = "test-model", max_waiting: int = 512, drain_timeout: float = 5.0,
-                **app_kwargs):
-    """Serve `llm` on 127.0.0.1 at a free port until the block exits, then stop the server and its engine thread.
+                core=None, **app_kwargs):
+    """Serve `llm`'s model on 127.0.0.1 at a free port until the block exits, then stop the server. The engine
+    core is `core` (a running `MPClient`, left running) or one started here and stopped with the server.
     `app_kwargs` go to `build_app` (tool_call_parser, chat_template)."""
     from ember.serve.app import build_app
     from ember.serve.server import bound_port, make_server, start_in_thread
-    app = build_app(llm, model_name, max_waiting=max_waiting, **app_kwargs)
+    owns = core is None
+    client = start_core(llm) if owns else core
+    app = build_app(client, llm.setup, model_name, max_waiting=max_waiting, owns_client=owns, **app_kwargs)
     server = make_server(app, "127.0.0.1", 0, drain_timeout)
-    thread = start_in_thread(server)
+    try:
+        thread = start_in_thread(server)
+    except BaseException:
+        if owns:
+            client.shutdown()
+        raise
     try:
         yield LiveServer(f"http://127.0.0.1:{bound_port(server)}", server, app, thread)
     finally:
         server.should_exit = True
         thread.join(60)
         assert not thread.is_alive(), "the server did not stop"
-        assert not app.state.ember.front.alive, "the engine thread did not stop"
+        assert not app.state.ember.front.alive, "the engine front did not stop"

@@ -140,8 +140,17 @@ def metrics(base_url: str) -> dict[str, float]:
     return values
 
 
-HELD = ('ember_num_requests_held{holder="server"}', 'ember_num_requests_held{holder="engine"}',
-        'ember_num_requests_held{holder="runner"}')
+def total(values: dict[str, float], name: str, **labels: str) -> float:
+    """The sum of metric `name` over the series whose labels include `labels` (every replica's, say)."""
+    wanted = [f'{k}="{v}"' for k, v in labels.items()]
+    found = [v for key, v in values.items()
+             if key.split("{")[0] == name and all(w in key for w in wanted)]
+    if not found:
+        raise KeyError(f"no {name} {labels} in the metrics")
+    return sum(found)
+
+
+HELD = ("server", "engine", "runner")
 
 
 def wait_idle(base_url: str, timeout: float = 60.0) -> dict[str, float]:
@@ -150,12 +159,14 @@ def wait_idle(base_url: str, timeout: float = 60.0) -> dict[str, float]:
     deadline = time.monotonic() + timeout
     while True:
         values = metrics(base_url)
-        busy = [k for k in ("ember_num_requests_running", "ember_num_requests_waiting", "ember_kv_cache_usage_perc",
-                            *HELD) if values[k] != 0]
+        figures = {name: total(values, name) for name in ("ember_num_requests_running", "ember_num_requests_waiting",
+                                                          "ember_kv_cache_usage_perc")}
+        figures.update({f"held by {h}": total(values, "ember_num_requests_held", holder=h) for h in HELD})
+        busy = {k: v for k, v in figures.items() if v != 0}
         if not busy:
             return values
         if time.monotonic() > deadline:
-            raise AssertionError(f"still busy after {timeout} s: {({k: values.get(k) for k in busy})}")
+            raise AssertionError(f"still busy after {timeout} s: {busy}")
         time.sleep(0.2)
 
 

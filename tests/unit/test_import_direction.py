@@ -24,7 +24,7 @@ LAYERS = {
     "models": 2,
     "runner": 3, "spec_decode": 3,
     "engine": 4,
-    "llm": 5, "chat_input": 5, "prompt_logprobs": 5, "tokenizer_args": 5, "serve": 5, "bench": 5, "cli": 5,
+    "llm": 5, "chat_input": 5, "tokenizer_args": 5, "serve": 5, "bench": 5, "cli": 5,
     "": 5, "__main__": 5,                    # the package root (the public API) and `python -m ember`
 }
 SELF_CONTAINED = {"kernels"}             # may import nothing from ember outside themselves

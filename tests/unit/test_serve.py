@@ -1,6 +1,8 @@
-"""`ember serve` on the default model, live on a free local port, through the official `openai` client: streamed
-text equals non-streamed text (greedy), 64 concurrent streams equal one-at-a-time runs, a client that goes away
-aborts its request and frees its KV blocks, a full server answers 503, SIGTERM drains."""
+"""`ember serve` on the default model, live on a free local port, through the official `openai` client, with its
+engine core in a process of its own: streamed text equals non-streamed text (greedy), 64 concurrent streams equal
+one-at-a-time runs of the in-process engine, a client that goes away aborts its request and frees its KV blocks, a
+full server answers 503, SIGTERM drains. The servers of this module share one core process (each has its own
+app, front and metrics)."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import pytest
 import torch
 
 from ember import LLM, SamplingParams
-from tests.helpers.live_server import live_server
+from tests.helpers.live_server import live_server, start_core
 
 MAX_MODEL_LEN = 128
 MAX_NUM_SEQS = 64
@@ -49,9 +51,17 @@ def alone(llm):
     return texts
 
 
+@pytest.fixture(scope="module")
+def core(llm):
+    """The engine core in a process of its own, running the same model and limits as `llm`."""
+    client = start_core(llm)
+    yield client
+    client.shutdown()
+
+
 @pytest.fixture
-def server(llm, alone):
-    with live_server(llm) as s:
+def server(llm, alone, core):
+    with live_server(llm, core=core) as s:
         yield s
 
 
@@ -73,7 +83,7 @@ def test_models_health_and_completions_streamed_equal_whole(server, alone):
     whole = client.completions.create(prompt=prompt, **_greedy(MAX_TOKENS))
     assert whole.choices[0].text == alone[prompt][-1]
     assert whole.choices[0].finish_reason == "length"
-    num_prompt = len(server.app.state.ember.llm.tokenizer.encode(prompt))
+    num_prompt = len(server.app.state.ember.tokenizer.encode(prompt))
     assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (num_prompt, MAX_TOKENS)
     assert whole.usage.total_tokens == num_prompt + MAX_TOKENS
 
@@ -197,8 +207,8 @@ def test_disconnect_aborts_and_frees_blocks(server):
     assert _metric(server, "ember_request_success_total") == 0
 
 
-def test_full_server_answers_503_with_retry_after(llm, alone):
-    with live_server(llm, max_waiting=2) as server:
+def test_full_server_answers_503_with_retry_after(llm, alone, core):
+    with live_server(llm, max_waiting=2, core=core) as server:
         async def run():
             async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as client:
                 # long requests: none finishes while the server fills up
@@ -231,8 +241,8 @@ def test_full_server_answers_503_with_retry_after(llm, alone):
         assert server.client().completions.create(prompt=PROMPTS[3], **_greedy(2)).usage.completion_tokens == 2
 
 
-def test_sigterm_drains_requests_in_flight(llm, alone):
-    with live_server(llm, drain_timeout=30) as server:
+def test_sigterm_drains_requests_in_flight(llm, alone, core):
+    with live_server(llm, drain_timeout=30, core=core) as server:
         client = server.client()
         stream = client.completions.create(prompt=PROMPTS[4], stream=True, **_greedy(MAX_TOKENS))
         chunks = [next(iter(stream))]
@@ -246,9 +256,8 @@ def test_sigterm_drains_requests_in_flight(llm, alone):
             client.completions.create(prompt=PROMPTS[4], **_greedy(1))
 
 
-def test_sigterm_aborts_what_outlasts_the_drain_timeout(llm, alone):
-    free_before = llm.engine.kv.num_free_blocks
-    with live_server(llm, drain_timeout=0.5) as server:
+def test_sigterm_aborts_what_outlasts_the_drain_timeout(llm, alone, core):
+    with live_server(llm, drain_timeout=0.5, core=core) as server:
         client = server.client()
         stream = client.completions.create(prompt=PROMPTS[5], stream=True, **_greedy(100))
         next(iter(stream))
@@ -257,9 +266,12 @@ def test_sigterm_aborts_what_outlasts_the_drain_timeout(llm, alone):
         server.thread.join(30)
         assert time.monotonic() - start < 10
         assert not server.thread.is_alive() and not server.front.alive
-    # the engine thread has stopped, so the engine can be read here
-    assert not llm.engine.has_unfinished()
-    assert llm.engine.kv.num_free_blocks == free_before
+    # the abort reached the core: it frees the request's blocks and says so in its next stats
+    deadline = time.monotonic() + 30
+    while core.stats[0].num_blocks_used or core.stats[0].num_running:
+        assert time.monotonic() < deadline, core.stats[0]
+        core.get_output(timeout=1.0)
+    assert core.num_unfinished == [0]
 
 
 # ---- bad input: an OpenAI error body with a 4xx, and the server goes on serving ------------------------------------
@@ -350,9 +362,15 @@ def test_bench_serve_reports_every_request(server, tmp_path, capsys):
         assert run["output_tokens"] == workload.output_tokens
         assert 0 < run["ttft_ms"]["p50"] <= run["ttft_ms"]["p99"]
         assert run["output_tok_s"] == pytest.approx(workload.output_tokens / run["elapsed_s"])
+        # the core reports its busy time per step, the front end its event loop's; each step took some of both
+        busy = run["busy"]
+        assert busy["steps"] >= max(workload.output_lens)
+        assert busy["core_busy_ms_per_step"] > 0 and busy["core_step_ms"] > 0
+        assert busy["frontend_busy_ms_per_step"] > 0 and 0 < busy["frontend_busy_share"] < 1
     assert [run["request_rate"] for run in report["runs"]] == ["50", "inf"]
     printed = capsys.readouterr().out
     assert "TTFT" in printed and "ITL" in printed and "6 of 6 completed" in printed and "3 of 3" in printed
+    assert printed.count("engine core") == 2
 
 
 # ---- slow: load and a real SIGTERM --------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ember import LLM, SamplingParams
-from tests.helpers.live_server import live_server
+from tests.helpers.live_server import live_server, start_core
 
 PROMPTS = ["The capital of France is", "Water boils at", "A cat sat on the"]
 NUM_LOGPROBS = 2
@@ -33,9 +33,17 @@ def offline(llm):
     return {p: llm.generate(p, params, use_tqdm=False)[0] for p in PROMPTS}
 
 
+@pytest.fixture(scope="module")
+def core(llm):
+    """The engine core in a process of its own, shared by this module's servers."""
+    client = start_core(llm)
+    yield client
+    client.shutdown()
+
+
 @pytest.fixture
-def client(llm, offline):
-    with live_server(llm) as server:
+def client(llm, offline, core):
+    with live_server(llm, core=core) as server:
         yield server.client()
 
 

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from tests.helpers.soak import DISCONNECT, MALFORMED, ember_serve, kind_of, send, wait_idle
+from tests.helpers.soak import DISCONNECT, MALFORMED, ember_serve, kind_of, send, total, wait_idle
 
 NUM_REQUESTS, FIRST = 5000, 500
 
@@ -32,7 +32,7 @@ def test_5000_requests_leave_nothing_held_and_memory_flat(converted, tmp_path):
     rss_first, rss_end = (m["process_resident_memory_bytes"] for m in (after_first, at_end))
     kinds = [kind_of(i, chat=True) for i in range(NUM_REQUESTS)]
     counts = {k: getattr(first, k) + getattr(rest, k) for k in ("answered", "errors", "disconnected")}
-    finished = at_end['ember_request_success_total{finished_reason="length"}']
+    finished = total(at_end, "ember_request_success_total", finished_reason="length")
     print(f"\n{NUM_REQUESTS} requests in {seconds:.0f} s: {counts}; finished with 'length': {finished:.0f}; "
           f"resident memory after {FIRST}: {rss_first / 2**20:.1f} MiB, at the end: {rss_end / 2**20:.1f} MiB "
           f"({100 * (rss_end / rss_first - 1):+.2f}%)")

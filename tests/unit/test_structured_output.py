@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from ember import LLM, SamplingParams, StructuredOutputsParams
-from tests.helpers.live_server import live_server
+from tests.helpers.live_server import live_server, start_core
 
 pytest.importorskip("llguidance")
 
@@ -149,8 +149,17 @@ def test_a_grammar_that_cannot_compile_is_refused_before_anything_runs(llm):
 
 # ---- the server --------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def server(llm):
-    with live_server(llm) as s:
+def core(llm):
+    """The engine core in a process of its own, shared by this module's servers."""
+    client = start_core(llm)
+    yield client
+    client.shutdown()
+
+
+@pytest.fixture
+def server(llm, core):
+    # one app at a time takes the shared core's outputs: each test has its own
+    with live_server(llm, core=core) as s:
         yield s
 
 
@@ -227,9 +236,9 @@ NAMED = {"type": "function", "function": {"name": "get_weather"}}
 
 
 @pytest.fixture
-def tool_server(llm):
+def tool_server(llm, core):
     from tests.helpers.tool_template import HERMES_TOOL_TEMPLATE
-    with live_server(llm, chat_template=HERMES_TOOL_TEMPLATE, tool_call_parser="hermes") as s:
+    with live_server(llm, chat_template=HERMES_TOOL_TEMPLATE, tool_call_parser="hermes", core=core) as s:
         yield s
 
 
@@ -301,8 +310,8 @@ def test_an_unknown_tool_name_and_a_template_without_tools_get_a_400_and_the_ser
     tool_server.wait_idle()
 
 
-def test_a_chat_template_that_cannot_render_tools_is_refused_with_the_reason(llm):
-    with live_server(llm) as plain:          # the default model's own template has no place for tools
+def test_a_chat_template_that_cannot_render_tools_is_refused_with_the_reason(llm, core):
+    with live_server(llm, core=core) as plain:          # the default model's own template has no place for tools
         with pytest.raises(openai.BadRequestError) as info:
             plain.client().chat.completions.create(model="test-model", messages=[{"role": "user", "content": "Hi"}],
                                                    tools=TOOLS, tool_choice="required", max_tokens=4)
