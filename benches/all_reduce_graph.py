@@ -1,7 +1,7 @@
 """The all-reduce inside a CUDA graph, as a decode step replays it: `ember::all_reduce` through NCCL against the
 symmetric-memory one-shot kernel (ember.distributed.symm_mem), per message size, on every GPU pair (or more) of
 this host. Each rank captures `--calls` all-reduces of one message in one graph and replays it; the figure is the
-median replay time over the calls, in microseconds per all-reduce. NVLink multicast stays off (executor.COLLECTIVE_ENV).
+median replay time over the calls, in microseconds per all-reduce. NVLink multicast stays off (parallel_state.COLLECTIVE_ENV).
 
     PYTHONPATH=. python benches/all_reduce_graph.py                       # 2 GPUs, 8 KiB and the sweep
     PYTHONPATH=. python benches/all_reduce_graph.py --ranks 4 --sizes 8192 65536
@@ -24,7 +24,7 @@ def _rank(rank: int, ranks: int, port: int, sizes: list[int], calls: int, reps: 
     import datetime
     import torch.distributed as dist
     from ember.distributed import ops
-    from ember.distributed.executor import COLLECTIVE_ENV
+    from ember.distributed.parallel_state import COLLECTIVE_ENV
     from ember.distributed.parallel_state import TP_GROUP, init_tensor_parallel
     from ember.distributed.symm_mem import OneShotAllReduce
     for name, value in COLLECTIVE_ENV.items():

@@ -5,6 +5,7 @@
 - `ops`: `ember::all_reduce` and `ember::all_gather`, custom ops that dynamo traces and CUDA graphs capture;
   `symm_mem`: the one-shot symmetric-memory all-reduce for small messages.
 - `channel`: how each step's `StepInput` reaches the other ranks.
-- `executor` and `worker` (the runner's layer): `make_executor` gives the engine rank 0's `ModelRunner`, or a
-  `MultiprocExecutor` that runs it beside the worker processes of ranks 1..N-1.
+
+The processes that run `ModelRunner`s on these groups (`make_executor`, the workers) sit a layer above the runner, in
+`ember.executor`; nothing here imports the runner or the models.
 """

@@ -27,6 +27,12 @@ logger = logging.getLogger("ember")
 
 TP_GROUP = "tp"     # the name the model's collectives reduce over (ember.distributed.ops)
 
+# every rank's environment (defaults: a value the user set stands): NVLink multicast (NVLS) off, in NCCL and in
+# PyTorch's symmetric memory; NCCL's tensors kept by their work objects rather than by record_stream, which a CUDA
+# graph's capture does not take
+COLLECTIVE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                  "TORCH_NCCL_AVOID_RECORD_STREAMS": "1"}
+
 
 @dataclass(frozen=True)
 class Rendezvous:
@@ -81,7 +87,7 @@ def joined_shard(tensor_parallel_size: int) -> tuple[TensorParallelInfo, ShardSp
     info = tensor_parallel()
     if info.size != tensor_parallel_size:
         raise RuntimeError(f"tensor_parallel_size {tensor_parallel_size}, but this process is rank {info.rank} of "
-                           f"{info.size}; start tensor-parallel runners through ember.distributed.executor")
+                           f"{info.size}; start tensor-parallel runners through ember.executor")
     return info, ShardSpec(info.rank, info.size)
 
 

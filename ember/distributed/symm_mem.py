@@ -6,7 +6,7 @@ reads them: one launch and one round of peer loads, where NCCL's ring pays sever
 message cannot hide. The decode step's all-reduces (a few rows of the hidden size) are such messages.
 
 NVLink multicast (NVLS) stays off: no multimem op is called, and the executor starts every rank with
-TORCH_SYMM_MEM_DISABLE_MULTICAST=1 and NCCL_NVLS_ENABLE=0 (`executor.COLLECTIVE_ENV`).
+TORCH_SYMM_MEM_DISABLE_MULTICAST=1 and NCCL_NVLS_ENABLE=0 (`parallel_state.COLLECTIVE_ENV`).
 
 A message takes this kernel when it is of the buffer's dtype and at most `max_bytes`: a function of the shape, so
 a CUDA graph's capture and its replays take the same path. `MAX_BYTES` is a first guess until

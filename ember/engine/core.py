@@ -15,7 +15,7 @@ import logging
 import time
 
 from ember.config import EngineConfig
-from ember.distributed.executor import make_executor
+from ember.executor import make_executor
 from ember.engine.core_io import CoreInfo, CoreStats, EngineCoreOutputs, EngineCoreRequest, PromptLogprobData
 from ember.engine.kv_manager import KVCacheCoordinator
 from ember.engine.prompt_fork import PromptFork

@@ -1,6 +1,6 @@
 """Imports point down the layers: ground floor (config, sampling_params, kv_spec, args, kernels) -> attention_backends,
-graphs, distributed (its executor and worker sit with the runner) -> models -> runner -> engine -> llm, serve, bench,
-cli. A module may import its own layer and those below, never one above; kernels import nothing from ember, and
+graphs, distributed -> models -> runner -> executor (the processes that run ModelRunners) -> engine -> llm, serve,
+bench, cli. A module may import its own layer and those below, never one above; kernels import nothing from ember, and
 attention_backends.triton_common nothing but itself and kernels. The package root (the public API) sits with llm;
 only its `__version__` may be read from below. Every import counts, lazy ones inside functions included.
 
@@ -19,13 +19,12 @@ LAYERS = {
     "config": 0, "sampling_params": 0, "kv_spec": 0, "args": 0, "kernels": 0, "compat": 0, "inputs": 0,
     "profiling": 0, "quant": 0, "speculative_config": 0,
     "attention_backends": 1, "graphs": 1, "distributed": 1,
-    # the tensor-parallel executor and its workers run ModelRunners: the runner's layer
-    "distributed.executor": 3, "distributed.worker": 3,
     "models": 2,
     "runner": 3, "spec_decode": 3,
-    "engine": 4,
-    "llm": 5, "chat_input": 5, "tokenizer_args": 5, "serve": 5, "bench": 5, "cli": 5,
-    "": 5, "__main__": 5,                    # the package root (the public API) and `python -m ember`
+    "executor": 4,                           # make_executor and the tensor-parallel workers: they run ModelRunners
+    "engine": 5,
+    "llm": 6, "chat_input": 6, "tokenizer_args": 6, "serve": 6, "bench": 6, "cli": 6,
+    "": 6, "__main__": 6,                    # the package root (the public API) and `python -m ember`
 }
 SELF_CONTAINED = {"kernels"}             # may import nothing from ember outside themselves
 # packages that may import nothing from ember outside themselves but the packages named
@@ -238,9 +237,12 @@ def _write(root: Path, files: dict[str, str]) -> Path:
     ({"kernels/k.py": "from ember.config import EngineConfig\n"}, "kernels/k.py:1"),                 # self-contained
     ({"graphs/g.py": "from ember import LLM\n"}, "graphs/g.py:1"),                                    # package root
     ({"newthing.py": "x = 1\n"}, "newthing.py"),                                                      # no layer
+    ({"distributed/w.py": "def f():\n    from ember.runner.model_runner import ModelRunner\n"},
+     "distributed/w.py:2"),                                                   # collectives below the runner
+    ({"executor/x.py": "from ember.engine.core import EngineCore\n"}, "executor/x.py:1"),           # below the engine
     ({"attention_backends/triton_common/t.py": "from ..base import AttentionBackend\n"},
      "attention_backends/triton_common/t.py:1"),                                                    # confined
-], ids=["upward", "lazy", "relative", "kernels", "root", "unlayered", "confined"])
+], ids=["upward", "lazy", "relative", "kernels", "root", "unlayered", "distributed", "executor", "confined"])
 def test_an_upward_import_is_reported(tmp_path, files, culprit):
     root = _write(tmp_path, {"__init__.py": "", "engine/__init__.py": "", "config.py": "", **files})
     problems = upward_imports(root)
@@ -250,6 +252,9 @@ def test_an_upward_import_is_reported(tmp_path, files, culprit):
 def test_downward_and_sideways_imports_pass(tmp_path):
     root = _write(tmp_path, {"__init__.py": "from ember.llm import LLM\n",
                              "engine/e.py": "from ember.runner.step_input import StepInput\nfrom . import f\n",
+                             "engine/core.py": "from ember.executor import make_executor\n",
+                             "executor/m.py": "from ember.runner.model_runner import ModelRunner\n"
+                                              "from ember.distributed.channel import RingWriter\n",
                              "graphs/g.py": "from ember.attention_backends.op import x\n",
                              "kernels/k.py": "from ember.kernels.other import y\n",
                              "attention_backends/triton_common/t.py": "from ember.kernels.pdl import x\nfrom . import u\n"})

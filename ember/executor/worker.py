@@ -1,5 +1,5 @@
-"""A tensor-parallel worker: rank r > 0 of an engine, in a process of its own (`python -m ember.distributed.worker`,
-started by `executor.MultiprocExecutor`).
+"""A tensor-parallel worker: rank r > 0 of an engine, in a process of its own (`python -m ember.executor.worker`,
+started by `multiproc.MultiprocExecutor`).
 
 It joins the group, builds its `ModelRunner` (its shard of the weights and KV heads, its own request table and
 graphs), reports ready, then applies every message rank 0 writes to the step ring in order: a step to run, a

@@ -1,6 +1,6 @@
 """`make_executor`: what runs the model for an engine core. One rank: the `ModelRunner` itself. Several: a
 `MultiprocExecutor`, which runs rank 0's `ModelRunner` in this process and one worker process a further rank
-(`ember.distributed.worker`), and has the runner's surface (`execute_async`, `update_table`, `all_logits`,
+(`ember.executor.worker`), and has the runner's surface (`execute_async`, `update_table`, `all_logits`,
 `shutdown`, and the sizes the engine reads).
 
 Each call writes its message (the `StepInput`, pickled once) to the step ring (`channel.RingWriter`) before rank 0
@@ -32,17 +32,13 @@ import torch
 
 from ember.config import EngineConfig
 from ember.distributed.channel import RingWriter
-from ember.distributed.parallel_state import Rendezvous, init_tensor_parallel, leave_tensor_parallel, open_store
-from ember.distributed.worker import WorkerArgs
+from ember.distributed.parallel_state import (COLLECTIVE_ENV, Rendezvous, init_tensor_parallel, leave_tensor_parallel,
+                                              open_store)
+from ember.executor.worker import WorkerArgs
 from ember.runner.model_runner import ModelRunner
 
 logger = logging.getLogger("ember")
 
-# every rank's environment (defaults: a value the user set stands): NVLink multicast (NVLS) off, in NCCL and in
-# PyTorch's symmetric memory; NCCL's tensors kept by their work objects rather than by record_stream, which a CUDA
-# graph's capture does not take
-COLLECTIVE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-                  "TORCH_NCCL_AVOID_RECORD_STREAMS": "1"}
 STUCK_GRACE_S = 15.0        # how long rank 0 may stay inside a call after a worker failed, before the process exits
 JOIN_S = 10.0               # how long a worker has to exit at shutdown before it is killed
 
@@ -239,12 +235,12 @@ class _WatchedOutput:
 
 
 def _spawn(args: WorkerArgs) -> _Worker:
-    """Start rank `args.rank` as `python -m ember.distributed.worker`, its arguments on stdin and its status pipe
+    """Start rank `args.rank` as `python -m ember.executor.worker`, its arguments on stdin and its status pipe
     inherited; the same import path as this process, and the collective settings of `COLLECTIVE_ENV`."""
     read_fd, write_fd = os.pipe()
     env = {**COLLECTIVE_ENV, **os.environ,
            "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    process = subprocess.Popen([sys.executable, "-m", "ember.distributed.worker"], stdin=subprocess.PIPE,
+    process = subprocess.Popen([sys.executable, "-m", "ember.executor.worker"], stdin=subprocess.PIPE,
                                pass_fds=(write_fd,), env=env)
     os.close(write_fd)
     process.stdin.write(pickle.dumps((args, write_fd), protocol=5))
