@@ -1,12 +1,17 @@
-"""The all-reduce inside a CUDA graph, as a decode step replays it: `ember::all_reduce` through NCCL against the
-symmetric-memory one-shot kernel (ember.distributed.symm_mem), per message size, on every GPU pair (or more) of
-this host. Each rank captures `--calls` all-reduces of one message in one graph and replays it; the figure is the
-median replay time over the calls, in microseconds per all-reduce. NVLink multicast stays off (parallel_state.COLLECTIVE_ENV).
+"""`ember::all_reduce` through NCCL against the symmetric-memory one-shot kernel (ember.distributed.symm_mem), per
+message size, eagerly and inside a CUDA graph (as a decode step replays it), on this host's GPUs. NVLink multicast
+stays off (parallel_state.COLLECTIVE_ENV).
 
-    PYTHONPATH=. python benches/all_reduce_graph.py                       # 2 GPUs, 8 KiB and the sweep
+Each rank reduces `--calls` messages in a row over 4 input buffers in turn; the figure is the median over `--reps`
+rounds of the time a round takes divided by its calls, in microseconds per all-reduce. Every result is checked:
+rank r's input is (r + 1) times a tensor that all ranks draw alike, so the sum is known on every rank; in a graph, the
+inputs are filled anew before the checked replay (a graph that read stale inputs, or a kernel that overwrote a buffer
+a peer was still reading, fails it).
+
+    PYTHONPATH=. python benches/all_reduce_graph.py                       # 2 GPUs, 8 KiB to 8 MiB
     PYTHONPATH=. python benches/all_reduce_graph.py --ranks 4 --sizes 8192 65536
 
-The largest size at which the one-shot kernel wins is what `symm_mem.MAX_BYTES` should be.
+The largest size at which the one-shot kernel wins inside a graph is what `symm_mem.MAX_BYTES` should be.
 """
 
 from __future__ import annotations
@@ -17,15 +22,82 @@ import statistics
 
 import torch
 
-SIZES = [2048, 8192, 32768, 131072, 262144, 524288, 1048576]
+SIZES = [8192, 16384, 32768, 65536, 131072, 262144, 524288, 1048576, 2097152, 4194304, 8388608]
+BUFFERS = 4         # distinct inputs a round cycles through
+
+
+def _inputs(size: int, rank: int, ranks: int, seed: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """This rank's BUFFERS inputs of `size` bytes (bf16, one row) and their sums over the ranks (fp32, exact up to
+    bf16 rounding of the sum): rank r holds (r + 1) * base, every rank draws the same bases."""
+    g = torch.Generator().manual_seed(seed)
+    bases = [torch.randn(1, size // 2, generator=g) for _ in range(BUFFERS)]
+    mine = [(b * (rank + 1)).to(torch.bfloat16).cuda() for b in bases]
+    sums = [sum((b * (r + 1)).to(torch.bfloat16).float() for r in range(ranks)).cuda() for b in bases]
+    return mine, sums
+
+
+def _check(got: list[torch.Tensor], sums: list[torch.Tensor], what: str) -> list[str]:
+    """What is wrong with `got` (nothing: []). Reported, not raised: every rank must go on to the same collectives."""
+    errors = []
+    for i, (g, s) in enumerate(zip(got, sums)):
+        err = ((g.float() - s).abs() / (s.abs() + 1e-2)).max().item()
+        if err > 1e-2:
+            errors.append(f"{what}: buffer {i} is off by {err:.3g} (relative) from the sum over the ranks")
+    return errors
+
+
+def _time(run, reps: int, calls: int) -> float:
+    """Median microseconds per all-reduce of `run()` (one round of `calls`), the ranks lined up before each."""
+    import torch.distributed as dist
+    times = []
+    for _ in range(reps):
+        dist.barrier()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        times.append(1e3 * start.elapsed_time(end) / calls)
+    return statistics.median(times)
+
+
+def _measure(size: int, rank: int, ranks: int, calls: int, reps: int) -> dict[str, float]:
+    from ember.distributed import ops
+    from ember.distributed.parallel_state import TP_GROUP
+    inputs, sums = _inputs(size, rank, ranks, seed=size)
+    result, errors = {}, []
+
+    def round_():
+        return [ops.all_reduce(inputs[i % BUFFERS], TP_GROUP) for i in range(calls)][-BUFFERS:]
+    errors += _check(round_(), sums, "eager")
+    result["eager"] = _time(round_, reps, calls)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        round_()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = round_()              # the last BUFFERS results, one a buffer (calls is a multiple of BUFFERS)
+    result["graph"] = _time(graph.replay, reps, calls)
+    fresh, fresh_sums = _inputs(size, rank, ranks, seed=size + 1)
+    for static, new in zip(inputs, fresh):
+        static.copy_(new)
+    graph.replay()
+    torch.cuda.synchronize()
+    errors += _check(outputs, fresh_sums, "graph replay with new inputs")
+    del graph
+    if errors:
+        result["error"] = f"rank {rank}: " + "; ".join(errors)
+    return result
 
 
 def _rank(rank: int, ranks: int, port: int, sizes: list[int], calls: int, reps: int, out) -> None:
     import datetime
     import torch.distributed as dist
     from ember.distributed import ops
-    from ember.distributed.parallel_state import COLLECTIVE_ENV
-    from ember.distributed.parallel_state import TP_GROUP, init_tensor_parallel
+    from ember.distributed.parallel_state import COLLECTIVE_ENV, TP_GROUP, init_tensor_parallel
     from ember.distributed.symm_mem import OneShotAllReduce
     for name, value in COLLECTIVE_ENV.items():
         os.environ.setdefault(name, value)
@@ -33,54 +105,39 @@ def _rank(rank: int, ranks: int, port: int, sizes: list[int], calls: int, reps: 
     init_tensor_parallel(rank, ranks, rank, "cuda", store, 120.0)
     # a buffer for the largest size of the sweep (the engine's holds symm_mem.MAX_BYTES)
     one_shot = OneShotAllReduce(dist.group.WORLD, torch.device("cuda", rank), max_bytes=max(sizes))
+    group = ops._groups[TP_GROUP]
     results = {}
     for size in sizes:
-        x = torch.randn(size // 2, device="cuda", dtype=torch.bfloat16).view(1, -1)
-        for path in ("nccl", "symm_mem"):
-            if path == "symm_mem" and not one_shot.applies(x):
-                continue
-            saved = ops._groups[TP_GROUP].one_shot
-            ops._groups[TP_GROUP].one_shot = one_shot if path == "symm_mem" else None
+        for path in ("nccl", "one-shot"):
+            group.one_shot = one_shot if path == "one-shot" else None
             try:
-                expected = x.float() * ranks
-                got = ops.all_reduce(x, TP_GROUP)                         # warm-up, outside the graph
-                assert torch.allclose(got.float(), expected, rtol=2e-2, atol=2e-2), path
-                side = torch.cuda.Stream()
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):
-                    ops.all_reduce(x, TP_GROUP)
-                torch.cuda.current_stream().wait_stream(side)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    for _ in range(calls):
-                        ops.all_reduce(x, TP_GROUP)
-                times = []
-                for _ in range(reps):
-                    dist.barrier()
-                    torch.cuda.synchronize()
-                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    start.record()
-                    graph.replay()
-                    end.record()
-                    end.synchronize()
-                    times.append(1e3 * start.elapsed_time(end) / calls)
-                results[(size, path)] = statistics.median(times)
-                del graph
+                for mode, value in _measure(size, rank, ranks, calls, reps).items():
+                    results[(size, path, mode)] = value
+            except Exception as e:      # noqa: BLE001 - reported in the table (every rank fails alike: the op)
+                results[(size, path, "error")] = f"{type(e).__name__}: {e}"
             finally:
-                ops._groups[TP_GROUP].one_shot = saved
+                group.one_shot = None
+    gathered = [None] * ranks
+    dist.all_gather_object(gathered, {k: v for k, v in results.items() if k[2] == "error"})
+    for other in gathered:
+        for key, error in other.items():
+            results[key] = results[key] + " | " + error if key in results and results[key] != error else error
     if rank == 0:
         out.put(results)
     dist.barrier()
-    dist.destroy_process_group()
+    from ember.distributed.parallel_state import leave_tensor_parallel
+    leave_tensor_parallel()
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--sizes", type=int, nargs="+", default=SIZES, help="message sizes in bytes (bfloat16)")
-    p.add_argument("--calls", type=int, default=200, help="all-reduces captured in one graph")
+    p.add_argument("--calls", type=int, default=200, help="all-reduces a round (a multiple of 4)")
     p.add_argument("--reps", type=int, default=20)
     args = p.parse_args()
+    if args.calls % BUFFERS:
+        p.error(f"--calls {args.calls} must be a multiple of {BUFFERS}")
     import multiprocessing as mp
     import socket
     with socket.socket() as s:
@@ -92,15 +149,41 @@ def main() -> None:
              for r in range(args.ranks)]
     for proc in procs:
         proc.start()
-    results = out.get()
+    import queue
+    while True:
+        try:
+            results = out.get(timeout=5.0)
+            break
+        except queue.Empty:
+            if any(proc.exitcode not in (None, 0) for proc in procs):
+                for proc in procs:
+                    proc.kill()
+                raise SystemExit(f"a rank failed: exit codes {[proc.exitcode for proc in procs]}")
     for proc in procs:
-        proc.join()
-    print(f"{torch.cuda.get_device_name(0)}, {args.ranks} ranks, {args.calls} all-reduces a graph, median of "
-          f"{args.reps} replays (us per all-reduce)")
-    print(f"{'bytes':>9} {'NCCL':>8} {'one-shot':>9}")
+        proc.join(30)
+        if proc.is_alive():
+            print(f"rank process {proc.pid} did not exit within 30 s of its results; killing it")
+            proc.kill()
+    print(f"{torch.cuda.get_device_name(0)}, {args.ranks} ranks, {args.calls} all-reduces a round, median of "
+          f"{args.reps} rounds (us per all-reduce; each result checked against the sum over the ranks)")
+    print(f"{'bytes':>9} {'NCCL eager':>11} {'one-shot eager':>15} {'NCCL graph':>11} {'one-shot graph':>15}")
+    errors = []
     for size in args.sizes:
-        symm = results.get((size, "symm_mem"))
-        print(f"{size:>9} {results[(size, 'nccl')]:>8.2f} {symm if symm is None else f'{symm:9.2f}'}")
+        cells = []
+        for mode in ("eager", "graph"):
+            for path in ("nccl", "one-shot"):
+                us = results.get((size, path, mode))
+                cells.append(f"{us:.2f}" if us is not None else "failed")
+        print(f"{size:>9} {cells[0]:>11} {cells[1]:>15} {cells[2]:>11} {cells[3]:>15}")
+        errors += [f"{size} B {path}: {results[(size, path, 'error')]}" for path in ("nccl", "one-shot")
+                   if (size, path, "error") in results]
+    for error in errors:
+        print("  " + error)
+    graph_wins = [size for size in args.sizes
+                  if results.get((size, "one-shot", "graph"), float("inf")) < results.get((size, "nccl", "graph"),
+                                                                                          float("inf"))]
+    print(f"one-shot faster inside a graph at: {graph_wins or 'no size'}")
+    raise SystemExit(1 if errors else 0)
 
 
 if __name__ == "__main__":

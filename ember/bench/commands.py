@@ -8,6 +8,7 @@ import argparse
 import gc
 import json
 import random
+import sys
 import time
 from pathlib import Path
 
@@ -236,13 +237,34 @@ def _compare_with_hf(llm, result: dict, rows: list, key: str, peer, describe) ->
 
 
 # ---- the command line ---------------------------------------------------------------------------------------------
+_open_engines: list = []     # the LLMs a command built, shut down when it returns (`_closing`)
+
+
 def _build_llm(args):
     from ember import LLM
     if args.config and args.model:
         raise ValueError(f"give --model {args.model!r} or --config {args.config!r}, not both")
     if args.config:
-        return LLM(args.config, load_format="dummy", **engine_kwargs(args))
-    return LLM(args.model, load_format=args.load_format, **engine_kwargs(args))
+        llm = LLM(args.config, load_format="dummy", **engine_kwargs(args))
+    else:
+        llm = LLM(args.model, load_format=args.load_format, **engine_kwargs(args))
+    _open_engines.append(llm)
+    return llm
+
+
+def _closing(command):
+    """`command(args)`, then its report flushed and its engines shut down (their worker and core processes end
+    here, in order, rather than in the interpreter's exit)."""
+    def run(args) -> int:
+        try:
+            return command(args)
+        finally:
+            sys.stdout.flush()
+            while _open_engines:
+                llm = _open_engines.pop()
+                if getattr(llm, "engine", None) is not None:     # release_engine may have dropped it already
+                    llm.shutdown()
+    return run
 
 
 def _device(args) -> torch.device:
@@ -437,7 +459,7 @@ def add_bench_parser(subparsers) -> None:
                    help="with --structured-output: also run with N distinct schemas dealt to the requests")
     t.add_argument("--hf-num-prompts", type=int, default=32, help="prompts transformers runs (bounds its time)")
     t.add_argument("--hf-batch-size", type=int, default=32)
-    t.set_defaults(func=_throughput)
+    t.set_defaults(func=_closing(_throughput))
 
     lat = kinds.add_parser("latency", help="TTFT and TPOT percentiles of one batch, stepping the engine",
                            formatter_class=DefaultsHelpFormatter)
@@ -448,7 +470,7 @@ def add_bench_parser(subparsers) -> None:
     lat.add_argument("--output-len", type=int, default=256, help="tokens generated for each")
     lat.add_argument("--num-iters", type=int, default=5, help="timed batches, after one warm-up batch")
     lat.add_argument("--hf-num-iters", type=int, default=3, help="timed batches of transformers (--compare-hf)")
-    lat.set_defaults(func=_latency)
+    lat.set_defaults(func=_closing(_latency))
 
     from ember.bench.serve import add_serve_parser
     add_serve_parser(kinds)

@@ -95,3 +95,42 @@ def test_a_worker_killed_mid_run_is_reported_and_the_engine_raises(tmp_path):
     again = next(line for line in out.splitlines() if line.startswith(("AGAIN",)))
     assert "WorkerFailure: tensor-parallel worker rank 1" in again, out     # at once: the executor stays failed
     assert time.monotonic() - start < 120
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (Linux /proc)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry))
+    return found
+
+
+def test_two_ranks_under_an_engine_core_process(tmp_path):
+    # the engine core in a process of its own drives rank 0 and starts rank 1 from there; shutdown ends both
+    random_hf_model(tiny_config("llama")).save_pretrained(tmp_path)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    one = LLM(str(tmp_path), device="cpu")
+    try:
+        expected = generate(one, PROMPTS[:2], params)
+    finally:
+        one.shutdown()
+    llm = LLM(str(tmp_path), device="cpu", tensor_parallel_size=2, engine_process=True)
+    core = llm.engine.client.procs[0]
+    try:
+        workers = [pid for pid in _children(core.pid)
+                   if "ember.executor.worker" in open(f"/proc/{pid}/cmdline").read().replace("\0", " ")]
+        assert len(workers) == 1, _children(core.pid)
+        assert generate(llm, PROMPTS[:2], params) == expected
+    finally:
+        start = time.monotonic()
+        llm.shutdown()
+    assert time.monotonic() - start < 15.0
+    assert core.exitcode == 0
+    assert not os.path.exists(f"/proc/{workers[0]}") or open(f"/proc/{workers[0]}/stat").read().split()[2] == "Z"
