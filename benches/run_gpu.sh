@@ -18,6 +18,9 @@
 #   bash benches/run_gpu.sh fallback [qwen3|llama|pythia]   # native vs the transformers fallback, throughput + batch 1
 #   [TOKENIZER=folder] bash benches/run_gpu.sh structured   # structured output: GPU tests, the throughput workload
 #                                         # unconstrained / one JSON schema / 64 schemas, bitmask in and after the graph
+#   bash benches/run_gpu.sh tp2_collectives   # 2 GPUs: the all-reduce bench (NCCL vs one-shot), the TP GPU tests
+#   bash benches/run_gpu.sh tp2           # 2 GPUs: Llama-3.1-8B batch 1 and nano-vllm throughput, TP=1 against TP=2
+#   bash benches/run_gpu.sh tp4           # 4 GPUs: Llama-3.1-70B TP=4 cold and warm start-up, batch 1, throughput
 # Each part's own switches are described above its function.
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -286,6 +289,65 @@ part_ab() {
   done
 }
 
+# Tensor parallel. Every rank runs with NVLink multicast off (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1).
+# Each command is timed to its exit, and a worker process left behind afterwards is reported (and killed).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+# timed NAME LIMIT_S CMD...: `quiet`, then the seconds to its exit and the workers it left
+timed() {
+  local name=$1 start=$SECONDS left
+  quiet "$@"
+  echo "   $name exited after $((SECONDS - start)) s"
+  left=$(pgrep -f "ember.executor.worker" | tr '\n' ' ')
+  if [ -n "$left" ]; then echo "   $name LEFT WORKERS: $left"; kill -9 $left 2>/dev/null; fi
+}
+
+# tp2_collectives (at most 7 min): the all-reduce sweep, 8 KiB to 8 MiB, eagerly and in graphs, then the two-GPU
+# tests.
+part_tp2_collectives() {
+  timed all_reduce 120 python3 benches/all_reduce_graph.py --ranks 2
+  cat "$OUT/all_reduce.log" | filter | grep -v "^\[W\|Warning" | tail -20
+  timed tp_gpu_tests 280 python3 -m pytest -q -m gpu -p no:cacheprovider -rA tests/gpu/test_tensor_parallel_gpu.py
+  grep -h "passed\|failed\|Error\|assert\|{'" "$OUT/tp_gpu_tests.log" | tail -20
+}
+
+# tp2 (at most 7 min): Llama-3.1-8B config, batch 1 (input 32, output 256) and the nano-vllm throughput workload,
+# TP=1 against TP=2 in the same run; TP=2 batch 1 once more with the one-shot all-reduce.
+part_tp2() {
+  local lat="python3 -m ember bench latency --config llama-3.1-8b --batch-size 1 --input-len 32 --output-len 256 \
+    --num-iters 3" thr="python3 -m ember bench throughput --config llama-3.1-8b" f
+  timed lat_tp1 80 $lat --tensor-parallel-size 1
+  timed lat_tp2 90 $lat --tensor-parallel-size 2
+  timed lat_tp2_symm 90 $lat --tensor-parallel-size 2 --symm-mem-all-reduce
+  timed thr_tp1 70 $thr --tensor-parallel-size 1
+  timed thr_tp2 80 $thr --tensor-parallel-size 2
+  echo "== summary"
+  for f in lat_tp1 lat_tp2 lat_tp2_symm thr_tp1 thr_tp2; do
+    echo "-- $f"; grep -h "decode \|TPOT\|output \|host \|start-up\|Error" "$OUT/$f.log" | head -6
+  done
+}
+
+# tp4 (at most 9 min): Llama-3.1-70B config (random bf16 weights), TP=4: cold then warm start-up by phase (fresh
+# caches, 16 prompts), then batch 1 and the nano-vllm throughput workload on the warm caches.
+part_tp4() {
+  local cache=$(mktemp -d) f
+  export EMBER_CACHE=$cache/ember TRITON_CACHE_DIR=$cache/triton
+  timed startup_70b_cold 170 python3 benches/startup.py --model llama-3.1-70b --tensor-parallel-size 4 \
+    --label cold --num-prompts 16 --step-times
+  timed startup_70b_warm 100 python3 benches/startup.py --model llama-3.1-70b --tensor-parallel-size 4 \
+    --label warm --num-prompts 16 --step-times
+  timed lat_70b_tp4 100 python3 -m ember bench latency --config llama-3.1-70b --tensor-parallel-size 4 \
+    --batch-size 1 --input-len 32 --output-len 128 --num-iters 2 --json "$OUT/lat_70b_tp4.json"
+  timed thr_70b_tp4 160 python3 -m ember bench throughput --config llama-3.1-70b --tensor-parallel-size 4 \
+    --json "$OUT/thr_70b_tp4.json"
+  unset EMBER_CACHE TRITON_CACHE_DIR
+  rm -rf "$cache"
+  echo "== summary"
+  grep -h "start-up\|STARTUP\|SHUTDOWN" "$OUT"/startup_70b_cold.log "$OUT"/startup_70b_warm.log | cut -c1-600
+  for f in lat_70b_tp4 thr_70b_tp4; do
+    echo "-- $f"; grep -h "decode \|TPOT\|output \|host \|start-up\|Error" "$OUT/$f.log" | head -6
+  done
+}
+
 # moe_sweep [CONFIG]: measures and writes ember/kernels/moe_configs.json (one config per call: ~5-8 minutes each).
 part_moe_sweep() {
   run moe_sweep_"${1:-qwen3-30b-a3b}" 590 python3 benches/moe_sweep.py --configs "${1:-qwen3-30b-a3b}" --write
@@ -373,7 +435,7 @@ part=${1:-}
 [ $# -gt 0 ] && shift
 case "$part" in
   decode|throughput|headline|serve|serve_dp|startup|flash|fusion|ab|moe|moe_sweep|moe_throughput|fp8|fp8_throughput|\
-  fallback) mkdir -p "$OUT" ;;
+  fallback|structured|tp2|tp2_collectives|tp4) mkdir -p "$OUT" ;;
 esac
 case "$part" in
   decode) part_decode ;;
@@ -392,7 +454,11 @@ case "$part" in
   fp8_throughput) part_fp8_throughput ;;
   fallback) part_fallback "$@" ;;
   structured) part_structured ;;
+  tp2) part_tp2 ;;
+  tp2_collectives) part_tp2_collectives ;;
+  tp4) part_tp4 ;;
   *) echo "usage: bash benches/run_gpu.sh decode|throughput|headline|serve|serve_dp|startup [MODEL ...]|flash|fusion|ab|" \
-          "moe|moe_sweep [CONFIG]|moe_throughput|fp8|fp8_throughput|fallback [qwen3|llama|pythia]|structured" >&2
+          "moe|moe_sweep [CONFIG]|moe_throughput|fp8|fp8_throughput|fallback [qwen3|llama|pythia]|structured|" \
+          "tp2_collectives|tp2|tp4" >&2
      exit 2 ;;
 esac

@@ -272,6 +272,9 @@ def main() -> None:
     if args.replay_table:
         result["replay"] = replay_table(runner, args.replay_context)
     print("STARTUP " + json.dumps(result), flush=True)
+    t_stop = time.perf_counter()
+    llm.shutdown()          # the workers (tensor parallel) end here, not in the interpreter's exit
+    print(f"SHUTDOWN {time.perf_counter() - t_stop:.2f} s", flush=True)
 
 
 if __name__ == "__main__":

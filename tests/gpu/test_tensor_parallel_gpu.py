@@ -49,7 +49,7 @@ def _run(path, tp, fn, **kwargs):
     try:
         return fn(llm)
     finally:
-        llm.engine.runner.shutdown()
+        llm.shutdown()
         del llm
         gc.collect()
         torch.cuda.empty_cache()
@@ -97,6 +97,35 @@ def test_float32_tokens_of_two_ranks_under_graphs(folder, graphs):
         torch.backends.cuda.matmul.allow_tf32 = saved
     assert all(len(t) == 32 for t in two)
     assert two == one
+
+
+def _greedy(llm, lengths=(5, 17, 33, 60), max_tokens=32):
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(_prompts(lengths), params, use_tqdm=False)]
+
+
+def test_float32_tokens_of_two_ranks_under_an_engine_core_process(folder):
+    # the engine core in a process of its own starts rank 1 from there; FULL graphs
+    path, _ = folder
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        one = _run(path, 1, _greedy, dtype="float32", cudagraph_mode="full")
+        two = _run(path, 2, _greedy, dtype="float32", cudagraph_mode="full", engine_process=True)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved
+    assert all(len(t) == 32 for t in two)
+    assert two == one
+
+
+def test_symmetric_memory_tokens_equal_nccls_under_full_graphs(folder):
+    # two ranks: both sum the same two bf16 values and round once, so greedy tokens are the same; decode steps are
+    # one-shot messages captured in FULL graphs
+    path, _ = folder
+    nccl = _run(path, 2, _greedy, dtype="bfloat16", cudagraph_mode="full")
+    symm = _run(path, 2, _greedy, dtype="bfloat16", cudagraph_mode="full", symm_mem_all_reduce=True)
+    assert all(len(t) == 32 for t in symm)
+    assert symm == nccl
 
 
 def test_symmetric_memory_all_reduce_is_as_close_as_nccl(folder):
