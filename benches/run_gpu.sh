@@ -316,13 +316,14 @@ part_tp2() {
   local lat="python3 -m ember bench latency --config llama-3.1-8b --batch-size 1 --input-len 32 --output-len 256 \
     --num-iters 3" thr="python3 -m ember bench throughput --config llama-3.1-8b" f
   timed lat_tp1 80 $lat --tensor-parallel-size 1
-  timed lat_tp2 90 $lat --tensor-parallel-size 2
-  timed lat_tp2_symm 90 $lat --tensor-parallel-size 2 --symm-mem-all-reduce
+  timed lat_tp2 90 $lat --tensor-parallel-size 2 --profile 20
+  timed lat_tp2_symm 90 $lat --tensor-parallel-size 2 --symm-mem-all-reduce --profile 20
   timed thr_tp1 70 $thr --tensor-parallel-size 1
   timed thr_tp2 80 $thr --tensor-parallel-size 2
   echo "== summary"
   for f in lat_tp1 lat_tp2 lat_tp2_symm thr_tp1 thr_tp2; do
     echo "-- $f"; grep -h "decode \|TPOT\|output \|host \|start-up\|Error" "$OUT/$f.log" | head -6
+    grep -h "profile over\|  dev " "$OUT/$f.log" | head -9 | cut -c1-110
   done
 }
 

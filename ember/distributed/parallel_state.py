@@ -27,10 +27,10 @@ logger = logging.getLogger("ember")
 
 TP_GROUP = "tp"     # the name the model's collectives reduce over (ember.distributed.ops)
 
-# every rank's environment (defaults: a value the user set stands): NVLink multicast (NVLS) off, in NCCL and in
-# PyTorch's symmetric memory; NCCL's tensors kept by their work objects rather than by record_stream, which a CUDA
-# graph's capture does not take
-COLLECTIVE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+# every rank's environment (defaults: a value the user set stands): NVLink multicast (NVLS) off, in NCCL, in
+# PyTorch's symmetric memory and in NVSHMEM; NCCL's tensors kept by their work objects rather than by
+# record_stream, which a CUDA graph's capture does not take
+COLLECTIVE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
                   "TORCH_NCCL_AVOID_RECORD_STREAMS": "1"}
 
 

@@ -35,7 +35,8 @@ class OneShotAllReduce:
             raise ValueError(f"the symmetric-memory all-reduce needs a CUDA device, got {device}")
         self.group_name = process_group.group_name
         self.dtype, self.max_bytes = dtype, max_bytes
-        if hasattr(symm, "enable_symm_mem_for_group"):      # required before torch 2.8, a no-op after
+        _use_peer_to_peer_backend(symm, device)
+        if _torch_before(2, 8):         # symmetric memory is enabled per group before torch 2.8, always after
             symm.enable_symm_mem_for_group(self.group_name)
         self.buffer = symm.empty(max_bytes // dtype.itemsize, dtype=dtype, device=device)   # [max_bytes / size]
         symm.rendezvous(self.buffer, self.group_name)
@@ -51,3 +52,20 @@ class OneShotAllReduce:
         """The sum of `x` over the ranks, a new tensor; the kernel copies x into this rank's buffer itself."""
         slot = self.buffer.narrow(0, 0, x.numel()).view(x.shape)
         return torch.ops.symm_mem.one_shot_all_reduce_copy(slot, x, "sum", self.group_name)
+
+
+def _use_peer_to_peer_backend(symm, device: torch.device) -> None:
+    """Allocate through the CUDA backend (peer mappings over CUDA IPC), not NVSHMEM: the one-shot kernel needs only
+    peer loads, and NVSHMEM would start a runtime of its own. Where the backend is already chosen it stays."""
+    if not hasattr(symm, "set_backend"):
+        return                          # before torch 2.8 the CUDA backend is the only one
+    try:
+        if symm.get_backend(device) in (None, "CUDA"):
+            symm.set_backend("CUDA")
+    except Exception as e:              # noqa: BLE001 - a symmetric tensor exists already: its backend stays
+        logger.info("symmetric memory keeps its backend: %s", e)
+
+
+def _torch_before(major: int, minor: int) -> bool:
+    version = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+    return version < (major, minor)
