@@ -62,7 +62,38 @@ def _backends(args) -> int:
             print(f"{name:16s} priority {b.priority:3d}  cudagraph {b.cudagraph_support.name:28s} {summary}".rstrip())
         except Exception as exc:   # a plug-in that fails to import is listed with the reason
             print(f"{name:16s} unavailable: {exc}")
+    print()
+    for line in _auto_choice(args.device, args.block_size):
+        print(line)
     return 0
+
+
+def _auto_choice(device: str, block_size: int | None) -> list[str]:
+    """What `attention_backend="auto"` picks here for a typical layer (bf16 on CUDA, else float32; 32 query and 8
+    KV heads of 128) on the default pages, and why the others were passed over."""
+    import torch
+
+    from ember.attention_backends.base import AttentionLayerOptions
+    from ember.attention_backends.registry import BackendSelectionError, available_backends, select_backend
+    from ember.config import default_block_size
+    from ember.kv_spec import KVCacheSpec
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    pages = block_size or default_block_size(dev.type, "auto")
+    layer = AttentionLayerOptions(32, 8, 128, 128 ** -0.5)
+    head = f"auto on {dev.type}, {str(dtype).removeprefix('torch.')}, {pages}-token pages, 32/8 heads of 128"
+    try:
+        sel = select_backend(KVCacheSpec(pages, 8, 128, dtype), dtype, dev, [layer])
+    except BackendSelectionError as exc:
+        return [f"{head}: none ({exc})"]
+    lines = [f"{head}: {sel.backend.describe()}"]
+    lines += [f"  passed over {name}: {'; '.join(reasons)}" for name, reasons in sorted(sel.refused.items())]
+    lower = [n for n in available_backends() if n not in sel.refused and n != sel.backend.name]
+    if lower:
+        lines.append(f"  also able, lower priority: {', '.join(lower)}")
+    return lines
 
 
 def _models(args) -> int:
@@ -144,7 +175,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "request goes to the least-loaded one")
     s.set_defaults(func=_serve)
 
-    b = sub.add_parser("backends", help="list registered attention backends")
+    b = sub.add_parser("backends", help="list registered attention backends, and what auto picks here and why")
+    b.add_argument("--device", default="auto", help="the device auto picks for (default: cuda if present)")
+    b.add_argument("--block-size", type=int, default=None,
+                   help="tokens per KV page (default: the engine's default for the device)")
     b.set_defaults(func=_backends)
 
     m = sub.add_parser("models", help="which model families run natively and which through transformers")

@@ -85,7 +85,7 @@ class ModelConfig:
 @dataclass(frozen=True)
 class CacheConfig:
     """Paged KV cache sizing."""
-    block_size: int = 16
+    block_size: int | None = None          # tokens per page; None: `default_block_size` for the device and backend
     num_kv_blocks: int | None = None
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
@@ -151,6 +151,20 @@ class ParallelConfig:
             raise ValueError("symm_mem_all_reduce needs CUDA; turn it off on the CPU, where gloo reduces")
 
 
+# Pages of 64 tokens hold a whole KV tile of the flash prefill (one TMA box), so `auto` can pick the per-phase
+# backend (prefill through flash, decode through triton_unified); 16 is the unified kernel's own default.
+FLASH_BLOCK_SIZE = 64
+UNIFIED_BLOCK_SIZE = 16
+
+
+def default_block_size(device_type: str, attention_backend: str) -> int:
+    """Tokens per KV page when none is given: FLASH_BLOCK_SIZE on CUDA for a backend that reads such pages
+    ("auto", which then picks per_phase, "per_phase", "flash"), else UNIFIED_BLOCK_SIZE."""
+    if device_type == "cuda" and attention_backend in ("auto", "per_phase", "flash"):
+        return FLASH_BLOCK_SIZE
+    return UNIFIED_BLOCK_SIZE
+
+
 def default_compile_workers(device_type: str, ranks_per_host: int = 1) -> int:
     """The compile workers of `triton_compile_workers=None`: none off CUDA (nothing compiles ahead there) or on
     fewer than 4 CPUs (the workers would take the launching process's own); else one fewer than the CPUs this
@@ -195,6 +209,8 @@ class EngineConfig:
         if dev.type not in ("cuda", "cpu"):
             raise ValueError(f"device {device!r} is not supported; use 'cpu', 'cuda' or 'auto'")
         c, s = self.cache, self.scheduler
+        if c.block_size is None:
+            c = dataclasses.replace(c, block_size=default_block_size(dev.type, self.attention_backend))
         if c.block_size not in (8, 16, 32, 64, 128):
             raise ValueError(f"block_size {c.block_size} is not supported; use 8, 16, 32, 64 or 128")
         if c.num_kv_blocks is not None and c.num_kv_blocks < 1:
@@ -232,4 +248,4 @@ class EngineConfig:
         if comp.triton_compile_workers is None:
             comp = dataclasses.replace(comp, triton_compile_workers=default_compile_workers(
                 dev.type, self.parallel.tensor_parallel_size))
-        return dataclasses.replace(self, device=str(dev), scheduler=s, compile=comp)
+        return dataclasses.replace(self, device=str(dev), cache=c, scheduler=s, compile=comp)

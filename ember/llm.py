@@ -83,7 +83,7 @@ class EngineSetup:
 # the cycle collector waits for the end of the start-up, the tokenizer's load included (ember.runner.warmup)
 @cycle_collector_paused()
 def engine_setup(model: str | None = None, *, dtype: str = "auto", device: str = "auto",
-                 max_model_len: int | None = None, block_size: int = 16, num_kv_blocks: int | None = None,
+                 max_model_len: int | None = None, block_size: int | None = None, num_kv_blocks: int | None = None,
                  gpu_memory_utilization: float = 0.9, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
                  enable_prefix_caching: bool = True, attention_backend: str = "auto", seed: int = 0,
                  compile_mode: str = "auto", cudagraph_mode: str = "auto",
@@ -170,7 +170,7 @@ class LLM:
     # the cycle collector waits for the end of the start-up, the tokenizer's load included (ember.runner.warmup)
     @cycle_collector_paused()
     def __init__(self, model: str | None = None, *, dtype: str = "auto", device: str = "auto",
-                 max_model_len: int | None = None, block_size: int = 16, num_kv_blocks: int | None = None,
+                 max_model_len: int | None = None, block_size: int | None = None, num_kv_blocks: int | None = None,
                  gpu_memory_utilization: float = 0.9, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
                  enable_prefix_caching: bool = True, attention_backend: str = "auto", seed: int = 0,
                  compile_mode: str = "auto", cudagraph_mode: str = "auto",

@@ -154,3 +154,5 @@ register_backend("cpu_sdpa")(lambda: importlib.import_module("ember.attention_ba
 register_backend("triton_unified")(
     lambda: importlib.import_module("ember.attention_backends.triton_unified.backend").TritonUnifiedBackend)
 register_backend("flash")(lambda: importlib.import_module("ember.attention_backends.flash.backend").FlashBackend)
+register_backend("per_phase")(
+    lambda: importlib.import_module("ember.attention_backends.per_phase").PerPhaseBackend)

@@ -1,6 +1,7 @@
-"""ember with the flash backend against transformers on the GPU (random weights of the Qwen3-0.6B config, layers
-trimmed): float32 greedy tokens equal, eager and FULL CUDA graphs alike; bf16 teacher-forced logits within the
-bound the other backends meet (see test_parity_gpu.py)."""
+"""ember with the flash backend, and with the default (auto: per_phase, prefill through flash and decode through
+triton_unified, on 64-token pages), against transformers on the GPU (random weights of the Qwen3-0.6B config,
+layers trimmed): float32 greedy tokens equal, eager and FULL CUDA graphs alike; bf16 teacher-forced logits within
+the bound the other backends meet (see test_parity_gpu.py)."""
 
 import copy
 import gc
@@ -16,7 +17,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 BF16_ERR_RATIO = 1.25     # ember's bf16 error vs fp32 over transformers' bf16 error vs fp32
 TOP1_AGREEMENT = 0.98
-FLASH = dict(attention_backend="flash", block_size=64, max_model_len=512, gpu_memory_utilization=0.5)
+# backend name -> LLM arguments; the default engine must pick per_phase on 64-token pages by itself
+BACKENDS = {"flash": dict(attention_backend="flash", block_size=64), "per_phase": {}}
+COMMON = dict(max_model_len=512, gpu_memory_utilization=0.5)
 
 
 @pytest.fixture(scope="module")
@@ -43,9 +46,16 @@ def _prompts(vocab, lengths):
     return [torch.randint(0, min(vocab, 10000), (n,), generator=g).tolist() for n in lengths]
 
 
-def _generate(path, prompts, **kwargs):
-    llm = LLM(path, dtype="float32", **FLASH, **kwargs)
-    assert all(b.name == "flash" for b in llm.engine.runner.attn.backends), "flash was not selected"
+def _llm(path, backend, **kwargs):
+    llm = LLM(path, **BACKENDS[backend], **COMMON, **kwargs)
+    runner = llm.engine.runner
+    assert [b.name for b in runner.attn.backends] == [backend] * len(runner.attn.groups), runner.attn.backends
+    assert runner.config.cache.block_size == 64
+    return llm
+
+
+def _generate(path, prompts, backend, **kwargs):
+    llm = _llm(path, backend, dtype="float32", **kwargs)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False)
     del llm
@@ -54,12 +64,13 @@ def _generate(path, prompts, **kwargs):
     return [o.outputs[0].token_ids for o in outs]
 
 
-def test_float32_greedy_equals_transformers_eager_and_full_graphs(qwen3, no_tf32):
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_float32_greedy_equals_transformers_eager_and_full_graphs(qwen3, no_tf32, backend):
     path, hf = qwen3
     hf = hf.to("cuda", torch.float32).eval()
     prompts = _prompts(hf.config.vocab_size, (5, 70, 133))   # across 64-token pages
-    eager = _generate(path, prompts, enforce_eager=True)
-    graphs = _generate(path, prompts, compile_mode="none", cudagraph_mode="full")
+    eager = _generate(path, prompts, backend, enforce_eager=True)
+    graphs = _generate(path, prompts, backend, compile_mode="none", cudagraph_mode="full")
     for p, got, replayed in zip(prompts, eager, graphs):
         ref = hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=32, min_new_tokens=32, do_sample=False,
                           eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
@@ -67,9 +78,10 @@ def test_float32_greedy_equals_transformers_eager_and_full_graphs(qwen3, no_tf32
         assert replayed == ref
 
 
-def test_bfloat16_teacher_forced_logits(qwen3):
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_bfloat16_teacher_forced_logits(qwen3, backend):
     path, hf = qwen3
-    llm = LLM(path, dtype="bfloat16", enforce_eager=True, **FLASH)
+    llm = _llm(path, backend, dtype="bfloat16", enforce_eager=True)
     hf = hf.to("cuda", torch.float32).eval()
     hf16 = copy.deepcopy(hf).to(torch.bfloat16)
     got, ref16, ref32 = [], [], []
@@ -80,7 +92,7 @@ def test_bfloat16_teacher_forced_logits(qwen3):
             ref32.append(hf(ids).logits[0].float())
             ref16.append(hf16(ids).logits[0].float())
     r = bf16_report(torch.cat(got), torch.cat(ref16), torch.cat(ref32))
-    print(f"flash {hf.config.model_type} bf16: {r}")
+    print(f"{backend} {hf.config.model_type} bf16: {r}")
     assert r["rel_err_vs_fp32"] <= BF16_ERR_RATIO * r["ref_rel_err_vs_fp32"]
     assert r["num_decided"] >= 64 and r["top1_decided"] >= TOP1_AGREEMENT
     del llm, hf16

@@ -1,6 +1,7 @@
 """The command line: `ember generate` streams the same text as the Python API; `ember backends` lists the
 built-in backends; bad arguments exit with a clear message."""
 
+import os
 import subprocess
 import sys
 
@@ -30,10 +31,25 @@ def test_bad_argument_is_reported(converted, capsys):
 
 
 def test_backends_via_python_m():
-    out = subprocess.run([sys.executable, "-m", "ember", "backends"], capture_output=True, text=True, check=True)
-    names = [line.split()[0] for line in out.stdout.splitlines()]
-    assert names == ["cpu_sdpa", "flash", "torch_ref", "triton_unified"]
-    assert "cudagraph ALWAYS" in out.stdout and "cudagraph NEVER" in out.stdout
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-m", "ember", "backends", "--device", "cpu"], capture_output=True,
+                         text=True, check=True, env=env)
+    listing, choice = out.stdout.split("\n\n")
+    names = [line.split()[0] for line in listing.splitlines()]
+    assert names == ["cpu_sdpa", "flash", "per_phase", "torch_ref", "triton_unified"]
+    assert "cudagraph ALWAYS" in listing and "cudagraph NEVER" in listing
+    # what auto picks here and why the others were passed over (the CPU without the interpreter)
+    assert choice.startswith("auto on cpu, float32, 16-token pages, 32/8 heads of 128: cpu_sdpa"), choice
+    assert "passed over per_phase: on a CPU the Triton kernels run only under TRITON_INTERPRET=1; block_size 16" \
+        in choice
+
+
+def test_backends_says_why_per_phase_is_picked(monkeypatch, capsys):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert main(["backends", "--device", "cpu", "--block-size", "64"]) == 0
+    choice = capsys.readouterr().out.split("\n\n")[1]
+    assert choice.startswith("auto on cpu, float32, 64-token pages, 32/8 heads of 128: per_phase: priority 30, "
+                             "cudagraph ALWAYS; prefill through flash, decode through triton_unified"), choice
 
 
 def test_input_errors_come_before_the_model_loads(monkeypatch, capsys):

@@ -207,9 +207,12 @@ class TritonUnifiedImpl(AttentionImpl):
                                  config=plan.decode, mode=MODE_DECODES, num_decodes=decode_count, new_kv=new_kv,
                                  rope=decode_rope, **options)
         if plan.rest is not None:
-            unified_attention_2d(*layout, num_seqs=metadata.num_reqs_padded, num_tokens=metadata.num_tokens_padded,
-                                 config=plan.rest, mode=plan.rest_mode, num_decodes=metadata.num_decodes,
-                                 **options)
+            self._launch_rest(layout, metadata, plan, options)
+
+    def _launch_rest(self, layout, metadata: TritonUnifiedMetadata, plan, options) -> None:
+        """The launch over the requests the decode launch left (all of them where it made none)."""
+        unified_attention_2d(*layout, num_seqs=metadata.num_reqs_padded, num_tokens=metadata.num_tokens_padded,
+                             config=plan.rest, mode=plan.rest_mode, num_decodes=metadata.num_decodes, **options)
 
 
 class TritonUnifiedBackend(AttentionBackend):
