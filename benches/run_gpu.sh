@@ -311,17 +311,18 @@ part_tp2_collectives() {
 }
 
 # tp2 (at most 7 min): Llama-3.1-8B config, batch 1 (input 32, output 256) and the nano-vllm throughput workload,
-# TP=1 against TP=2 in the same run; TP=2 batch 1 once more with the one-shot all-reduce.
+# TP=1 against TP=2 in the same run, TP=2 with NCCL alone and with the one-shot all-reduce for small messages.
 part_tp2() {
   local lat="python3 -m ember bench latency --config llama-3.1-8b --batch-size 1 --input-len 32 --output-len 256 \
     --num-iters 3" thr="python3 -m ember bench throughput --config llama-3.1-8b" f
-  timed lat_tp1 80 $lat --tensor-parallel-size 1
-  timed lat_tp2 90 $lat --tensor-parallel-size 2 --profile 20
-  timed lat_tp2_symm 90 $lat --tensor-parallel-size 2 --symm-mem-all-reduce --profile 20
-  timed thr_tp1 70 $thr --tensor-parallel-size 1
-  timed thr_tp2 80 $thr --tensor-parallel-size 2
+  timed lat_tp1 70 $lat --tensor-parallel-size 1
+  timed lat_tp2 75 $lat --tensor-parallel-size 2 --no-symm-mem-all-reduce --profile 20
+  timed lat_tp2_symm 75 $lat --tensor-parallel-size 2 --symm-mem-all-reduce --profile 20
+  timed thr_tp1 60 $thr --tensor-parallel-size 1
+  timed thr_tp2 65 $thr --tensor-parallel-size 2 --no-symm-mem-all-reduce
+  timed thr_tp2_symm 65 $thr --tensor-parallel-size 2 --symm-mem-all-reduce
   echo "== summary"
-  for f in lat_tp1 lat_tp2 lat_tp2_symm thr_tp1 thr_tp2; do
+  for f in lat_tp1 lat_tp2 lat_tp2_symm thr_tp1 thr_tp2 thr_tp2_symm; do
     echo "-- $f"; grep -h "decode \|TPOT\|output \|host \|start-up\|Error" "$OUT/$f.log" | head -6
     grep -h "profile over\|  dev " "$OUT/$f.log" | head -9 | cut -c1-110
   done

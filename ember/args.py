@@ -87,8 +87,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="leave a fusion pass out of the compile (repeatable; 'all' for every pass)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
                    help="split every layer over N GPUs, one process each (ember.distributed)")
-    p.add_argument("--symm-mem-all-reduce", action="store_true",
-                   help="small all-reduces through PyTorch's symmetric-memory one-shot kernel instead of NCCL")
+    p.add_argument("--symm-mem-all-reduce", action=argparse.BooleanOptionalAction, default=None,
+                   help="small all-reduces through PyTorch's symmetric-memory one-shot kernel instead of NCCL "
+                        "(default: as measured on CUDA, ember.distributed.symm_mem.ON_BY_DEFAULT; off on the CPU)")
     p.add_argument("--model-impl", default="auto", choices=["auto", "ember", "transformers"],
                    help="ember's own implementation of the model family, or its transformers code with ember's "
                         "paged attention (auto: ember's where it has one; `ember models` lists them)")

@@ -29,7 +29,8 @@ LLM_HINTS: dict[str, str] = {
     "hf_overrides": "edit the model folder's config.json instead",
     "hf_token": "log in with `huggingface-cli login` or set HF_TOKEN in the environment",
     "compilation_config": "use compile_mode=, cudagraph_mode= and cudagraph_capture_sizes=",
-    "disable_custom_all_reduce": "ember's all-reduce is NCCL unless symm_mem_all_reduce=True; drop it",
+    "disable_custom_all_reduce": "ember's small all-reduces take the symmetric-memory one-shot kernel or NCCL "
+                                 "(symm_mem_all_reduce); drop it",
     "disable_async_output_proc": "use async_scheduling=False",
     "task": "ember generates text only; drop task",
     "limit_mm_per_prompt": "ember runs text-only models; drop it",

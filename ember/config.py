@@ -132,8 +132,9 @@ class ParallelConfig:
     # how long rank 0 waits for the other ranks (their start-up, a step's result) before it reports them hung
     worker_timeout_s: float = 600.0
     # small all-reduces on CUDA through PyTorch's symmetric-memory one-shot kernel instead of NCCL
-    # (ember.distributed.symm_mem); off until its crossover is measured
-    symm_mem_all_reduce: bool = False
+    # (ember.distributed.symm_mem); None: symm_mem.ON_BY_DEFAULT on CUDA where every GPU reaches its peers, off on
+    # the CPU
+    symm_mem_all_reduce: bool | None = None
 
     def validate(self, device_type: str) -> None:
         """Raise ValueError naming the value when the degrees cannot be served on `device_type`."""

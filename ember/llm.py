@@ -93,7 +93,7 @@ def engine_setup(model: str | None = None, *, dtype: str = "auto", device: str =
                  async_scheduling: bool | None = None, disabled_fusions: Sequence[str] = (),
                  cudagraph_capture: str = "eager", jit_warmup: bool | None = None,
                  triton_compile_workers: int | None = None, tensor_parallel_size: int = 1,
-                 data_parallel_size: int = 1, worker_timeout_s: float = 600.0, symm_mem_all_reduce: bool = False,
+                 data_parallel_size: int = 1, worker_timeout_s: float = 600.0, symm_mem_all_reduce: bool | None = None,
                  trust_remote_code: bool = False, revision: str | None = None, download_dir: str | None = None,
                  quantization: str | None = None, kv_cache_dtype: str = "auto",
                  speculative_config: dict | None = None, model_impl: str = "auto") -> EngineSetup:
@@ -181,7 +181,7 @@ class LLM:
                  cudagraph_capture: str = "eager", jit_warmup: bool | None = None,
                  triton_compile_workers: int | None = None, tensor_parallel_size: int = 1,
                  data_parallel_size: int = 1, engine_process: bool = False,
-                 worker_timeout_s: float = 600.0, symm_mem_all_reduce: bool = False,
+                 worker_timeout_s: float = 600.0, symm_mem_all_reduce: bool | None = None,
                  trust_remote_code: bool = False, revision: str | None = None, download_dir: str | None = None,
                  quantization: str | None = None, kv_cache_dtype: str = "auto",
                  speculative_config: dict | None = None, model_impl: str = "auto",

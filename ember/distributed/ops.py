@@ -31,11 +31,15 @@ _groups: dict[str, _Group] = {}
 
 
 def register_group(name: str, process_group, device: torch.device | None = None,
-                   symm_mem_all_reduce: bool = False) -> None:
+                   symm_mem_all_reduce: bool | None = False) -> None:
     """Make `process_group` the group the ops call `name`; with `symm_mem_all_reduce` (CUDA `device` only), small
-    all-reduces over it take the symmetric-memory one-shot kernel."""
+    all-reduces over it take the symmetric-memory one-shot kernel; None: `symm_mem.one_shot_by_default` decides
+    (a collective: every rank decides alike)."""
     import torch.distributed as dist
     group = _Group(process_group, dist.get_world_size(process_group))
+    if symm_mem_all_reduce is None:
+        from ember.distributed.symm_mem import one_shot_by_default
+        symm_mem_all_reduce = one_shot_by_default(process_group, device)
     if symm_mem_all_reduce:
         from ember.distributed.symm_mem import OneShotAllReduce
         group.one_shot = OneShotAllReduce(process_group, device)

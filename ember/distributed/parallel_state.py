@@ -92,7 +92,7 @@ def joined_shard(tensor_parallel_size: int) -> tuple[TensorParallelInfo, ShardSp
 
 
 def init_tensor_parallel(rank: int, size: int, local_rank: int, device_type: str, store, timeout_s: float,
-                         symm_mem_all_reduce: bool = False) -> TensorParallelInfo:
+                         symm_mem_all_reduce: bool | None = None) -> TensorParallelInfo:
     """Join the tensor-parallel group of `size` ranks as `rank` through `store` (see `open_store`); on CUDA this
     process's device becomes GPU `local_rank` first, and NCCL connects eagerly (a CUDA graph cannot capture its
     set-up). Once per process."""

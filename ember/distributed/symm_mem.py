@@ -22,6 +22,7 @@ import torch
 logger = logging.getLogger("ember")
 
 MAX_BYTES = 256 * 1024
+ON_BY_DEFAULT = False       # whether symm_mem_all_reduce=None (the default) takes the kernel on CUDA
 
 
 class OneShotAllReduce:
@@ -52,6 +53,23 @@ class OneShotAllReduce:
         """The sum of `x` over the ranks, a new tensor; the kernel copies x into this rank's buffer itself."""
         slot = self.buffer.narrow(0, 0, x.numel()).view(x.shape)
         return torch.ops.symm_mem.one_shot_all_reduce_copy(slot, x, "sum", self.group_name)
+
+
+def one_shot_by_default(process_group, device: torch.device | None) -> bool:
+    """What `symm_mem_all_reduce=None` means for this group: `ON_BY_DEFAULT` on CUDA when every rank's GPU can map
+    the other local GPUs (peer access), else NCCL, said in the log. All ranks decide alike (a gloo all-reduce), so
+    none starts a rendezvous that another skips."""
+    import torch.distributed as dist
+    if not ON_BY_DEFAULT or device is None or device.type != "cuda":
+        return False
+    peers = range(torch.cuda.device_count())
+    reach = all(torch.cuda.can_device_access_peer(device.index, p) for p in peers if p != device.index)
+    flag = torch.tensor([int(reach)], dtype=torch.int64)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=process_group)      # the group's host (gloo) backend
+    if not flag.item():
+        logger.warning("the symmetric-memory all-reduce is off: a GPU of the group cannot reach its peers (peer "
+                       "access); every all-reduce takes NCCL")
+    return bool(flag.item())
 
 
 def _use_peer_to_peer_backend(symm, device: torch.device) -> None:

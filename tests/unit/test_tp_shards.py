@@ -197,3 +197,23 @@ def test_each_rank_reads_its_kv_heads_of_per_head_kv_cache_scales(tmp_path):
         attn = shard.model.layers[1].self_attn.attn
         assert attn.kv_heads_in_model == (rank, 2)
         assert attn.kv_scales[0].tolist() == [k] and attn.kv_scales[1].tolist() == [0.25]
+
+
+@pytest.mark.parametrize("flags, value", [([], None), (["--symm-mem-all-reduce"], True),
+                                          (["--no-symm-mem-all-reduce"], False)])
+def test_the_one_shot_all_reduce_is_asked_for_refused_or_left_to_the_default(flags, value):
+    import argparse
+
+    from ember.args import add_engine_args, engine_kwargs
+    from ember.config import ParallelConfig
+    from ember.distributed.symm_mem import one_shot_by_default
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    assert engine_kwargs(p.parse_args(flags))["symm_mem_all_reduce"] is value
+    config = ParallelConfig(tensor_parallel_size=2, symm_mem_all_reduce=value)
+    if value:
+        with pytest.raises(ValueError, match="symm_mem_all_reduce needs CUDA"):
+            config.validate("cpu")
+    else:
+        config.validate("cpu")                  # the default and an explicit off are fine on the CPU
+    assert one_shot_by_default(None, None) is False and one_shot_by_default(None, torch.device("cpu")) is False
