@@ -315,12 +315,12 @@ part_tp2_collectives() {
 part_tp2() {
   local lat="python3 -m ember bench latency --config llama-3.1-8b --batch-size 1 --input-len 32 --output-len 256 \
     --num-iters 3" thr="python3 -m ember bench throughput --config llama-3.1-8b" f
-  timed lat_tp1 70 $lat --tensor-parallel-size 1
+  timed lat_tp1 65 $lat --tensor-parallel-size 1
   timed lat_tp2 75 $lat --tensor-parallel-size 2 --no-symm-mem-all-reduce --profile 20
   timed lat_tp2_symm 75 $lat --tensor-parallel-size 2 --symm-mem-all-reduce --profile 20
   timed thr_tp1 60 $thr --tensor-parallel-size 1
-  timed thr_tp2 65 $thr --tensor-parallel-size 2 --no-symm-mem-all-reduce
-  timed thr_tp2_symm 65 $thr --tensor-parallel-size 2 --symm-mem-all-reduce
+  timed thr_tp2 75 $thr --tensor-parallel-size 2 --no-symm-mem-all-reduce --profile 20
+  timed thr_tp2_symm 60 $thr --tensor-parallel-size 2 --symm-mem-all-reduce
   echo "== summary"
   for f in lat_tp1 lat_tp2 lat_tp2_symm thr_tp1 thr_tp2 thr_tp2_symm; do
     echo "-- $f"; grep -h "decode \|TPOT\|output \|host \|start-up\|Error" "$OUT/$f.log" | head -6

@@ -118,12 +118,20 @@ def test_float32_tokens_of_two_ranks_under_an_engine_core_process(folder):
     assert two == one
 
 
+def _one_shot_greedy(llm):
+    from ember.distributed import ops
+    from ember.distributed.parallel_state import TP_GROUP
+    one_shot = ops._groups[TP_GROUP].one_shot            # rank 0's, in this process
+    assert one_shot is not None and one_shot.max_bytes >= 8192
+    return _greedy(llm)
+
+
 def test_symmetric_memory_tokens_equal_nccls_under_full_graphs(folder):
     # two ranks: both sum the same two bf16 values and round once, so greedy tokens are the same; decode steps are
     # one-shot messages captured in FULL graphs
     path, _ = folder
     nccl = _run(path, 2, _greedy, dtype="bfloat16", cudagraph_mode="full", symm_mem_all_reduce=False)
-    symm = _run(path, 2, _greedy, dtype="bfloat16", cudagraph_mode="full", symm_mem_all_reduce=True)
+    symm = _run(path, 2, _one_shot_greedy, dtype="bfloat16", cudagraph_mode="full", symm_mem_all_reduce=True)
     assert all(len(t) == 32 for t in symm)
     assert symm == nccl
 
