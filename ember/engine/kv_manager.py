@@ -157,12 +157,10 @@ class KVCacheManager:
         return gone
 
     def append(self, request_id: str, cached_blocks: Sequence[int], new_blocks: Sequence[int]) -> None:
-        """Extend the request's list with cached blocks (a reference is taken on each) and then with fresh blocks
-        the caller took from the pool (as many as `blocks_needed` counted)."""
+        """Extend the request's list with cached blocks (the caller took a reference on each, with `touch`) and
+        then with fresh blocks the caller took from the pool (as many as `blocks_needed` counted)."""
         blocks = self.req_blocks.setdefault(request_id, [])
-        if cached_blocks:
-            self.pool.touch(cached_blocks)
-            blocks.extend(cached_blocks)
+        blocks.extend(cached_blocks)
         blocks.extend(new_blocks)
 
     def free(self, request_id: str) -> None:
@@ -244,6 +242,10 @@ class KVCacheCoordinator:
         num_new = sum(new_per_group)
         if needed + num_new > self.pool.num_free_blocks:
             return False
+        # the hits leave the free list first: a freed block keeps its hash, so a hit may sit at the head of the
+        # free list, where `allocate` would hand it out again as a fresh block (written over while it is read)
+        for cached in cached_blocks:
+            self.pool.touch(cached)
         # one pool call for every group's fresh blocks (groups of one spec need the same count at the same time)
         fresh = self.pool.allocate(num_new) if num_new else []
         start = 0

@@ -1,5 +1,7 @@
 """Block pool, prefix hashing and the scheduler's budget, chunking and preemption, without a model."""
 
+import random
+
 import pytest
 import torch
 
@@ -59,6 +61,26 @@ def test_all_or_nothing_allocation():
     assert kv.num_free_blocks == 3 and kv.block_ids(make("a", 13)) == ([], [])
 
 
+
+def test_prefix_hit_in_the_free_list_is_not_handed_out_as_a_fresh_block():
+    kv = KVCacheCoordinator(GROUPS[:1], num_blocks=5, enable_prefix_caching=True)   # blocks 1..4
+    a, c = make("a", 8), make("c", 8, start=50)
+    assert kv.try_allocate(a, 8) and kv.try_allocate(c, 8)
+    kv.cache_full_blocks(a, 8)
+    assert kv.block_ids(a)[0] == [1, 2] and kv.block_ids(c)[0] == [3, 4]
+    kv.free(a)                                   # tail first: the free list is 2, 1
+    kv.free(c)                                   # then 4, 3
+    assert list(kv.pool.free) == [2, 1, 4, 3]
+    b = make("b", 9)                             # a's 8 tokens and one more: hits 1 and 2, one fresh block
+    cached = kv.find_cached_prefix(b)
+    assert cached == [[1, 2]]
+    assert kv.try_allocate(b, 9, cached)
+    # block 2 heads the free list, but it is one of the hits: the fresh block is the next free one, 4
+    assert kv.block_ids(b)[0] == [1, 2, 4]
+    assert [kv.pool.ref_cnt[x] for x in (1, 2, 3, 4)] == [1, 1, 0, 1]
+    assert list(kv.pool.free) == [3]
+
+
 def run_steps(sched, steps=100):
     """Drive the scheduler as the engine would: each sampling request gets token 7."""
     trace = []
@@ -100,6 +122,55 @@ def test_preemption_requeues_the_newest_and_loses_nothing():
     assert any("b" in o.preempted_ids for o in trace)
     assert all(r.output_token_ids == [7, 7, 7] for r in reqs)
     assert kv.num_free_blocks == 4
+
+
+
+def run_with_cache_contents(seed: int, enable_prefix_caching: bool) -> tuple[dict[str, list[int]], Scheduler]:
+    """Drive the scheduler over a small pool with prompts that share prefixes, keeping what each block slot holds
+    (position, token) as the steps write it; every step checks that each request's block list reads back exactly its
+    own tokens at their positions, as attention would. A sampled token is a function of all the tokens before it."""
+    rng = random.Random(seed)
+    kv = KVCacheCoordinator(GROUPS[:1], num_blocks=9, enable_prefix_caching=enable_prefix_caching)  # 32 tokens
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=16), kv, max_model_len=32)
+    prefixes = [[rng.randrange(100) for _ in range(12)] for _ in range(2)]
+    for i in range(6):
+        prompt = rng.choice(prefixes)[:rng.randrange(1, 13)] + [rng.randrange(100) for _ in range(rng.randrange(3))]
+        req = Request(str(i), prompt, SamplingParams())
+        req.max_tokens = rng.randrange(4, 32 - len(prompt))
+        sched.add_request(req)
+    reqs = list(sched.requests.values())
+    slots: dict[tuple[int, int], tuple[int, int]] = {}
+    for _ in range(1000):
+        if not sched.has_unfinished():
+            break
+        out = sched.schedule()
+        for s in out.scheduled:
+            blocks = kv.block_ids(s.request)[0]
+            for pos in range(s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens):
+                slots[blocks[pos // BS], pos % BS] = (pos, s.request.token_at(pos))
+        sampled = []
+        for s in out.scheduled:
+            req, end, blocks = s.request, s.num_computed_tokens + s.num_new_tokens, kv.block_ids(s.request)[0]
+            assert len(set(blocks)) == len(blocks), (seed, req.request_id, blocks)
+            assert [slots.get((blocks[p // BS], p % BS)) for p in range(end)] == \
+                [(p, req.token_at(p)) for p in range(end)], (seed, req.request_id)
+            sampled.append(sum((p + 1) * req.token_at(p) for p in range(end)) % 97)
+        for req, _ in sched.update(out, sampled):
+            if len(req.output_token_ids) >= req.max_tokens:
+                sched.finish(req, RequestStatus.FINISHED_LENGTH)
+    assert not sched.has_unfinished() and kv.num_free_blocks == 8
+    return {r.request_id: r.output_token_ids for r in reqs}, sched
+
+
+def test_preempted_requests_read_back_their_own_tokens_with_prefix_caching():
+    hits = preemptions = 0
+    for seed in range(12):
+        on, sched = run_with_cache_contents(seed, enable_prefix_caching=True)
+        off, _ = run_with_cache_contents(seed, enable_prefix_caching=False)
+        assert on == off, seed
+        hits += sched.stats.num_prefix_cache_hits
+        preemptions += sched.stats.num_preemptions
+    assert hits > 0 and preemptions > 0
 
 
 def test_max_num_seqs_bounds_running():
