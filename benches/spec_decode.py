@@ -1,45 +1,123 @@
 """Speculative decoding against plain decoding at a set mean acceptance length, on a bundled config with random
 weights (GPU; not a test).
 
+Random weights give nearly flat logits, whose argmax the numerics of a step flip (a verify step's k + 1 query tokens
+against a decode step's one, in bfloat16), so the target is first given a peaked greedy continuation
+(`peak_greedy`): the token after t is always next_token[t], by a margin of sqrt(hidden_size) standard deviations of
+the other logits. Every layer still computes on random weights, so the cost of a step is unchanged.
+
 A first pass records the target's own greedy continuation of every prompt with plain decoding; the timed spec run
 then proposes from that recording through `ReplayProposer` (a proposer of this bench only, never of the package),
 which corrupts one proposed token a step so that on average `--acceptance-length - 1` proposals are accepted: the
 verify step's cost is measured at a known acceptance, independent of how well n-grams would guess. Greedy outputs
-must match the recording token for token (checked). Per batch size: plain decoding with async scheduling (the
+must match the recording token for token (checked), and the recording must be the chain of next_token (checked
+before the spec run: otherwise the acceptance asked for is not the one measured). Per batch size: plain decoding with async scheduling (the
 engine's default on CUDA), plain decoding synchronous (what speculation gives up), and speculation.
 
     PYTHONPATH=. python benches/spec_decode.py --model llama-3.1-8b --batch-sizes 1 8 32 -k 4 --acceptance-length 3.0
+
+On a CPU (the acceptance and the token match, not the speed), a 4-layer Qwen3-0.6B in bfloat16:
+
+    PYTHONPATH=. python benches/spec_decode.py --model qwen3-0.6b --num-layers 4 --device cpu --dtype bfloat16 \
+        --batch-sizes 1 4 --prompt-len 32 --output-len 64 --acceptance-length 2.5
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import random
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from ember import LLM, SamplingParams
 from ember.bench.commands import release_engine
+from ember.models.bundled import CONFIG_DIR
+from ember.models.layers.embedding import LMHead, VocabEmbedding
+
+# the embeddings' RMS after `peak_greedy`: each layer adds about 3 per element to the residual stream (std-0.02
+# weights on RMS-normed inputs), so 32 layers add about 17, under 2% of this
+EMBEDDING_RMS = 1000.0
+
+
+@torch.no_grad()
+def peak_greedy(model: torch.nn.Module, seed: int = 0) -> torch.Tensor:
+    """Set a randomly initialised model's embeddings and LM head so that greedy decoding emits next_token[t] after
+    token t whatever came before, by a wide margin; returns next_token [V] (int64, on the CPU).
+
+    The embeddings are scaled to an RMS of `EMBEDDING_RMS`, so the residual stream stays the last token's
+    embedding: every layer reads it through an RMSNorm (scale-free: the layers compute what they did) and adds a
+    small fraction to it. The final norm is at identity (random init), so the LM head sees the embedding's
+    direction. An untied head's row next_token[t] becomes token t's embedding direction (at the init's scale):
+    that logit is sqrt(hidden_size) standard deviations of the others above them. A tied head is the embedding,
+    so next_token is the identity."""
+    embed = [m for m in model.modules() if isinstance(m, VocabEmbedding)]
+    head = [m for m in model.modules() if isinstance(m, LMHead)]
+    if len(embed) != 1 or len(head) != 1 or embed[0].tp_size != 1:
+        raise ValueError(f"peak_greedy needs one embedding and one LM head on one rank; found {len(embed)} "
+                         f"embeddings and {len(head)} heads")
+    embed, head = embed[0], head[0]
+    weight = embed.weight                                                           # [V, hidden]
+    vocab = weight.shape[0]
+    std = None if head.tied else float(head.weight[:4096].float().std())
+    next_token = (torch.arange(vocab) if head.tied
+                  else torch.randperm(vocab, generator=torch.Generator().manual_seed(seed)))
+    for start in range(0, vocab, 4096):       # a few rows at a time: the KV cache holds most of the GPU's memory
+        rows = weight[start:start + 4096].float()
+        direction = rows / rows.pow(2).mean(dim=1, keepdim=True).sqrt()             # unit RMS rows
+        weight[start:start + 4096] = direction * EMBEDDING_RMS
+        if std is not None:
+            head.weight[next_token[start:start + 4096].to(weight.device)] = (direction * std).to(head.weight.dtype)
+    if head.packed_weight is not None:           # oneDNN's copy (float32 on a CPU) follows the new weight
+        from ember.models.layers.onednn import pack_weight
+        head.packed_weight = pack_weight(head.weight_to_pack())
+    return next_token
+
+
+def greedy_chain(last: int, next_token: list[int], length: int) -> list[int]:
+    """The `length` tokens greedy decoding emits after `last` on a model given `next_token` by `peak_greedy`."""
+    out = []
+    for _ in range(length):
+        last = next_token[last]
+        out.append(last)
+    return out
+
+
+def model_path(name: str, num_layers: int | None, folder: str) -> str:
+    """The bundled config `name`, or a folder holding it with `num_layers` decoder layers (random weights either
+    way)."""
+    if num_layers is None:
+        return name
+    values = json.loads((CONFIG_DIR / f"{name.lower()}.json").read_text())
+    values["num_hidden_layers"] = num_layers
+    (Path(folder) / "config.json").write_text(json.dumps(values))
+    return folder
 
 
 class ReplayProposer:
-    """Proposes the recorded continuation of the request whose prompt starts a sequence, with the token after the
-    first `m` proposals replaced by a wrong one, m drawn so that its mean is `mean_accepted`."""
+    """Proposes the recorded continuation of the request whose prompt starts a sequence, with the proposal after
+    the first m replaced by a wrong one. m is the floor or the ceiling of `mean_accepted`, carried over from call to
+    call (error diffusion) so that the run's mean is `mean_accepted` to within one token over the run's steps:
+    random draws would miss it by their standard error (0.1 over 25 steps at a mean of 1.5)."""
 
     def __init__(self, recorded: dict[tuple[int, ...], list[int]], k: int, mean_accepted: float, vocab: int,
-                 key_len: int, seed: int = 0):
+                 key_len: int):
+        if not 0 <= mean_accepted <= k:
+            raise ValueError(f"mean accepted proposals {mean_accepted} is outside 0..k={k}; ask for an acceptance "
+                             f"length from 1 to k + 1")
         self.recorded, self.k, self.mean, self.vocab, self.key_len = recorded, k, mean_accepted, vocab, key_len
-        self.rng = random.Random(seed)
+        self.carry = 0.0
 
     def propose(self, token_ids: np.ndarray, max_len: int) -> np.ndarray:
         seq = self.recorded[tuple(token_ids[:self.key_len].tolist())]
         n = token_ids.shape[0]
         out = list(seq[n:n + min(self.k, max_len)])
-        lo = int(self.mean)
-        m = lo + (self.rng.random() < self.mean - lo)
+        self.carry += self.mean
+        m = int(self.carry)
+        self.carry -= m
         if m < len(out):
             out[m] = (out[m] + 1) % self.vocab
         return np.asarray(out, dtype=np.int64)
@@ -57,30 +135,51 @@ def timed(llm, prompts, params) -> tuple[float, list[list[int]]]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="llama-3.1-8b")
+    ap.add_argument("--model", default="llama-3.1-8b", help="a bundled config")
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("-k", "--num-speculative-tokens", type=int, default=4)
     ap.add_argument("--acceptance-length", type=float, default=3.0, help="mean tokens a verify step emits")
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--output-len", type=int, default=256)
+    ap.add_argument("--num-layers", type=int, default=None, help="decoder layers (default: the config's)")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="auto")
     args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as folder:
+        run(model_path(args.model, args.num_layers, folder), args.batch_sizes, args.num_speculative_tokens,
+            args.acceptance_length, args.prompt_len, args.output_len, device=args.device, dtype=args.dtype)
+
+
+def run(model: str, batch_sizes: list[int], k: int, acceptance_length: float, prompt_len: int, output_len: int,
+        **engine_kwargs) -> list[dict]:
+    """Plain decoding (async, then synchronous) and speculation at `acceptance_length` per batch size, on `model`
+    with peaked random weights; prints each batch size's figures as a JSON line and returns them."""
     rng = np.random.default_rng(0)
-    largest = max(args.batch_sizes)
-    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
-    plain = LLM(args.model, load_format="dummy", max_num_seqs=max(largest, 8))
+    largest = max(batch_sizes)
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    # no prefix caching: every run prefills its prompts, as the first run of each engine does
+    engine_kwargs.update(load_format="dummy", max_num_seqs=max(largest, 8), enable_prefix_caching=False)
+    plain = LLM(model, **engine_kwargs)
+    next_token = peak_greedy(plain.engine.runner.model).tolist()
     vocab = plain.engine.vocab_size
-    prompts = [rng.integers(1, vocab, args.prompt_len).tolist() for _ in range(largest)]
+    prompts = [rng.integers(1, vocab, prompt_len).tolist() for _ in range(largest)]
     timed(plain, prompts[:1], SamplingParams(max_tokens=8, ignore_eos=True))          # warm-up
     results, recorded = [], {}
-    for b in args.batch_sizes:
+    for b in batch_sizes:
         elapsed, outs = timed(plain, prompts[:b], params)
-        recorded.update({tuple(p[:32]): p + o for p, o in zip(prompts[:b], outs)})
-        results.append({"batch": b, "plain_async_tok_s": b * args.output_len / elapsed})
+        off = sum(o != greedy_chain(p[-1], next_token, len(o)) for p, o in zip(prompts[:b], outs))
+        if off:
+            raise RuntimeError(f"batch {b}: {off} of {b} greedy outputs left the peaked chain: the model's argmax is "
+                             f"not next_token[last token], so the acceptance asked for would not be the one measured")
+        recorded.update({tuple(p): p + o for p, o in zip(prompts[:b], outs)})
+        results.append({"batch": b, "plain_async_tok_s": b * output_len / elapsed})
     release_engine(plain)
     del plain
-    spec = LLM(args.model, load_format="dummy", max_num_seqs=max(largest, 8),
-               speculative_config={"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
+    spec = LLM(model, **engine_kwargs,
+               speculative_config={"method": "ngram", "num_speculative_tokens": k,
                                    "disable_by_batch_size": max(largest, 1)})
+    if peak_greedy(spec.engine.runner.model).tolist() != next_token:
+        raise RuntimeError("the speculative engine's peaked chain differs from the plain engine's")
     sched = spec.engine.scheduler
     ngram = sched.proposer
     timed(spec, prompts[:1], SamplingParams(max_tokens=8, ignore_eos=True))
@@ -88,20 +187,22 @@ def main() -> None:
         b = r["batch"]
         sched.proposer = None
         elapsed, outs = timed(spec, prompts[:b], params)
-        r["plain_sync_tok_s"] = b * args.output_len / elapsed
-        sched.proposer = ReplayProposer(recorded, args.num_speculative_tokens, args.acceptance_length - 1, vocab, 32)
+        r["plain_sync_tok_s"] = b * output_len / elapsed
+        sched.proposer = ReplayProposer(recorded, k, acceptance_length - 1, vocab, prompt_len)
         s = spec.engine.stats
         before = (s.num_draft_tokens, s.num_accepted_tokens, s.num_verified_requests, s.num_steps)
         elapsed, outs = timed(spec, prompts[:b], params)
-        same = all(recorded[tuple(p[:32])][len(p):] == o for p, o in zip(prompts[:b], outs))
+        same = all(recorded[tuple(p)][len(p):] == o for p, o in zip(prompts[:b], outs))
         verified = s.num_verified_requests - before[2]
-        r.update(spec_tok_s=b * args.output_len / elapsed, greedy_tokens_match=same,
+        r.update(spec_tok_s=b * output_len / elapsed, greedy_tokens_match=same,
                  acceptance_rate=(s.num_accepted_tokens - before[1]) / max(s.num_draft_tokens - before[0], 1),
                  mean_acceptance_length=1 + (s.num_accepted_tokens - before[1]) / max(verified, 1),
                  steps=s.num_steps - before[3])
         r["speedup_vs_async"] = r["spec_tok_s"] / r["plain_async_tok_s"]
         print(json.dumps(r), flush=True)
     sched.proposer = ngram
+    release_engine(spec)
+    return results
 
 
 if __name__ == "__main__":
