@@ -41,17 +41,18 @@ import torch
 from benches.bench_decode_linears import _graph_ms, _layers
 from benches.decode_attention_sweep import copy_bandwidth
 from ember.kernels import gemv as G
+from ember.kernels import gemv_config as GC
 from ember.kernels import linear_op as LO
 
 
 def _set(**constants) -> None:
     for name, value in constants.items():
-        setattr(G, name, value)
-    G._cached_config.cache_clear()
+        setattr(GC, name, value)
+    GC.cached_config.cache_clear()
 
 
 def tiles(configs, bw) -> None:
-    default = dict(PROGRAMS_PER_SM=G.PROGRAMS_PER_SM, W_TILE_BYTES=G.W_TILE_BYTES, NUM_WARPS=G.NUM_WARPS)
+    default = dict(PROGRAMS_PER_SM=GC.PROGRAMS_PER_SM, W_TILE_BYTES=GC.W_TILE_BYTES, NUM_WARPS=GC.NUM_WARPS)
     grid = [default] + [dict(PROGRAMS_PER_SM=p, W_TILE_BYTES=t, NUM_WARPS=w)
                         for p, t, w in itertools.product((1, 2, 4, 8), (8192, 16384), (4, 8))]
     for name in configs:
@@ -192,10 +193,10 @@ def shapes(configs, bw, rounds: int = 2, write: bool = False, tp_sizes=(1,)) -> 
     from ember.kernels import gemv_routing
     props = torch.cuda.get_device_properties(0)
     l2 = props.L2_cache_size
-    default = (G.PROGRAMS_PER_SM, G.W_TILE_BYTES)
+    default = (GC.PROGRAMS_PER_SM, GC.W_TILE_BYTES)
     grid = [default] + [c for c in itertools.product((2, 4, 8), (8192, 16384)) if c != default]
-    stored, tma_stored, table_lookup, tma_lookup = [], [], G.launch_shape, G.tma_shape
-    G.launch_shape = lambda *args: None      # every candidate as the constants give it, not the stored table's
+    stored, tma_stored, table_lookup, tma_lookup = [], [], GC.launch_shape, G.tma_shape
+    GC.launch_shape = lambda *args: None      # every candidate as the constants give it, not the stored table's
     G.tma_shape = lambda *args: None
     try:
         for name, proj, op, weight in _projections(configs, tp_sizes):
@@ -227,7 +228,7 @@ def shapes(configs, bw, rounds: int = 2, write: bool = False, tp_sizes=(1,)) -> 
                 print(f"shapes {name} {proj}: TMA {tma[1]} {tma[0]:.2f} against {kept:.2f} us", flush=True)
     finally:
         _set(PROGRAMS_PER_SM=default[0], W_TILE_BYTES=default[1])
-        G.launch_shape, G.tma_shape = table_lookup, tma_lookup
+        GC.launch_shape, G.tma_shape = table_lookup, tma_lookup
     if write:
         table = dict(command="PYTHONPATH=. python benches/gemv_sweep.py shapes --configs "
                              + " ".join(configs) + _tp_flag(tp_sizes) + " --write",

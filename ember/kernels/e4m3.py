@@ -9,6 +9,13 @@ import triton
 import triton.language as tl
 
 E4M3_MAX = tl.constexpr(448.0)     # e4m3's largest finite value (ember.kernels.fp8.FP8_MAX)
+AMAX_FLOOR = tl.constexpr(1e-12)   # an all-zero row's amax (ember.kernels.fp8.MIN_AMAX): a tiny scale, not 0 / 0
+
+
+@triton.jit
+def max_combine(a, b):
+    """tl.reduce's combine for an amax (tl.max is a library function an interpreted kernel cannot call)."""
+    return tl.maximum(a, b)
 
 
 @triton.jit

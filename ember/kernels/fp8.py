@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 __all__ = ["FP8", "FP8_MAX", "dequantize", "quantize_blocks", "quantize_rows", "quantize_tensor",
-           "quantize_token_groups", "quantize_tokens", "quantize_with_scale"]
+           "quantize_token_groups", "quantize_tokens", "quantize_with_scale", "round_activations"]
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)       # 448
@@ -86,3 +86,20 @@ def quantize_token_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, to
     padded = torch.nn.functional.pad(x.float(), (0, -k % group)).unflatten(1, (-1, group))   # [M, K'/g, g]
     scale = _scale_of(padded.abs().amax(dim=2))                                             # [M, K'/g]
     return quantize_with_scale(x, scale.repeat_interleave(group, 1)[:, :k]), scale
+
+
+def round_activations(x: torch.Tensor, input_scale: torch.Tensor | None = None,
+                      group: int | None = None) -> torch.Tensor:
+    """x [..., K] rounded to the e4m3 values the GPU's scaled layers multiply (by the static `input_scale` [1], per
+    token and `group` columns, or per token), times their scales, in x's dtype: the CPU's stand-in for fp8
+    activations."""
+    rows = x.reshape(-1, x.shape[-1])
+    if input_scale is not None:
+        scale = input_scale.float().reshape(())
+        q = quantize_with_scale(rows, scale)
+    elif group is not None:
+        q, scale = quantize_token_groups(rows, group)
+        scale = scale.repeat_interleave(group, 1)[:, :rows.shape[1]]
+    else:
+        q, scale = quantize_tokens(rows)
+    return (q.float() * scale).to(x.dtype).reshape(x.shape)

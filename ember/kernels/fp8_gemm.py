@@ -3,7 +3,8 @@ the fly, and a block-scaled GEMM.
 
 - `quantize_rows_fp8`: one program per row quantizes x [M, K] to e4m3 with a scale per row (dynamic: amax / 448)
   or the checkpoint's static scale, with the RMSNorm prologue folded in: the first pass sums the squares and the
-  largest |x * norm weight|, so the normed row is never written in x's dtype. Its output feeds `torch._scaled_mm`
+  largest |x * norm weight|, so the normed row is never written in x's dtype. A dynamic scale quantizes
+  x * norm weight and carries 1/rms in the row's scale, as the fp8 GEMV does (bit for bit the same e4m3 values). Its output feeds `torch._scaled_mm`
   with row-wise scales.
 - `block_fp8_gemm`: out = x @ dequant(W)^T for W in e4m3 with a float32 scale per 128x128 block. Each program
   owns a BLOCK_M x BLOCK_N tile and walks K one 128-column block at a time: it loads x's tile in x's dtype,
@@ -33,7 +34,8 @@ def _quantize_rows_kernel(x_ptr, norm_weight_ptr, static_scale_ptr, out_ptr, sca
                           eps, FP8_LIMIT: tl.constexpr, AMAX_FLOOR: tl.constexpr, BLOCK: tl.constexpr,
                           NORM: tl.constexpr, STATIC: tl.constexpr, EXACT_E4M3: tl.constexpr):
     """Program per row: out = e4m3(x' / scale), x' = x or its RMSNorm (Llama form) with norm_weight; scale the
-    static one, else max|x'| / 448 (stored in scale_ptr)."""
+    static one, else max|x'| / 448 (stored in scale_ptr), where with the norm x' is x * norm weight and the stored
+    scale carries 1/rms."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     x_row = x_ptr + row * stride_xm
@@ -52,8 +54,10 @@ def _quantize_rows_kernel(x_ptr, norm_weight_ptr, static_scale_ptr, out_ptr, sca
     if STATIC:
         scale = tl.load(static_scale_ptr)
     elif NORM:
-        scale = tl.maximum(tl.reduce(amax, 0, _max_combine) * rstd, AMAX_FLOOR) / FP8_LIMIT
-        tl.store(scale_ptr + row, scale)
+        # x * norm weight is quantized by its own amax and the row's scale takes 1/rms: the same e4m3 values as the
+        # fp8 GEMV's (ember.kernels.gemv_fp8), which learns 1/rms only at the end of its pass over K
+        scale = tl.maximum(tl.reduce(amax, 0, _max_combine), AMAX_FLOOR) / FP8_LIMIT
+        tl.store(scale_ptr + row, scale * rstd)
     else:
         scale = tl.maximum(tl.reduce(amax, 0, _max_combine), AMAX_FLOOR) / FP8_LIMIT
         tl.store(scale_ptr + row, scale)
@@ -61,7 +65,9 @@ def _quantize_rows_kernel(x_ptr, norm_weight_ptr, static_scale_ptr, out_ptr, sca
         ok = k + cols < K
         x = tl.load(x_row + k + cols, mask=ok, other=0.0).to(tl.float32)
         if NORM:
-            x = x * tl.load(norm_weight_ptr + k + cols, mask=ok, other=0.0).to(tl.float32) * rstd
+            x = x * tl.load(norm_weight_ptr + k + cols, mask=ok, other=0.0).to(tl.float32)
+            if STATIC:
+                x = x * rstd
         # a division, as the torch reference (ember.kernels.fp8) divides: the same e4m3 values without the norm;
         # under the interpreter rounded to e4m3's values here (its conversion does not carry into the exponent)
         q = scale_to_e4m3(x, scale, EXACT_E4M3)

@@ -25,11 +25,7 @@ When N / BLOCK_N gives fewer programs than SMs, K is split over a second grid ax
 partials [SPLIT_K, M, N] and a small kernel sums them in a fixed order and applies bias/residual and the cast (no
 zero-filled buffer, no atomics, so results are deterministic).
 
-Launch parameters come from `gemv_config`, a pure function of (M, N, K, SMs, element size), not from autotuning:
-nothing is timed at run time, so the first call for a shape (before CUDA-graph capture, as the engine does) only
-compiles, and every process picks the same kernels. At one row, a weight shape measured faster under another
-(programs per SM, W tile bytes) on a GPU of the same SM count takes that pair from a stored table
-(`gemv_routing.launch_shape`, gemv_shapes.json); the others take the constants.
+Launch parameters: ember.kernels.gemv_config. e4m3 weights: ember.kernels.gemv_fp8.
 """
 
 from __future__ import annotations
@@ -40,7 +36,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ember.kernels.gemv_routing import launch_shape, tma_shape
+from ember.kernels.e4m3 import AMAX_FLOOR, E4M3_MAX, max_combine, scale_to_e4m3
+from ember.kernels.gemv_config import CPU_SMS, GEMV_MAX_M, cached_config, gemv_config
+from ember.kernels.gemv_routing import tma_shape
 from ember.kernels.gemv_tma import gemv_tma, tma_applies
 from ember.kernels.interpret import interpreted
 from ember.kernels.launcher import launcher
@@ -48,21 +46,7 @@ from ember.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_options
 
 __all__ = ["DTYPES", "GEMV_MAX_M", "gemv", "gemv_config"]
 
-GEMV_MAX_M = 16          # rows handled by the kernel; more go to F.linear
-PROGRAMS_PER_SM = 2      # programs an SM gets a layer: 2 measured 5-10% faster than 4 or 8 over a decode step's
-                         # chained projections at 1 row (benches/gemv_sweep.py tiles)
-W_TILE_BYTES = 8192      # bytes of W one program loads per K step: 4 x 16-byte loads a thread at 4 warps
-MAX_BLOCK_N = 16
-DOT_MIN_M = 5            # tensor cores from this many rows: at 8 rows CUDA-core multiply-adds cost ~40% of the read
-DOT_BLOCK = 16           # rows and columns of a tensor-core program (tl.dot's smallest portable tile)
-ACC_3D_REGS = 32         # float32 accumulator elements a thread may hold for the deferred K reduction
-PRODUCT_REGS = 64        # float32 products a thread may hold for a per-step K reduction
-MIN_BLOCK_K_BYTES = 512  # one warp of 16-byte loads: K steps are not shrunk below this to divide K
-NUM_WARPS = 4
-DOT_NUM_STAGES = 3
-MAX_SPLIT_K = 16
 REDUCE_BLOCK = 256
-CPU_SMS = 4              # "SMs" under the interpreter: small test shapes still get several programs
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -71,11 +55,13 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 @triton.jit(do_not_specialize=["M"])
 def _gemv_kernel(x_ptr, w_ptr, bias_ptr, residual_ptr, norm_weight_ptr, out_ptr,
                  M, N, K, stride_xm, stride_wn, stride_rm, stride_om, k_per_split, eps, w_scale_ptr, stride_sn,
+                 act_scale_ptr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  USE_DOT: tl.constexpr, ACC_3D: tl.constexpr, EVEN_K: tl.constexpr, PARTIAL: tl.constexpr,
                  HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr,
                  DOT_IN_FP32: tl.constexpr, IEEE_DOT: tl.constexpr, PDL: tl.constexpr = False,
-                 W_SCALE: tl.constexpr = 0, SCALE_BN: tl.constexpr = 1, SCALE_BK: tl.constexpr = 1):
+                 W_SCALE: tl.constexpr = 0, SCALE_BN: tl.constexpr = 1, SCALE_BK: tl.constexpr = 1,
+                 ACT_QUANT: tl.constexpr = 0, EXACT_E4M3: tl.constexpr = False):
     """Program (n block, K split): out[:M, n block] over K range [split * k_per_split, + k_per_split).
 
     NORM: x is RMS-normed on the fly (Llama form). Unsplit, in one pass: x * norm weight streams into the products
@@ -88,7 +74,9 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, residual_ptr, norm_weight_ptr, out_ptr,
     them.
     W_SCALE (fp8 W, dequantized in registers): 1, one float32 scale per W row, applied to the sums at the end;
     2, one per block of SCALE_BN rows and SCALE_BK columns ([N / SCALE_BN, K / SCALE_BK], row stride stride_sn),
-    applied to each K step's W tile (a step lies within one block column: BLOCK_K divides SCALE_BK)."""
+    applied to each K step's W tile (a step lies within one block column: BLOCK_K divides SCALE_BK).
+    ACT_QUANT (fp8 W with row scales, ember.kernels.gemv_fp8): x rounded to e4m3 as the many-row path rounds it, 1
+    per row by its amax (a first pass over K), 2 by the static scale at act_scale_ptr."""
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     # not tl.sum/tl.zeros/tl.cdiv: those are @triton.jit library functions that the interpreted copy cannot call
@@ -139,7 +127,7 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, residual_ptr, norm_weight_ptr, out_ptr,
         # PDL wait: the residual may come from the kernel before this one)
         residual = tl.load(residual_ptr + rows[:, None] * stride_rm + cols[None, :], mask=out_mask, other=0.0)
 
-    if NORM and not PARTIAL:
+    if NORM and not PARTIAL and not ACT_QUANT:
         # one pass: the norm is a per-row scale, so sum x^2 beside the products and scale the sums at the end
         if USE_DOT:
             sum_sq = tl.full((BLOCK_M,), 0.0, tl.float32)
@@ -147,25 +135,43 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, residual_ptr, norm_weight_ptr, out_ptr,
             sum_sq = tl.full((BLOCK_M, BLOCK_N, BLOCK_K), 0.0, tl.float32)
         else:
             sum_sq = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
-    if NORM and PARTIAL:
-        # a split sees part of K: every program first sums its rows' squares over all of K (x stays in L1/L2)
+    if (NORM and PARTIAL) or ACT_QUANT:
+        # a split sees part of K, and quantizing x needs its rows' amax: every program first sums its rows' squares
+        # and takes their amax over all of K (x stays in L1/L2)
         if USE_DOT:
             sum_sq = tl.full((BLOCK_M,), 0.0, tl.float32)
         else:
             sum_sq = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+        amax = sum_sq
         for k in range(0, K, BLOCK_K):
             if USE_DOT:
-                xs = tl.load(x_ptrs + k, mask=(rows < M)[:, None] & ((k + ks)[None, :] < K), other=0.0)
-                xs = xs.to(tl.float32)
-                sum_sq += tl.reduce(xs * xs, 1, tl.standard._sum_combine)
+                k_ok = (k + ks)[None, :] < K
+                xs = tl.load(x_ptrs + k, mask=(rows < M)[:, None] & k_ok, other=0.0).to(tl.float32)
+                if NORM:
+                    sum_sq += tl.reduce(xs * xs, 1, tl.standard._sum_combine)
             else:
-                xs = tl.load(x_ptrs + k, mask=(k + ks)[None, None, :] < K, other=0.0).to(tl.float32)
-                sum_sq += tl.reduce(xs * xs, 2, tl.standard._sum_combine)
-        rstd = tl.math.rsqrt(sum_sq / K + eps)
-        if USE_DOT:
-            rstd = rstd[:, None]
+                k_ok = (k + ks)[None, None, :] < K
+                xs = tl.load(x_ptrs + k, mask=k_ok, other=0.0).to(tl.float32)
+                if NORM:
+                    sum_sq += tl.reduce(xs * xs, 2, tl.standard._sum_combine)
+            if ACT_QUANT == 1:
+                if NORM:
+                    xs = xs * tl.load(nw_ptrs + k, mask=k_ok, other=0.0).to(tl.float32)
+                if USE_DOT:
+                    amax = tl.maximum(amax, tl.reduce(tl.abs(xs), 1, max_combine))
+                else:
+                    amax = tl.maximum(amax, tl.reduce(tl.abs(xs), 2, max_combine))
+        rstd_rows = tl.math.rsqrt(sum_sq / K + eps)        # [BLOCK_M] (tensor cores) or [BLOCK_M, BLOCK_N]
+        if ACT_QUANT == 1:
+            x_scale_rows = tl.maximum(amax, AMAX_FLOOR) / E4M3_MAX
         else:
-            rstd = rstd[:, :, None]
+            x_scale_rows = tl.load(act_scale_ptr) + amax * 0.0 if ACT_QUANT else amax
+        if USE_DOT:
+            rstd = rstd_rows[:, None]
+            x_scale = x_scale_rows[:, None]
+        else:
+            rstd = rstd_rows[:, :, None]
+            x_scale = x_scale_rows[:, :, None]
 
     for k in range(k_begin, k_end, BLOCK_K):
         if USE_DOT:
@@ -202,7 +208,19 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, residual_ptr, norm_weight_ptr, out_ptr,
                 x = tl.load(x_ptrs + k, mask=k_ok, other=0.0)
                 if NORM:
                     nw = tl.load(nw_ptrs + k, mask=k_ok, other=0.0)
-        if NORM and PARTIAL:
+        if ACT_QUANT:
+            # the values the many-row path quantizes: x * norm weight by its amax (1/rms applied to the sums), or
+            # the normed x by the static scale
+            xf = x.to(tl.float32)
+            if NORM:
+                xf = xf * nw.to(tl.float32)
+                if ACT_QUANT == 2:
+                    xf = xf * rstd
+            q = scale_to_e4m3(xf, x_scale, EXACT_E4M3)
+            if not EXACT_E4M3:
+                q = q.to(tl.float8e4nv)
+            x = q.to(x.dtype)             # e4m3 values are exact in bfloat16, float16 and float32
+        elif NORM and PARTIAL:
             # the unfused RMSNorm rounds twice: the normed value to x's dtype, then its product with the weight
             x = (x.to(tl.float32) * rstd).to(x.dtype)
             x = (nw.to(tl.float32) * x.to(tl.float32)).to(x.dtype)
@@ -258,7 +276,7 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, residual_ptr, norm_weight_ptr, out_ptr,
         acc = tl.reduce(acc, 2, tl.standard._sum_combine)    # [BLOCK_M, BLOCK_N]
         if GATED:
             acc_up = tl.reduce(acc_up, 2, tl.standard._sum_combine)
-    if NORM and not PARTIAL:
+    if NORM and not PARTIAL and not ACT_QUANT:
         if ACC_3D:
             sum_sq = tl.reduce(sum_sq, 2, tl.standard._sum_combine)
         rstd = tl.math.rsqrt(sum_sq / K + eps)
@@ -267,6 +285,16 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, residual_ptr, norm_weight_ptr, out_ptr,
         acc = acc * rstd
         if GATED:
             acc_up = acc_up * rstd
+    if ACT_QUANT:
+        # x's scale per row, times 1/rms where the quantized values are of x * norm weight
+        row_scale = x_scale_rows
+        if NORM and ACT_QUANT == 1:
+            row_scale = row_scale * rstd_rows
+        if USE_DOT:
+            row_scale = row_scale[:, None]
+        acc = acc * row_scale
+        if GATED:
+            acc_up = acc_up * row_scale
     if W_SCALE == 1:
         # the row scales are per output column of this program (before a K split's partial sums, which add up)
         acc = acc * tl.load(w_scale_ptr + cols, mask=cols < N, other=0.0)[None, :]
@@ -322,83 +350,6 @@ def _split_k_reduce_kernel(partial_ptr, bias_ptr, residual_ptr, out_ptr, M, N, s
 
 # ---- launch parameters ---------------------------------------------------------------------------------------
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
-
-def _prev_pow2(n: int) -> int:
-    return 1 << (max(1, n).bit_length() - 1)
-
-
-def _launch_shape(M: int, N: int, K: int, num_sms: int, element_size: int, gated: bool) -> tuple[int, int]:
-    """(programs per SM, W tile bytes) for one row of this weight shape: the measured table's entry
-    (ember.kernels.gemv_routing.launch_shape) where it has one for this GPU's SM count, else the constants."""
-    if M == 1:
-        shape = launch_shape(N * (2 if gated else 1), K, gated, num_sms, element_size)
-        if shape is not None:
-            return shape
-    return PROGRAMS_PER_SM, W_TILE_BYTES
-
-
-def gemv_config(M: int, N: int, K: int, num_sms: int, element_size: int = 2,
-                use_dot: bool | None = None, gated: bool = False, max_block_k: int | None = None) -> dict | None:
-    """Launch parameters for x[M, K] @ W[N, K]^T on `num_sms` SMs, or None when M is outside 1..GEMV_MAX_M.
-    `gated`: W holds N gate rows, then N up rows; a program reads both rows of each of its columns. `element_size`
-    is W's (1 for fp8); `max_block_k` caps the K step (block-scaled fp8: one scale block column a step).
-
-    Tensor cores from DOT_MIN_M rows (or as `use_dot` says), padded to 16 rows and 16 columns a program. Otherwise
-    BLOCK_N is the largest power of two (<= 16) leaving PROGRAMS_PER_SM programs per SM. BLOCK_K makes a W tile of
-    W_TILE_BYTES (smaller, BLOCK_N first, where the products would not fit in registers), halved while that divides
-    K. K is split only when the column blocks alone leave SMs idle."""
-    if not 1 <= M <= GEMV_MAX_M:
-        return None
-    use_dot = M >= DOT_MIN_M if use_dot is None else use_dot
-    programs_per_sm, tile_bytes = _launch_shape(M, N, K, num_sms, element_size, gated)
-    vec = 16 // element_size                       # elements of one 16-byte load
-    tile = tile_bytes // element_size              # elements of W per program per K step
-    min_block_k = max(vec, MIN_BLOCK_K_BYTES // element_size)
-    threads = 32 * NUM_WARPS
-    if use_dot:
-        block_m, block_n = DOT_BLOCK, DOT_BLOCK
-        block_k = tile // block_n
-    else:
-        block_m = _next_pow2(M)
-        block_n = min(MAX_BLOCK_N, _prev_pow2(N // (programs_per_sm * num_sms)))
-        block_k = tile // block_n
-        if block_m * block_n * block_k > ACC_3D_REGS * threads:
-            # summed every step: the [BLOCK_M, BLOCK_N, BLOCK_K] products must fit; keep the K step long
-            w_elements = PRODUCT_REGS * threads // block_m
-            block_k = min(block_k, max(min_block_k, w_elements // block_n))
-            block_n = max(1, min(block_n, w_elements // block_k))
-    block_k = max(DOT_BLOCK if use_dot else vec, min(block_k, _next_pow2(K)))
-    while K % block_k and block_k // 2 >= min_block_k:
-        block_k //= 2
-    if gated and block_k // 2 >= (DOT_BLOCK if use_dot else min_block_k):
-        # each column streams a gate and an up row: halve the K step to keep the tile's bytes and registers
-        block_k //= 2
-    if max_block_k is not None and block_k > max_block_k:
-        # a shorter K step: widen the column block instead, so the step's tile keeps its bytes (the K split below
-        # makes up for the fewer column blocks)
-        if not use_dot:
-            block_n = min(MAX_BLOCK_N, block_n * (block_k // max_block_k))
-        block_k = max_block_k
-    acc_3d = not use_dot and block_m * block_n * block_k <= ACC_3D_REGS * threads
-
-    programs_n = -(-N // block_n)
-    k_steps = -(-K // block_k)
-    split_k = 1
-    if programs_n < num_sms and k_steps > 1:
-        split_k = min(MAX_SPLIT_K, k_steps, -(-programs_per_sm * num_sms // programs_n))
-    steps_per_split = -(-k_steps // split_k)
-    split_k = -(-k_steps // steps_per_split)       # no empty split
-    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
-                K_PER_SPLIT=steps_per_split * block_k, USE_DOT=use_dot, ACC_3D=acc_3d, num_warps=NUM_WARPS,
-                num_stages=DOT_NUM_STAGES if use_dot else 1)
-
-
-_cached_config = functools.lru_cache(maxsize=None)(gemv_config)   # callers never mutate its dicts
-
-
 @functools.cache
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
@@ -410,48 +361,33 @@ def _kernel(kernel, device: torch.device):
     return interpreted(kernel) if device.type == "cpu" else launcher(kernel)
 
 
-def _check_scale(weight: torch.Tensor, scale: torch.Tensor | None, block: tuple[int, int] | None,
-                 gated: bool) -> None:
-    """Raise a ValueError unless `scale` fits an fp8 `weight` (float32, contiguous, one per row or per block)."""
-    if scale is None:
-        if block is not None:
-            raise ValueError("scale_block is given without weight_scale")
-        return
-    rows, k = weight.shape
-    expected = (rows,) if block is None else (-(-rows // block[0]), -(-k // block[1]))
-    if scale.dtype != torch.float32 or tuple(scale.shape) != expected or not scale.is_contiguous():
-        raise ValueError(f"weight_scale must be a contiguous float32 {list(expected)}, got {scale.dtype} "
-                         f"{list(scale.shape)}")
-    if block is not None and gated and (rows // 2) % block[0]:
-        raise ValueError(f"a gated block-scaled gemv needs gate rows ({rows // 2}) in whole blocks of {block[0]}")
-
-
-def _scale_args(scale: torch.Tensor | None, block: tuple[int, int] | None) -> dict:
-    """The kernel's fp8 constexprs (none for a weight in x's dtype, so its specializations keep their keys)."""
-    if scale is None:
-        return {}
-    if block is None:
-        return dict(W_SCALE=1)
-    return dict(W_SCALE=2, SCALE_BN=block[0], SCALE_BK=block[1])
-
-
 # ---- entry points --------------------------------------------------------------------------------------------
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
          residual: torch.Tensor | None = None, config: dict | None = None, *,
          norm_weight: torch.Tensor | None = None, eps: float = 1e-6, gated: bool = False,
-         out_dtype: torch.dtype | None = None, weight_scale: torch.Tensor | None = None,
-         scale_block: tuple[int, int] | None = None) -> torch.Tensor:
+         out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x [M, K] @ weight[N, K]^T (+ bias [N]) (+ residual [M, N]) -> [M, N] in x's dtype, always with the Triton
     kernel (interpreted for CPU tensors). `config` overrides `gemv_config`'s choice. out_dtype float32: the same
     values (rounded to x's dtype) stored as float32, as `F.linear(x, weight).float()` gives them, without a second
     kernel or a copy in x's dtype (the LM head's logits).
 
     norm_weight [K]: x is first RMS-normed with it (Llama form, `eps`). gated: weight is [2N, K], gate rows then up
-    rows (bias [2N]), and the output is silu(gate) * up [M, N], before the residual is added.
+    rows (bias [2N]), and the output is silu(gate) * up [M, N], before the residual is added. e4m3 weights go
+    through `ember.kernels.gemv_fp8.gemv_fp8`."""
+    if x.dtype not in DTYPES or weight.dtype != x.dtype:
+        raise ValueError(f"gemv supports bfloat16, float16 and float32 with x and weight of one dtype (e4m3 "
+                         f"weights: ember.kernels.gemv_fp8); got x {x.dtype} and weight {weight.dtype}")
+    return launch_gemv(x, weight, bias, residual, config, norm_weight, eps, gated, out_dtype)
 
-    weight_scale: weight is float8_e4m3fn, dequantized in registers by float32 scales, one per row [rows of W], or
-    one per block [ceil(rows / bn), ceil(K / bk)] with `scale_block` (bn, bk)."""
+
+def launch_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None,
+                config: dict | None, norm_weight: torch.Tensor | None, eps: float, gated: bool,
+                out_dtype: torch.dtype | None, weight_scale: torch.Tensor | None = None,
+                act_scale: torch.Tensor | None = None, max_block_k: int | None = None,
+                **fp8_constexprs) -> torch.Tensor:
+    """`gemv` after its dtype check; `weight_scale`, `act_scale` and the fp8 constexprs (W_SCALE, SCALE_BN,
+    SCALE_BK, ACT_QUANT) come from `gemv_fp8`, which has checked them."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"gemv needs x [M, K] and weight [N, K], got x {tuple(x.shape)} and weight "
                          f"{tuple(weight.shape)}")
@@ -459,10 +395,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if gated and weight.shape[0] % 2:
         raise ValueError(f"a gated gemv needs an even number of weight rows (gate, then up), got {weight.shape[0]}")
     N = weight.shape[0] // 2 if gated else weight.shape[0]
-    if x.dtype not in DTYPES or weight.dtype != (x.dtype if weight_scale is None else torch.float8_e4m3fn):
-        raise ValueError(f"gemv supports bfloat16, float16 and float32 with x and weight of one dtype, or a "
-                         f"float8_e4m3fn weight with weight_scale; got x {x.dtype} and weight {weight.dtype}")
-    _check_scale(weight, weight_scale, scale_block, gated)
     if bias is not None and (bias.shape != weight.shape[:1] or bias.dtype != x.dtype):
         raise ValueError(f"bias must be [{weight.shape[0]}] {x.dtype}, got {tuple(bias.shape)} {bias.dtype}")
     if residual is not None and residual.shape != (M, N):
@@ -473,8 +405,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         raise ValueError(f"out_dtype must be x's dtype ({x.dtype}) or torch.float32, got {out_dtype}")
     forced = config is not None
     if config is None:
-        config = _cached_config(M, N, K, _num_sms(x.device), weight.element_size(), gated=gated,
-                                max_block_k=scale_block[1] if scale_block else None)
+        config = cached_config(M, N, K, _num_sms(x.device), weight.element_size(), gated=gated,
+                                max_block_k=max_block_k)
         if config is None:
             raise ValueError(f"gemv handles 1 to {GEMV_MAX_M} rows, got M={M}; use torch.nn.functional.linear")
     elif not 1 <= M <= config["BLOCK_M"]:
@@ -498,13 +430,13 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     partial_cols = 2 * N if gated else N
     partial = out if split_k == 1 else torch.empty(split_k, M, partial_cols, dtype=torch.float32, device=x.device)
     cpu = x.device.type == "cpu"
-    dummy = out     # pointer for absent bias/residual/norm weight; never read
+    dummy = out     # pointer for absent bias/residual/norm weight/scales; never read
     _kernel(_gemv_kernel, x.device)[(triton.cdiv(N, config["BLOCK_N"]), split_k)](
         x, weight, bias if bias is not None else dummy, residual if residual is not None else dummy,
         norm_weight if norm_weight is not None else dummy, partial,
         M, N, K, x.stride(0), weight.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0),
         config["K_PER_SPLIT"], float(eps), weight_scale if weight_scale is not None else dummy,
-        weight_scale.stride(0) if weight_scale is not None else 0,
+        weight_scale.stride(0) if weight_scale is not None else 0, act_scale if act_scale is not None else dummy,
         BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"],
         USE_DOT=config["USE_DOT"], ACC_3D=config["ACC_3D"],
         EVEN_K=K % config["BLOCK_K"] == 0 and config["K_PER_SPLIT"] % config["BLOCK_K"] == 0,
@@ -512,7 +444,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         NORM=norm_weight is not None, GATED=gated,
         DOT_IN_FP32=cpu, IEEE_DOT=cpu or x.dtype == torch.float32,
         num_warps=config["num_warps"], num_stages=config["num_stages"], **pdl_options(x.device),
-        **_scale_args(weight_scale, scale_block))
+        **fp8_constexprs, **(dict(EXACT_E4M3=True) if cpu and fp8_constexprs.get("ACT_QUANT") else {}))
     if split_k > 1:
         _kernel(_split_k_reduce_kernel, x.device)[(triton.cdiv(N, REDUCE_BLOCK), M)](
             partial, bias if bias is not None else dummy, residual if residual is not None else dummy, out,

@@ -6,24 +6,27 @@ prologue, SiLU·mul epilogue and residual epilogue as `ember::fused_linear` (the
 
 The kernel is picked per call, like `ember::linear`'s:
 - CUDA, a few rows (up to the crossover measured for the weight's shape, ember.kernels.gemv_routing): ember's GEMV
-  reads the e4m3 weight and dequantizes it in registers, with every fusion inside one launch; the activations stay
-  in x's dtype (so this path quantizes only the weights).
+  reads the e4m3 weight and dequantizes it in registers, with every fusion inside one launch. With row scales it
+  rounds x to e4m3 exactly as the many-row path does (ember.kernels.gemv_fp8), so greedy output does not depend on
+  the batch a request shares; with block scales x stays in its dtype.
 - CUDA, more rows, row scales: x is quantized to e4m3 per token (dynamic) or by the checkpoint's static scale, with
   the norm folded into that kernel, then `torch._scaled_mm` (cuBLASLt) with row-wise scales; bias, SiLU·mul and
   the residual follow as separate kernels.
 - CUDA, more rows, block scales: the Triton block-scaled GEMM (ember.kernels.fp8_gemm), which quantizes x per token
   and 128 columns inside; norm, SiLU·mul and residual as separate kernels.
-- CPU: the weight dequantized to x's dtype, then the torch ops of the unfused layer.
+- CPU: x rounded to e4m3 as the GPU rounds it (ember.kernels.fp8.round_activations), the weight dequantized to
+  x's dtype, then the torch ops of the unfused layer.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ember.kernels.fp8 import dequantize
+from ember.kernels.fp8 import dequantize, round_activations
 from ember.kernels.fp8_gemm import block_fp8_gemm, quantize_rows_fp8
-from ember.kernels.fused_linear import fused_linear_reference
-from ember.kernels.gemv import DTYPES, GEMV_MAX_M, gemv
+from ember.kernels.fused_linear import fused_linear_reference, rms_norm_reference
+from ember.kernels.gemv import DTYPES, GEMV_MAX_M
+from ember.kernels.gemv_fp8 import gemv_fp8
 from ember.kernels.gemv_routing import gemv_fp8_max_rows
 from ember.kernels.library import define, register_fake
 from ember.kernels.linear_op import gemv_enabled
@@ -64,10 +67,16 @@ def _block(block_n: int, block_k: int) -> tuple[int, int] | None:
 def scaled_linear_reference(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                             bias: torch.Tensor | None, block_n: int = 0, block_k: int = 0,
                             norm_weight: torch.Tensor | None = None, eps: float = 0.0, gated: bool = False,
-                            residual: torch.Tensor | None = None) -> torch.Tensor:
-    """The weight dequantized to x's dtype, then the unfused layer's torch ops (the CPU path)."""
-    w = dequantize(weight, weight_scale, x.dtype, _block(block_n, block_k))
-    return fused_linear_reference(x, w, bias, norm_weight, eps, gated, residual)
+                            residual: torch.Tensor | None = None,
+                            input_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """The CPU path: the normed x rounded to e4m3 as the GPU rounds it (per token, per token and block column, or
+    by the static `input_scale`), the weight dequantized to x's dtype, then the unfused layer's torch ops."""
+    block = _block(block_n, block_k)
+    if norm_weight is not None:
+        x = rms_norm_reference(x, norm_weight, eps)
+    x = round_activations(x, input_scale, block[1] if block else None)
+    w = dequantize(weight, weight_scale, x.dtype, block)
+    return fused_linear_reference(x, w, bias, None, eps, gated, residual)
 
 
 def _scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, input_scale: torch.Tensor | None,
@@ -109,11 +118,14 @@ def scaled_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Ten
     block = _block(block_n, block_k)
     if x.device.type != "cuda":
         return scaled_linear_reference(x, weight, weight_scale, bias, block_n, block_k, norm_weight, eps, gated,
-                                       residual)
+                                       residual, input_scale)
     same_dtype = all(t is None or t.dtype == x.dtype for t in (norm_weight, residual, bias))
     if gemv_enabled() and same_dtype and scaled_gemv_applies(x, weight) and scaled_gemv_pays(x, weight, gated):
-        return gemv(x, weight, bias, residual, norm_weight=norm_weight, eps=eps, gated=gated,
-                    weight_scale=weight_scale, scale_block=block)
+        # row scales: x rounded to e4m3 as the many-row path rounds it, so a row's numbers do not depend on its
+        # batch's size; block scales: weight-only (ember.kernels.gemv_fp8)
+        activations = "none" if block is not None else "dynamic" if input_scale is None else "static"
+        return gemv_fp8(x, weight, weight_scale, bias, residual, scale_block=block, activations=activations,
+                        input_scale=input_scale, norm_weight=norm_weight, eps=eps, gated=gated)
     return _many_rows(x, weight, weight_scale, input_scale, bias, block, norm_weight, eps, gated, residual)
 
 

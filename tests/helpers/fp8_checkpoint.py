@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from ember.kernels.fp8 import quantize_blocks, quantize_rows, quantize_tensor
+from ember.kernels.fp8 import quantize_blocks, quantize_rows, quantize_tensor, round_activations
 
 LAYOUTS = ("fp8-tensor", "fp8-block", "ct-channel", "ct-tensor", "ct-block")
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -113,3 +113,18 @@ def save_dequantized(fp8_folder: Path, target: Path) -> Path:
     config["torch_dtype"] = "float32"
     (target / "config.json").write_text(json.dumps(config, indent=2))
     return target
+
+
+def round_inputs_by_hand(model: torch.nn.Module, layout: str) -> torch.nn.Module:
+    """An unquantized ember model whose linear layers (the LM head aside) see their inputs rounded to e4m3 as the
+    layout's fp8 activations are: by the static input scale (per-tensor layouts), per token and 128 columns
+    (block layouts), or per token. With `save_dequantized`'s weights, the fp8 model's computation by hand."""
+    from ember.models.layers.linear import Linear
+    static = torch.tensor([INPUT_SCALE]) if layout in ("fp8-tensor", "ct-tensor") else None
+    group = 128 if layout.endswith("block") else None
+    for name, module in model.named_modules():
+        if isinstance(module, Linear) and not name.endswith("lm_head"):
+            # every projection (forward, forward_split) goes through _project
+            module._project = lambda x, bias, _project=module._project: _project(
+                round_activations(x, static, group), bias)
+    return model

@@ -1,11 +1,13 @@
 """The fp8 kernels on the CPU, interpreted: the GEMV on e4m3 weights (row and block scales) with each fusion,
-the activation quantization (with the norm folded in), the block-scaled GEMM, and `ember::scaled_linear`'s CPU path
-and fake.
+weight-only and quantizing x as the many-row path does, the activation quantization (with the norm folded in), the
+block-scaled GEMM, and `ember::scaled_linear`'s CPU path and fake.
 
-The GEMV dequantizes in registers and keeps x in its own dtype, so its reference is the unfused layer over the
-weight dequantized to x's dtype (tolerances as the bf16 GEMV's fused tests, relative to the output scale: float32
-1e-5; float16 2**-9, plus the dequantized weight's own rounding to float16, 2**-11 relative, which the kernel
-skips). The GEMM quantizes x per token and 128 columns; its reference quantizes the same way in torch."""
+Weight-only, the GEMV's reference is the unfused layer over the weight dequantized to x's dtype (tolerances as the
+bf16 GEMV's fused tests, relative to the output scale: float32 1e-5; float16 2**-9, plus the dequantized weight's
+own rounding to float16, 2**-11 relative, which the kernel skips). Quantizing x, its reference is the product of
+`quantize_rows_fp8`'s e4m3 rows (the many-row path's) and the dequantized weight in float64: one e4m3 value rounded
+differently would move the output by about 2**-4 / sqrt(K) of its scale, far above float32's 1e-5. The GEMM
+quantizes x per token and 128 columns; its reference quantizes the same way in torch."""
 
 import pytest
 import torch
@@ -13,6 +15,8 @@ import torch
 pytest.importorskip("triton")
 
 import ember.kernels.gemv as G  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from ember.kernels.gemv_fp8 import gemv_fp8  # noqa: E402
 from ember.kernels.fp8 import (FP8, dequantize, quantize_blocks, quantize_rows, quantize_token_groups,  # noqa: E402
                                quantize_tokens, quantize_with_scale)
 from ember.kernels.fp8_gemm import block_fp8_gemm, quantize_rows_fp8  # noqa: E402
@@ -77,8 +81,8 @@ def test_fp8_gemv_matches_the_dequantized_layer(fusion, case):
                   bias=bias[:weight.shape[0]] if "bias" in fusion else None,
                   residual=residual if "residual" in fusion else None)
     config = _config(path, M, N, K, gated, block, split_k)
-    out = G.gemv(x, weight, kwargs["bias"], kwargs["residual"], config=config, norm_weight=kwargs["norm_weight"],
-                 eps=EPS, gated=gated, weight_scale=scale, scale_block=block)
+    out = gemv_fp8(x, weight, scale, kwargs["bias"], kwargs["residual"], config=config, scale_block=block,
+                   norm_weight=kwargs["norm_weight"], eps=EPS, gated=gated)
     reference = unfused(x, dequantize(weight, scale, dtype, block), **kwargs)
     _check(out, reference, dtype)
 
@@ -93,9 +97,49 @@ def test_fp8_gemv_rejects_bad_scales_with_the_values():
     weight, scale = _weights(16, 32, False, None)
     x = torch.randn(1, 32)
     with pytest.raises(ValueError, match=r"weight_scale must be a contiguous float32 \[16\], got torch.float16"):
-        G.gemv(x, weight, weight_scale=scale.half())
-    with pytest.raises(ValueError, match=r"float8_e4m3fn weight with weight_scale; got x torch.float32 and weight"):
+        gemv_fp8(x, weight, scale.half())
+    with pytest.raises(ValueError, match=r"one dtype \(e4m3 weights: ember.kernels.gemv_fp8\); got x torch.float32"):
         G.gemv(x, weight)
+    with pytest.raises(ValueError, match="activations 'static' takes input_scale"):
+        gemv_fp8(x, weight, scale, activations="static")
+    block_weight, block_scale = _weights(128, 128, False, BLOCK)
+    with pytest.raises(ValueError, match="a block-scaled gemv keeps x in its dtype"):
+        gemv_fp8(torch.randn(1, 128), block_weight, block_scale, scale_block=BLOCK, activations="dynamic")
+
+
+# (path, rows, dtype, K splits, activations, fusion)
+ACT_CASES = [("heuristic", 1, torch.float32, 1, "dynamic", "norm_gated_residual"),
+             ("cuda_cores_per_step", 3, torch.float32, 3, "dynamic", "norm"),
+             ("dot", 8, torch.float32, 1, "static", "norm_gated_residual"),
+             ("dot", 5, torch.float32, 3, "dynamic", "gated"),
+             ("heuristic", 2, torch.float16, 1, "static", "plain_bias")]
+
+
+@pytest.mark.parametrize("case", range(len(ACT_CASES)),
+                         ids=[f"{f}-{p}-m{m}-{str(d)[6:]}-split{s}-{a}" for p, m, d, s, a, f in ACT_CASES])
+def test_fp8_gemv_quantizes_x_as_the_many_row_path_does(case):
+    path, M, dtype, split_k, activations, fusion = ACT_CASES[case]
+    N, K = 40, 80
+    gated = "gated" in fusion
+    weight, scale = _weights(N, K, gated, None)
+    x, bias, residual, norm_weight = _inputs(M, N, K, dtype)
+    norm_weight = norm_weight if "norm" in fusion else None
+    bias = bias[:weight.shape[0]] if "bias" in fusion else None
+    residual = residual if "residual" in fusion else None
+    static = torch.tensor([0.02]) if activations == "static" else None      # some of 3 * randn saturate at 448
+    out = gemv_fp8(x, weight, scale, bias, residual, config=_config(path, M, N, K, gated, None, split_k),
+                   activations=activations, input_scale=static, norm_weight=norm_weight, eps=EPS, gated=gated)
+    xq, x_scale = quantize_rows_fp8(x, norm_weight, EPS, static)
+    reference = F.linear(xq.double() * x_scale.double(), dequantize(weight, scale, torch.float64),
+                         None if bias is None else bias.double())
+    if gated:
+        gate, up = reference.chunk(2, dim=-1)
+        reference = F.silu(gate) * up
+    if residual is not None:
+        reference = reference + residual.double()
+    tolerance = 1e-5 if dtype == torch.float32 else 2.0 ** -9
+    err = (out.double() - reference).abs().max().item()
+    assert out.dtype == dtype and err <= tolerance * reference.abs().max().item(), err
 
 
 # ---- activation quantization ------------------------------------------------------------------------------------
@@ -115,15 +159,17 @@ def test_row_quantization_equals_the_torch_reference(K):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 def test_row_quantization_folds_in_the_norm(dtype):
+    """Dynamic: x * norm weight quantized by its own amax, the row's 1/rms carried by its scale (so the GEMV, which
+    learns 1/rms last, rounds to the same values); the product is the normed row quantized per token."""
     x, _, _, norm_weight = _inputs(4, 8, 1100, dtype)
     q, scale = quantize_rows_fp8(x, norm_weight, EPS)
-    normed = rms_norm_reference(x.float(), norm_weight.float(), EPS)      # not rounded to x's dtype
-    want_q, want_scale = quantize_tokens(normed)
-    torch.testing.assert_close(scale, want_scale, rtol=1e-5, atol=0)
-    # the same e4m3 value, or its neighbour where float32 rounding put the normed value on the other side
-    diff = (q.float() * scale - want_q.float() * want_scale).abs()
-    assert (diff <= 2 ** -3 * normed.abs() + 1e-6).all()
-    assert (q.view(torch.uint8) != want_q.view(torch.uint8)).float().mean() < 0.02
+    x32 = x.float()
+    want_q, want_scale = quantize_tokens(x32 * norm_weight.float())
+    rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + EPS)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+    torch.testing.assert_close(scale, want_scale * rstd, rtol=1e-6, atol=0)
+    normed = rms_norm_reference(x32, norm_weight.float(), EPS)
+    assert ((q.float() * scale - normed).abs() <= 2 ** -4 * normed.abs() + 2 ** -10 * scale).all()
 
 
 # ---- block-scaled GEMM ------------------------------------------------------------------------------------------
@@ -149,15 +195,22 @@ def test_block_gemm_matches_per_group_quantization_in_torch(M, N, K, bias):
 
 # ---- the op ---------------------------------------------------------------------------------------------------
 
-def test_op_on_cpu_dequantizes_then_runs_the_unfused_layer():
+def test_op_on_cpu_rounds_x_dequantizes_then_runs_the_unfused_layer():
+    """The CPU path: the normed x rounded to e4m3 per token (or by the static scale), the weight dequantized, then
+    the unfused layer; the same as the many-row path's quantization in torch."""
     weight, scale = _weights(24, 64, True, None)
     x, bias, residual, norm_weight = _inputs(6, 24, 64, torch.float32)
     args = (x, weight, scale, None, bias, 0, 0, norm_weight, EPS, True, residual[:, :24])
     out = torch.ops.ember.scaled_linear(*args)
     w = weight.float() * scale[:, None]
-    assert torch.equal(out, unfused(x, w, bias, residual[:, :24], norm_weight, True))
+    xq, x_scale = quantize_tokens(rms_norm_reference(x, norm_weight, EPS))
+    assert torch.equal(out, unfused(xq.float() * x_scale, w, bias, residual[:, :24], None, True))
     assert torch.equal(out, scaled_linear_reference(x, weight, scale, bias, 0, 0, norm_weight, EPS, True,
                                                     residual[:, :24]))
+    static = torch.tensor([0.01])
+    out = torch.ops.ember.scaled_linear(x, weight, scale, static, None, 0, 0, None, EPS, False, None)
+    assert torch.equal(out, F.linear(quantize_with_scale(x, static).float() * static, w))
+    assert not torch.equal(out, F.linear(x, w))
     from torch._subclasses.fake_tensor import FakeTensorMode
     with FakeTensorMode() as mode:
         fake = torch.ops.ember.scaled_linear(*[mode.from_tensor(a) if isinstance(a, torch.Tensor) else a

@@ -1,6 +1,7 @@
 """FP8 checkpoints of every layout (written by tests.helpers.fp8_checkpoint with ember's quantization code) load
 through the loader's per-parameter weight loaders, q/k/v and gate/up parts with scales of their own included, and
-give the logits of the same weights dequantized by hand (float32, CPU: the scaled layers dequantize, then matmul).
+give the logits of the same weights dequantized by hand, their inputs rounded to e4m3 by hand as the layout's
+activations are (float32, CPU: the scaled layers round x, dequantize the weight, then matmul).
 Online quantization, random fp8 weights and the start-up refusals too."""
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from ember.kernels.fp8 import FP8
 from ember.models.layers.scaled_linear import ScaledLinear
 from ember.models.loader import load_config, load_model, random_model
 from ember.quant import QuantConfigError, resolve_quant_config
-from tests.helpers.fp8_checkpoint import INPUT_SCALE, LAYOUTS, save_dequantized, save_fp8_checkpoint
+from tests.helpers.fp8_checkpoint import (INPUT_SCALE, LAYOUTS, round_inputs_by_hand, save_dequantized,
+                                          save_fp8_checkpoint)
 from tests.helpers.model_harness import ModelHarness, random_hf_model, tiny_config
 
 PROMPTS = [[5, 17, 99, 3, 250, 41, 7], [12, 300, 8]]
@@ -47,7 +49,7 @@ def _logits(model) -> torch.Tensor:
 def test_checkpoint_gives_the_logits_of_its_weights_dequantized_by_hand(source, tmp_path, layout):
     fp8 = save_fp8_checkpoint(source, tmp_path / "fp8", layout)
     model, quant = _load(fp8)
-    reference, _ = _load(save_dequantized(fp8, tmp_path / "reference"))
+    reference = round_inputs_by_hand(_load(save_dequantized(fp8, tmp_path / "reference"))[0], layout)
     layers = [m for m in model.modules() if isinstance(m, ScaledLinear)]
     assert len(layers) == 4 * 2 and all(m.weight.dtype == FP8 and m.scale.dtype == torch.float32 for m in layers)
     assert model.lm_head.weight.dtype == torch.float32          # the LM head stays in the checkpoint's dtype
@@ -81,6 +83,7 @@ def test_online_quantization_is_per_channel_and_matches_by_hand(source, tmp_path
     # the same weights quantized per channel into a checkpoint by ember's code, dequantized by hand
     reference, _ = _load(save_dequantized(save_fp8_checkpoint(source, tmp_path / "fp8", "ct-channel"),
                                           tmp_path / "reference"))
+    reference = round_inputs_by_hand(reference, "ct-channel")
     with torch.inference_mode():
         torch.testing.assert_close(_logits(model), _logits(reference), rtol=0, atol=1e-5)
 

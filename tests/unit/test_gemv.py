@@ -14,6 +14,7 @@ import torch.nn.functional as F
 triton = pytest.importorskip("triton")
 
 import ember.kernels.gemv as G   # noqa: E402
+import ember.kernels.gemv_config as GC   # noqa: E402
 import ember.kernels.linear_op as LO   # noqa: E402
 
 SHAPES = [(40, 72), (96, 256)]             # (N, K): neither a multiple of the blocks; 72 leaves a masked K tail
@@ -164,23 +165,23 @@ def test_config_fills_the_gpu_with_whole_16_byte_tiles(name):
             assert c[block] & (c[block] - 1) == 0, f"M={M}: {block} {c[block]} is not a power of two"
         assert K % c["BLOCK_K"] == 0, f"M={M}: BLOCK_K {c['BLOCK_K']} leaves a masked K tail of {K}"
         assert c["BLOCK_K"] * 2 >= 512, f"M={M}: a K step of {c['BLOCK_K']} is under one warp of 16-byte loads"
-        tile_bytes = G._launch_shape(M, N, K, H100_SMS, 2, False)[1]   # the constant, or a stored shape's
+        tile_bytes = GC._launch_shape(M, N, K, H100_SMS, 2, False)[1]   # the constant, or a stored shape's
         assert c["BLOCK_N"] * c["BLOCK_K"] * 2 <= tile_bytes
         assert c["K_PER_SPLIT"] % c["BLOCK_K"] == 0
         assert (c["SPLIT_K"] - 1) * c["K_PER_SPLIT"] < K <= c["SPLIT_K"] * c["K_PER_SPLIT"]   # no empty split
         programs = -(-N // c["BLOCK_N"]) * c["SPLIT_K"]
         assert programs >= (1 if c["USE_DOT"] else 2) * H100_SMS, f"M={M}: {programs} programs on {H100_SMS} SMs"
-        assert c["USE_DOT"] == (M >= G.DOT_MIN_M)
+        assert c["USE_DOT"] == (M >= GC.DOT_MIN_M)
         if c["ACC_3D"]:
-            assert c["BLOCK_M"] * c["BLOCK_N"] * c["BLOCK_K"] <= G.ACC_3D_REGS * 32 * c["num_warps"]
+            assert c["BLOCK_M"] * c["BLOCK_N"] * c["BLOCK_K"] <= GC.ACC_3D_REGS * 32 * c["num_warps"]
 
 
 def test_config_choices_for_qwen3_0_6b_at_batch_1(monkeypatch):
     # the constants' choices: shapes in the stored launch-shape table are tested with it (test_gemv_routing.py)
-    monkeypatch.setattr(G, "launch_shape", lambda *args: None)
-    G._cached_config.cache_clear()
+    monkeypatch.setattr(GC, "launch_shape", lambda *args: None)
+    GC.cached_config.cache_clear()
     chosen = {name: G.gemv_config(1, N, K, H100_SMS) for name, (N, K) in QWEN3_0_6B.items()}
-    G._cached_config.cache_clear()
+    GC.cached_config.cache_clear()
     picked = {name: (c["BLOCK_N"], c["BLOCK_K"], c["SPLIT_K"], c["ACC_3D"]) for name, c in chosen.items()}
     # two programs an SM: 4096 columns / 264 programs -> 8 columns a program, 8 KiB of W a K step
     assert picked == {"qkv": (8, 512, 1, True), "gate_up": (16, 256, 1, True), "o_proj": (2, 2048, 1, True),
@@ -199,7 +200,7 @@ def test_config_splits_k_only_when_columns_leave_sms_idle():
 
 def test_config_fp32_keeps_16_byte_loads():
     c = G.gemv_config(1, 4096, 1024, H100_SMS, element_size=4)
-    assert c["BLOCK_N"] * c["BLOCK_K"] * 4 == G.W_TILE_BYTES and c["BLOCK_K"] % 4 == 0
+    assert c["BLOCK_N"] * c["BLOCK_K"] * 4 == GC.W_TILE_BYTES and c["BLOCK_K"] % 4 == 0
 
 
 @pytest.mark.parametrize("M", [0, 17, 64])
@@ -281,14 +282,14 @@ def test_switch_routes_the_op(monkeypatch):
 
 # ---- compiled code (no GPU needed: Triton compiles for sm_90 on the CPU) ------------------------------------------
 
-def _compile_sm90(M, N, K, norm=False, gated=False, pdl=False, w_scale=0):
+def _compile_sm90(M, N, K, norm=False, gated=False, pdl=False, w_scale=0, act_quant=0):
     """PTX and shared memory of the kernel for an H100, the way a launch would specialise it for these shapes;
     `w_scale` 1 or 2: an e4m3 weight with row or 128x128 block scales."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     c = G.gemv_config(M, N, K, H100_SMS, 1 if w_scale else 2, gated=gated, max_block_k=128 if w_scale == 2 else None)
     names = ["x_ptr", "w_ptr", "bias_ptr", "residual_ptr", "norm_weight_ptr", "out_ptr", "M", "N", "K",
-             "stride_xm", "stride_wn", "stride_rm", "stride_om", "k_per_split", "eps", "w_scale_ptr", "stride_sn"]
+             "stride_xm", "stride_wn", "stride_rm", "stride_om", "k_per_split", "eps", "w_scale_ptr", "stride_sn", "act_scale_ptr"]
     values = dict(M=M, N=N, K=K, stride_xm=K, stride_wn=K, stride_rm=N, stride_om=N, k_per_split=c["K_PER_SPLIT"],
                   stride_sn=0)
     partial = c["SPLIT_K"] > 1
@@ -296,11 +297,12 @@ def _compile_sm90(M, N, K, norm=False, gated=False, pdl=False, w_scale=0):
                  for a in names}
     signature["eps"] = "fp32"
     if w_scale:
-        signature.update(w_ptr="*fp8e4nv", w_scale_ptr="*fp32")
+        signature.update(w_ptr="*fp8e4nv", w_scale_ptr="*fp32", act_scale_ptr="*fp32")
     constexprs = dict(BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], USE_DOT=c["USE_DOT"],
                       ACC_3D=c["ACC_3D"], EVEN_K=True, PARTIAL=partial, HAS_BIAS=False, HAS_RESIDUAL=False,
                       NORM=norm, GATED=gated, DOT_IN_FP32=False, IEEE_DOT=False, PDL=pdl, W_SCALE=w_scale,
-                      SCALE_BN=128 if w_scale == 2 else 1, SCALE_BK=128 if w_scale == 2 else 1)
+                      SCALE_BN=128 if w_scale == 2 else 1, SCALE_BK=128 if w_scale == 2 else 1,
+                      ACT_QUANT=act_quant, EXACT_E4M3=False)
     signature.update({name: "constexpr" for name in constexprs})
     # Triton marks pointers and integers divisible by 16 at launch; these shapes' strides all are
     attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(names)
@@ -373,3 +375,17 @@ def test_sm90_code_with_norm_prologue_keeps_16_byte_loads(M, N, K, gated):
     else:
         assert not narrow, f"loads narrower than 16 bytes: {narrow}"
         assert shared <= 256, f"{shared} bytes of shared memory"
+
+
+@pytest.mark.parametrize("M,N,K,act_quant,norm", [(1, 6144, 1024, 1, True), (8, 4096, 1024, 1, True),
+                                                  (2, 1024, 3072, 2, True), (1, 1024, 2048, 1, False)],
+                         ids=["m1-dynamic-norm", "m8-dynamic-norm", "m2-static-norm-split", "m1-dynamic"])
+def test_sm90_fp8_gemv_rounds_x_to_e4m3_with_the_hardware(M, N, K, act_quant, norm):
+    """Quantizing x (row scales): compiles for an H100, converts with cvt.rn.satfinite (round to nearest even,
+    saturating, as torch's and the many-row path's conversion) and still streams W in 16-byte loads."""
+    import re
+    config, ptx, shared = _compile_sm90(M, N, K, norm=norm, w_scale=1, act_quant=act_quant)
+    assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
+    loads = re.findall(r"(?:ld\.global|cp\.async\.c[ag]\.shared\.global)[^\n;]*", ptx)
+    wide = [line for line in loads if ".v4." in line or ", 0x10," in line]
+    assert len(wide) >= config["BLOCK_N"] * config["BLOCK_K"] // (16 * 128), loads

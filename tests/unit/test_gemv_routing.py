@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from ember.kernels import gemv as G
+from ember.kernels import gemv_config as GC
 from ember.kernels import linear_op as LO
 from ember.kernels import gemv_routing as R
 
@@ -90,7 +91,7 @@ def test_a_stored_launch_shape_changes_one_row_of_its_weight_shape_on_its_sm_cou
 
     def configs(shapes):
         monkeypatch.setattr(R, "_shapes", lambda: shapes)
-        G._cached_config.cache_clear()
+        GC.cached_config.cache_clear()
         return [G.gemv_config(m, n, 4096, sms, gated=gated)
                 for m, n, sms, gated in ((1, 6144, 132, False), (2, 6144, 132, False), (1, 6144, 114, False),
                                          (1, 3072, 132, True), (1, 4096, 132, False))]
@@ -98,10 +99,10 @@ def test_a_stored_launch_shape_changes_one_row_of_its_weight_shape_on_its_sm_cou
     try:
         stored, constants = configs(table), configs({})
     finally:
-        G._cached_config.cache_clear()
+        GC.cached_config.cache_clear()
     # 8 programs per SM: 6144 // (8 * 132) columns rounded down to a power of two; a 16 KiB tile
     assert stored[0]["BLOCK_N"] == 4 and stored[0]["BLOCK_N"] * stored[0]["BLOCK_K"] * 2 == 16384
-    assert constants[0]["BLOCK_N"] == 16 and constants[0]["BLOCK_N"] * constants[0]["BLOCK_K"] * 2 == G.W_TILE_BYTES
+    assert constants[0]["BLOCK_N"] == 16 and constants[0]["BLOCK_N"] * constants[0]["BLOCK_K"] * 2 == GC.W_TILE_BYTES
     assert stored[1:] == constants[1:]
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ember.kernels.fp8 import FP8, dequantize, quantize_blocks, quantize_rows
+from ember.kernels.fp8 import FP8, dequantize, quantize_blocks, quantize_rows, round_activations
 from ember.kernels.scaled_linear_op import linear_fp8
 from ember.models.layers.linear import Linear, PackedLinear, QKVLinear, check_shape
 from ember.models.layers.onednn import onednn_linear
@@ -165,6 +165,8 @@ class ScaledLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed_weight is not None:
+            # the CPU: x rounded to e4m3 as the GPU's op rounds it, times the dequantized weight
+            x = round_activations(x, self.input_scale, self.block[1] if self.block else None)
             return onednn_linear(x, self.packed_weight, self.bias)
         return linear_fp8(x, self.weight, self.scale, self.input_scale, self.bias, self.block)
 
