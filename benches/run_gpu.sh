@@ -13,8 +13,8 @@
 #   bash benches/run_gpu.sh moe_sweep [CONFIG]  # the MoE kernels' launch table for CONFIG (default qwen3-30b-a3b)
 #   bash benches/run_gpu.sh moe           # MoE kernel tests, the MoE layer bench, Qwen3-30B-A3B batch-1 latency
 #   bash benches/run_gpu.sh moe_throughput   # the nano-vllm throughput workload, Qwen3-30B-A3B config
-#   bash benches/run_gpu.sh fp8           # fp8 weights and KV cache: batch-1 latency beside bf16, the GEMV sweep
-#   bash benches/run_gpu.sh fp8_throughput   # the throughput workload with an fp8 KV cache (and fp8 weights)
+#   bash benches/run_gpu.sh fp8           # fp8 weights and KV cache: batch-1 latency beside bf16, throughput, the
+#                                         # fp8 decode attention and GEMV benches, accuracy against bf16 (< 9 min)
 #   bash benches/run_gpu.sh fallback [qwen3|llama|pythia]   # native vs the transformers fallback, throughput + batch 1
 #   [TOKENIZER=folder] bash benches/run_gpu.sh structured   # structured output: GPU tests, the throughput workload
 #                                         # unconstrained / one JSON schema / 64 schemas, bitmask in and after the graph
@@ -377,33 +377,37 @@ part_moe_throughput() {
   grep -h "output \|host \|start-up" "$OUT"/throughput_qwen3_moe.log
 }
 
-# fp8: batch-1 decode of the Llama-3.1-8B config with bf16 then online fp8 weights (one lease), Llama-3.2-1B with fp8
-# weights, the fp8 GEMV against copy bandwidth and its crossover, and ragged decode over an fp8 KV cache.
+# fp8, one call of under 9 minutes (the steps' limits add up to 530 s): batch-1 decode of the Llama-3.1-8B config in
+# bf16 then with online fp8 weights, Llama-3.2-1B with fp8 weights; nano-vllm's throughput workload on the Qwen3-0.6B
+# config with an fp8 KV cache and on the Llama-3.1-8B config with fp8 weights and an fp8 KV cache; ragged decode
+# attention over an fp8 cache; the fp8 GEMV against copy bandwidth and the many-row path (its crossover, written
+# to $OUT/gemv_fp8_crossover.json: copy it to ember/kernels/ to route by it); and the teacher-forced accuracy of the
+# default model against its bf16 run (FP8_MODEL=folder names the model where ember cannot fetch its default).
 part_fp8() {
-  local lat="--batch-size 1 --input-len 32 --output-len 256 --num-iters 3"
-  run latency_llama8b_bf16 120 python3 -m ember bench latency --config llama-3.1-8b $lat \
+  local lat="--batch-size 1 --input-len 32 --output-len 128 --num-iters 2"
+  run latency_llama8b_bf16 70 python3 -m ember bench latency --config llama-3.1-8b $lat \
     --json "$OUT/latency_llama8b_bf16.json"
-  run latency_llama8b_fp8 120 python3 -m ember bench latency --config llama-3.1-8b $lat --quantization fp8 \
+  run latency_llama8b_fp8 70 python3 -m ember bench latency --config llama-3.1-8b $lat --quantization fp8 \
     --json "$OUT/latency_llama8b_fp8.json"
-  run latency_llama1b_fp8 100 python3 -m ember bench latency --config llama-3.2-1b $lat --quantization fp8 \
+  run latency_llama1b_fp8 50 python3 -m ember bench latency --config llama-3.2-1b $lat --quantization fp8 \
     --json "$OUT/latency_llama1b_fp8.json"
-  run gemv_fp8 240 python3 benches/gemv_sweep.py crossover --fp8 --configs qwen3-0.6b llama-3.2-1b llama-3.1-8b \
-    --rows 1 2 4 8 16
-  run decode_fp8 120 python3 -m pytest -q -p no:cacheprovider benches/bench_flash.py -k ragged_decode_fp8 \
-    --benchmark-only -s
-  echo "== summary"
-  grep -h "decode \|TPOT" "$OUT"/latency_llama8b_bf16.log "$OUT"/latency_llama8b_fp8.log "$OUT"/latency_llama1b_fp8.log
-  grep -h "M=1 " "$OUT/gemv_fp8.log"
-  grep -h "suite=decode_fp8" "$OUT/decode_fp8.log" | cut -c1-200
-}
-
-part_fp8_throughput() {
-  run throughput_qwen3_fp8kv 120 python3 -m ember bench throughput --config qwen3-0.6b --kv-cache-dtype fp8 \
+  run throughput_qwen3_fp8kv 75 python3 -m ember bench throughput --config qwen3-0.6b --kv-cache-dtype fp8 \
     --json "$OUT/throughput_qwen3_fp8kv.json"
-  run throughput_llama8b_fp8 300 python3 -m ember bench throughput --config llama-3.1-8b --quantization fp8 \
+  run throughput_llama8b_fp8 120 python3 -m ember bench throughput --config llama-3.1-8b --quantization fp8 \
     --kv-cache-dtype fp8 --json "$OUT/throughput_llama8b_fp8.json"
+  run decode_fp8 55 python3 -m pytest -q -p no:cacheprovider benches/bench_flash.py -k ragged_decode_fp8 \
+    --benchmark-only -s
+  run gemv_fp8 40 python3 benches/gemv_sweep.py crossover --fp8 --configs qwen3-0.6b llama-3.1-8b \
+    --rows 1 2 4 8 12 16 --write
+  cp ember/kernels/gemv_fp8_crossover.json "$OUT/" 2>/dev/null
+  run accuracy_fp8 50 python3 benches/experiments/fp8_accuracy.py --device cuda ${FP8_MODEL:+--model "$FP8_MODEL"}
   echo "== summary"
-  grep -h "output \|host \|start-up" "$OUT"/throughput_qwen3_fp8kv.log "$OUT"/throughput_llama8b_fp8.log
+  grep -h "formats\|decode \|TPOT" "$OUT"/latency_llama8b_bf16.log "$OUT"/latency_llama8b_fp8.log \
+    "$OUT"/latency_llama1b_fp8.log
+  grep -h "formats\|output \|start-up" "$OUT"/throughput_qwen3_fp8kv.log "$OUT"/throughput_llama8b_fp8.log
+  grep -h "suite=decode_fp8" "$OUT/decode_fp8.log" | cut -c1-200
+  grep -h "M=1 \|GEMV up to" "$OUT/gemv_fp8.log"
+  grep -h "agreement\|tokens;" "$OUT/accuracy_fp8.log"
 }
 
 # fallback: one bundled config natively and through the transformers fallback in one call (the same machine):
@@ -436,7 +440,7 @@ part_fallback() {
 part=${1:-}
 [ $# -gt 0 ] && shift
 case "$part" in
-  decode|throughput|headline|serve|serve_dp|startup|flash|fusion|ab|moe|moe_sweep|moe_throughput|fp8|fp8_throughput|\
+  decode|throughput|headline|serve|serve_dp|startup|flash|fusion|ab|moe|moe_sweep|moe_throughput|fp8|\
   fallback|structured|tp2|tp2_collectives|tp4) mkdir -p "$OUT" ;;
 esac
 case "$part" in
@@ -453,14 +457,13 @@ case "$part" in
   moe_sweep) part_moe_sweep "$@" ;;
   moe_throughput) part_moe_throughput ;;
   fp8) part_fp8 ;;
-  fp8_throughput) part_fp8_throughput ;;
   fallback) part_fallback "$@" ;;
   structured) part_structured ;;
   tp2) part_tp2 ;;
   tp2_collectives) part_tp2_collectives ;;
   tp4) part_tp4 ;;
   *) echo "usage: bash benches/run_gpu.sh decode|throughput|headline|serve|serve_dp|startup [MODEL ...]|flash|fusion|ab|" \
-          "moe|moe_sweep [CONFIG]|moe_throughput|fp8|fp8_throughput|fallback [qwen3|llama|pythia]|structured|" \
+          "moe|moe_sweep [CONFIG]|moe_throughput|fp8|fallback [qwen3|llama|pythia]|structured|" \
           "tp2_collectives|tp2|tp4" >&2
      exit 2 ;;
 esac

@@ -314,6 +314,12 @@ def _print_report(result: dict, rows: list[tuple[str, str]]) -> None:
         head += "  " + ",".join(attention["backends"])
         head += "".join(f" {name}={value}" for name, value in sorted(attention["options"].items()))
     print(head)
+    # the number formats the roofline's bytes are counted in: fp8 weights and an fp8 KV cache at one byte
+    formats = [result["quantization"]] if result.get("quantization") else []
+    if result.get("kv_cache_dtype") not in (None, result["dtype"]):
+        formats.append(f"KV cache {result['kv_cache_dtype'].replace('torch.', '')}")
+    if formats:
+        rows = [("formats", "; ".join(formats))] + rows
     s = result["startup"]
     rows = rows + [("start-up", f"load {s['load_s']:.1f} s, compile {s['compile_s']:.1f} s, "
                                 f"capture {s['capture_s']:.1f} s, warm-up {s['warmup_s']:.1f} s "

@@ -174,6 +174,21 @@ def test_cli_latency_writes_json(tiny_model, tmp_path, capsys):
     assert result["triton_compiles"] == 0 and result["triton_compiles_first_batch"] == 0
 
 
+def test_cli_throughput_with_fp8_weights_and_kv_cache(tiny_model, tmp_path, capsys):
+    out = tmp_path / "fp8_throughput.json"
+    rc = main(["bench", "throughput", "--model", tiny_model, *ENGINE, "--num-prompts", "4", "--input-len", "4:12",
+               "--output-len", "3:6", "--seed", "0", "--quantization", "fp8", "--kv-cache-dtype", "fp8",
+               "--json", str(out)])
+    assert rc == 0
+    result = json.loads(out.read_text())
+    expected = random_workload(4, (4, 12), (3, 6), seed=0, max_token_id=511)
+    assert result["output_tokens"] == expected.output_tokens and result["output_tok_s"] > 0
+    assert result["quantization"].startswith("fp8 e4m3 weights") and result["kv_cache_dtype"] == "torch.float8_e4m3fn"
+    printed = capsys.readouterr().out
+    assert "formats       fp8 e4m3 weights (quantized at load), per channel scales" in printed
+    assert "; KV cache float8_e4m3fn" in printed
+
+
 def test_cli_latency_with_fp8_weights_and_kv_cache(tiny_model, tmp_path):
     out = tmp_path / "fp8.json"
     rc = main(["bench", "latency", "--model", tiny_model, *ENGINE, "--batch-size", "1", "--input-len", "8",
