@@ -16,7 +16,7 @@ from torch import nn
 
 from ember.kernels.linear_op import linear as gemv_linear
 from ember.models.layers.linear import Linear
-from ember.models.layers.onednn import onednn_linear
+from ember.models.layers.onednn import onednn_linear, takes_packed
 
 
 class PackedWeights(nn.Module):
@@ -44,7 +44,7 @@ class SliceLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         owner = self._owner[0]
         bias = None if owner.bias is None else owner.bias[self.start:self.end]
-        if self.packed_weight is not None:
+        if takes_packed(x, self.packed_weight):
             return onednn_linear(x, self.packed_weight, bias)
         return gemv_linear(x, owner.weight[self.start:self.end], bias)
 

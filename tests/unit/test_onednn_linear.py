@@ -30,6 +30,26 @@ def test_packed_linear_matches_f_linear(rows):
     torch.testing.assert_close(onednn_linear(wide[:, :64], packed), wide[:, :64] @ weight.T, atol=1e-5, rtol=1e-5)
 
 
+def test_only_decode_sized_inputs_take_the_packed_weight(monkeypatch):
+    """Up to ONEDNN_MAX_ROWS rows through oneDNN, more through F.linear (oneDNN keeps a primitive per input shape);
+    both give F.linear's numbers."""
+    from ember.models.layers import linear as linear_module
+    from ember.models.layers.onednn import ONEDNN_MAX_ROWS
+    torch.manual_seed(0)
+    layer = Linear(64, 96, bias=True)
+    with torch.no_grad():
+        layer.weight.normal_()
+        layer.bias.normal_()
+    pack_linear_weights(layer)
+    calls = []
+    monkeypatch.setattr(linear_module, "onednn_linear", lambda *args: calls.append(args[0].shape) or onednn_linear(*args))
+    for rows in (1, ONEDNN_MAX_ROWS, ONEDNN_MAX_ROWS + 1, 3 * ONEDNN_MAX_ROWS):
+        x = torch.randn(rows, 64)
+        torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias), atol=1e-4,
+                                   rtol=1e-5)
+    assert calls == [torch.Size([1, 64]), torch.Size([ONEDNN_MAX_ROWS, 64])]
+
+
 def test_packing_is_float32_on_the_cpu_only():
     assert onednn_packing_supported(torch.float32, "cpu")
     assert not onednn_packing_supported(torch.bfloat16, "cpu")

@@ -17,7 +17,7 @@ from ember.distributed.parallel_state import TP_GROUP
 from ember.distributed.shard import CheckpointSlice, current_shard, vocab_range
 from ember.kernels.linear_op import logits
 from ember.models.layers.linear import check_shape, make_param
-from ember.models.layers.onednn import onednn_linear
+from ember.models.layers.onednn import onednn_linear, takes_packed
 
 
 def _vocab_param(vocab_size: int, hidden_size: int) -> tuple[nn.Parameter, int, int, int]:
@@ -101,7 +101,7 @@ class LMHead(nn.Module):
         return out if out.shape[1] == self.vocab_size else out[:, :self.vocab_size].contiguous()
 
     def _local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.packed_weight is not None:
+        if takes_packed(hidden, self.packed_weight):
             return onednn_linear(hidden, self.packed_weight).float()
         weight = self.weight_to_pack()
         # matmul in the model dtype like the reference, then float32 for sampling; on a GPU one op for both

@@ -19,7 +19,7 @@ from ember.distributed.ops import all_reduce
 from ember.distributed.parallel_state import TP_GROUP
 from ember.distributed.shard import CheckpointSlice, current_shard, kv_heads, split
 from ember.kernels.linear_op import linear as gemv_linear
-from ember.models.layers.onednn import onednn_linear
+from ember.models.layers.onednn import onednn_linear, takes_packed
 
 
 def check_shape(param: torch.Tensor, loaded: torch.Tensor, expected: tuple[int, ...] | torch.Size) -> None:
@@ -61,7 +61,7 @@ class Linear(nn.Module):
         return self._project(x, self.bias)
 
     def _project(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.packed_weight is not None:
+        if takes_packed(x, self.packed_weight):
             return onednn_linear(x, self.packed_weight, bias)
         # `ember::linear` on every device (F.linear off CUDA), so the compile passes see one op to fuse around:
         # a bandwidth-bound Triton GEMV for decode-sized batches on CUDA, cuBLAS for the rest

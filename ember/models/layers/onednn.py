@@ -30,6 +30,20 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
 
 
+# Inputs of more rows take the unpacked weight. oneDNN (and ideep above it) keep a primitive for each input shape,
+# up to 1,024 of them: on a 2-core CPU, SmolLM2-135M's five weight shapes held 178 MiB more once every row count from
+# 1 to 64 had run, and 425 MiB more after 200 row counts, so a server whose step sizes vary grew by that much. Past
+# 64 rows the packed GEMM gains little (one thread, the five weights, packed vs F.linear: 14.7 / 26.4 ms at 8 rows,
+# 59 / 71 at 64, 110 / 115 at 128, 207 / 209 at 256), and decode steps, where it gains most, stay under it.
+ONEDNN_MAX_ROWS = 64
+
+
+def takes_packed(x: torch.Tensor, packed: torch.Tensor | None) -> bool:
+    """Whether `x` [..., K] goes through its layer's packed weight: there is one, and `x` has at most
+    `ONEDNN_MAX_ROWS` rows."""
+    return packed is not None and x.numel() <= ONEDNN_MAX_ROWS * x.shape[-1]
+
+
 def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ W^T (+ bias) -> [..., N], W packed by `pack_weight`."""
     return torch.ops.mkldnn._linear_pointwise.default(x, packed, bias, "none", [], "")

@@ -22,7 +22,7 @@ from torch import nn
 from ember.kernels.fp8 import FP8, dequantize, quantize_blocks, quantize_rows, round_activations
 from ember.kernels.scaled_linear_op import linear_fp8
 from ember.models.layers.linear import Linear, PackedLinear, QKVLinear, check_shape
-from ember.models.layers.onednn import onednn_linear
+from ember.models.layers.onednn import onednn_linear, takes_packed
 from ember.quant import QuantConfig, QuantConfigError
 
 
@@ -164,7 +164,7 @@ class ScaledLinear(nn.Module):
         return self.dequantized_weight(torch.float32)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed_weight is not None:
+        if takes_packed(x, self.packed_weight):
             # the CPU: x rounded to e4m3 as the GPU's op rounds it, times the dequantized weight
             x = round_activations(x, self.input_scale, self.block[1] if self.block else None)
             return onednn_linear(x, self.packed_weight, self.bias)
