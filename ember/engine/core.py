@@ -12,6 +12,7 @@ are plain data either way, so the same types cross the process boundary.
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 from ember.config import EngineConfig
@@ -28,6 +29,16 @@ from ember.runner.step_input import NewRequest, StepInput
 from ember.sampling_params import SamplingParams
 
 logger = logging.getLogger("ember")
+
+
+def resident_bytes() -> int:
+    """This process's resident memory in bytes (/proc/self/statm, as the server's process_resident_memory_bytes);
+    0 where there is no /proc."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 class EngineCore:
@@ -150,25 +161,28 @@ class EngineCore:
         out, self._out = self._out, EngineCoreOutputs()
         return out
 
-    def load(self, busy_s: float = 0.0, memory: tuple[int, int] = (0, 0)) -> CoreStats:
+    def load(self, busy_s: float = 0.0, memory: tuple[int, int, int] = (0, 0, 0)) -> CoreStats:
         """The current load and counters; `busy_s` is added to the steps' host time (the process loop's own),
-        `memory` is (allocated, reserved) device bytes as last read (`device_memory`)."""
+        `memory` is (allocated, reserved) device bytes and resident bytes as last read (`memory_use`)."""
         scheduler, kv = self.scheduler, self.kv
         s = scheduler.stats
         total = max(self.executor.num_blocks - 1, 1)     # block 0 is the null block, never handed out
+        allocated, reserved, resident = memory
         return CoreStats(len(scheduler.running), len(scheduler.waiting), total - kv.num_free_blocks, total,
                          s.num_steps, self._busy_s + busy_s, self._step_s, s.num_preemptions,
                          s.num_prefix_cache_queries, s.num_prefix_cache_hits, len(scheduler.requests),
-                         self.executor.table.num_rows, *memory, s.num_generated_tokens, s.num_draft_tokens,
-                         s.num_accepted_tokens, s.num_verified_requests)
+                         self.executor.table.num_rows, allocated, reserved, s.num_generated_tokens,
+                         s.num_draft_tokens, s.num_accepted_tokens, s.num_verified_requests, resident)
 
-    def device_memory(self) -> tuple[int, int]:
-        """(allocated, reserved) bytes torch holds on the core's device; (0, 0) off CUDA."""
+    def memory_use(self) -> tuple[int, int, int]:
+        """(allocated, reserved) bytes torch holds on the core's device ((0, 0) off CUDA), and this process's
+        resident bytes (0 where /proc does not say)."""
+        resident = resident_bytes()
         device = self.executor.device
         if device.type != "cuda":
-            return 0, 0
+            return 0, 0, resident
         import torch
-        return torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
+        return torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device), resident
 
     def _step(self) -> None:
         if self._structured is not None:

@@ -35,7 +35,9 @@ class CoreStats(NamedTuple):
     """The core's load after its last step, and its counters since it started. `busy_s` is host time: the steps'
     wall time less their waits for the device, and (in a process of its own) the handling of messages.
     `num_requests` counts the requests it holds, `num_runner_rows` the runner's request-table rows; the device
-    memory figures are torch's on CUDA (0 elsewhere), refreshed at most once a second in a busy core process."""
+    memory figures are torch's on CUDA (0 elsewhere) and `resident_memory` the core process's resident bytes (0 in
+    the front end's process, whose own figure the server reports), refreshed at most once a second in a busy core
+    process and at every send once it is idle."""
     num_running: int = 0
     num_waiting: int = 0
     num_blocks_used: int = 0
@@ -54,6 +56,7 @@ class CoreStats(NamedTuple):
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_verified_requests: int = 0
+    resident_memory: int = 0
 
     @property
     def kv_cache_usage(self) -> float:

@@ -29,7 +29,7 @@ logger = logging.getLogger("ember")
 
 IDLE_POLL_MS = 500           # how often an idle core looks for its parent
 PARENT_CHECK_STEPS = 64      # how often a busy one does
-MEMORY_PERIOD_S = 1.0        # how often a busy core reads its device memory for the stats
+MEMORY_PERIOD_S = 1.0        # how often a busy core reads its memory use for the stats
 
 
 @dataclass(frozen=True)
@@ -123,7 +123,7 @@ class CoreLoop:
         self._changed = False        # an input changed the load while idle: tell the front end
         # a call runs only while no request is in flight: it waits, and the requests sent after it wait behind it
         self._deferred: collections.deque = collections.deque()
-        self._memory = (0, 0)        # device memory as last read, and when
+        self._memory = (0, 0, 0)     # device and resident memory as last read, and when
         self._memory_at = -MEMORY_PERIOD_S
 
     def run(self) -> None:
@@ -229,8 +229,9 @@ class CoreLoop:
         """Send outputs with the load and counters as they are now (this send's own time counts in the next)."""
         start = time.perf_counter()
         self._changed = False
-        if start - self._memory_at >= MEMORY_PERIOD_S:    # reading it costs more than a step's bookkeeping
-            self._memory, self._memory_at = self.core.device_memory(), start
+        # reading it costs more than a step's bookkeeping; an idle core's last figures are its current ones
+        if start - self._memory_at >= MEMORY_PERIOD_S or not self.core.has_unfinished():
+            self._memory, self._memory_at = self.core.memory_use(), start
         out.stats = self.core.load(self.io_s, self._memory)
         self.outputs.send_multipart([self._outputs_header, self.codec.encode_outputs(out)], copy=False)
         self.io_s += time.perf_counter() - start

@@ -1,6 +1,6 @@
 """Prometheus metrics of the server: load gauges and the engine cores' counters read at scrape time, latency
 histograms and token counters fed as outputs arrive, and this process's own (resident memory, CPU time, open
-files). Every figure of a core or of the requests it served carries its replica (`replica="0"`). Each app has its
+files) beside each core process's resident memory. Every figure of a core or of the requests it served carries its replica (`replica="0"`). Each app has its
 own registry, so that several servers can live in one process (tests)."""
 
 from __future__ import annotations
@@ -72,6 +72,8 @@ class ServerMetrics:
                      ["model_name", "replica", "holder"], registry=reg)
         self._held = [{holder: held.labels(model_name, r, holder) for holder in ("server", "engine", "runner")}
                       for r in replicas]
+        self.core_resident = per_replica(Gauge, "ember_engine_core_resident_memory_bytes",
+                                         "Resident memory of the engine core's process (0 where it runs in this one)")
         self._cuda = cuda
         if cuda:
             self.gpu_allocated = per_replica(Gauge, "ember_gpu_memory_allocated_bytes",
@@ -127,6 +129,7 @@ class ServerMetrics:
             held["server"].set(num_streams[replica])
             held["engine"].set(now.num_requests)
             held["runner"].set(now.num_runner_rows)
+            self.core_resident[replica].set(now.resident_memory)
             if self._cuda:
                 self.gpu_allocated[replica].set(now.gpu_memory_allocated)
                 self.gpu_reserved[replica].set(now.gpu_memory_reserved)

@@ -151,6 +151,9 @@ def total(values: dict[str, float], name: str, **labels: str) -> float:
 
 
 HELD = ("server", "engine", "runner")
+# each process's resident memory: the front end's (HTTP, text) and the engine core's (the model, the cache on a CPU)
+RESIDENT = {"front end": "process_resident_memory_bytes",
+            "engine core": 'ember_engine_core_resident_memory_bytes{replica="0"}'}
 
 
 def wait_idle(base_url: str, timeout: float = 60.0) -> dict[str, float]:

@@ -81,9 +81,9 @@ def test_wire_carries_every_field():
     out = EngineCoreOutputs(["a", "b", "a"], [7, 8, 9], {"a": ("stop", 9, 5), "b": ("length", None, 3)},
                             {"a": [([7, 9], [-0.5, -1.25], 1), ([9, 7], [-0.25, -2.0], 1)]}, {"b": 16}, ["c"],
                             "RuntimeError: boom", CoreStats(2, 1, 30, 100, 9, 0.5, 1.5, 1, 40, 16, 3, 2, 2**33, 2**34,
-                                                            50, 12, 7, 4))
+                                                            50, 12, 7, 4, 3 * 2**30))
     back = codec.decode_outputs(codec.encode_outputs(out))
-    assert back == out and back.stats.kv_cache_usage == 0.3
+    assert back == out and back.stats.kv_cache_usage == 0.3 and back.stats.resident_memory == 3 * 2**30
     assert back.stats.spec_summary() == {"acceptance_rate": 7 / 12, "mean_acceptance_length": 1 + 7 / 4,
                                          "tokens_per_step": 50 / 9}
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import signal
 import time
@@ -181,7 +182,7 @@ def _used_blocks(server) -> int:
     return server.front.load.num_blocks_used
 
 
-def test_disconnect_aborts_and_frees_blocks(server):
+def test_disconnect_aborts_and_frees_blocks(server, core):
     before = _used_blocks(server)
     body = {"model": "test-model", "prompt": PROMPTS[2], "max_tokens": 100, "temperature": 0, "ignore_eos": True,
             "stream": True}
@@ -196,6 +197,11 @@ def test_disconnect_aborts_and_frees_blocks(server):
     assert _used_blocks(server) == before
     assert _held(server) == [0, 0, 0]
     assert _metric(server, "process_resident_memory_bytes", missing=-1) > 100 * 2**20
+    # the core's resident memory is its own process's, as read when it went idle
+    with open(f"/proc/{core.procs[0].pid}/statm") as statm:
+        core_resident = int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    reported = _metric(server, "ember_engine_core_resident_memory_bytes", missing=-1)
+    assert abs(reported - core_resident) <= 0.05 * core_resident, (reported, core_resident)
     assert _metric(server, "ember_generation_tokens_total") < 50
     assert _metric(server, "ember_request_success_total") == 0
 
