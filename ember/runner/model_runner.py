@@ -105,7 +105,9 @@ class ModelRunner:
                                   self.vocab_size, self.device)
         self.input_batch = InputBatch(len(self.attn.groups), self.max_num_reqs, self.max_num_tokens,
                                       self.table.max_blocks, self.device, tail_metadata=has_tail)
-        self.upload = PackedUpload(4 * self.max_num_tokens + 16 * self.max_num_reqs + 1024, self.device)
+        # sized once for the largest step (the table's writes beyond a piece go ahead in pieces): it never grows
+        self.upload = PackedUpload(4 * self.max_num_tokens + 16 * self.max_num_reqs + 1024
+                                   + self.table.upload_elements(), self.device)
         builder_args = (self.attn, self.dtype, self.device, self.max_num_reqs, self.max_num_tokens, upper_len,
                         self.capture_sizes, config.attention_backend_options)
         self.builders = make_builders(*builder_args)

@@ -21,6 +21,11 @@ import torch
 from ember.runner.step_input import NewRequest, StepInput
 from ember.runner.upload import PackedUpload
 
+# the most token-id writes, and block-id writes, a step's upload carries: more go ahead in pieces of this many
+# (`_send_pieces`), so the upload needs `upload_elements()` more than the batch's own data and never grows. One
+# request of 131,072 tokens fits in one piece; 2 MiB of int64 indices and as much of values each.
+WRITE_PIECE = 1 << 17
+
 # columns of the float and int parameter tables
 TEMPERATURE, TOP_P, MIN_P, REPETITION, PRESENCE, FREQUENCY, GREEDY = range(7)
 TOP_K, SEED, NUM_PROMPT = range(3)
@@ -42,9 +47,10 @@ class RequestTable:
     """Rows of running requests: token ids, block rows per KV-cache group, sampling parameters."""
 
     def __init__(self, num_groups: int, block_size: int, max_num_reqs: int, max_model_len: int, vocab_size: int,
-                 device: torch.device):
+                 device: torch.device, write_piece: int = WRITE_PIECE):
         self.num_groups, self.block_size, self.max_num_reqs = num_groups, block_size, max_num_reqs
         self.max_model_len, self.vocab_size, self.device = max_model_len, vocab_size, device
+        self.write_piece = write_piece
         # one spare column: rows that do not sample this step write their (discarded) token there
         self.width = max_model_len + 1
         self.max_blocks = -(-max_model_len // block_size)
@@ -71,9 +77,15 @@ class RequestTable:
     def num_rows(self) -> int:
         return len(self.rows)
 
+    def upload_elements(self) -> int:
+        """The int64 elements the table's writes take in one step's upload at most: a piece of token ids and one
+        of block ids, each an index and a value per entry, aligned."""
+        return 4 * (self.write_piece + 1)
+
     # ---- host side: deltas into the upload ---------------------------------------------------------------------
     def apply(self, step: StepInput, upload: PackedUpload) -> None:
-        """Drop finished rows, add new ones, extend running ones; stage the device writes in `upload`."""
+        """Drop finished rows, add new ones, extend running ones; stage the device writes in `upload` (call it
+        first in a step, right after `upload.begin()`: writes beyond a piece are sent ahead, `_send_pieces`)."""
         for req_id in step.finished_ids:
             self.remove(req_id)
         token_index, token_values, block_index, block_values = [], [], [], []
@@ -97,18 +109,40 @@ class RequestTable:
                     token_index.append(row * self.width + self.num_tokens[row] + np.arange(len(drafts)))
                     token_values.append(np.asarray(drafts, dtype=np.int64))
         w = _Writes()
-        if token_index:
-            w.token_index, w.token_values = upload.put(np.concatenate(token_index)), upload.put(
-                np.concatenate(token_values))
-        if block_index:
-            w.block_index, w.block_values = upload.put(np.concatenate(block_index)), upload.put(
-                np.concatenate(block_values))
+        # every full piece goes ahead in an upload of its own, before anything else is put in this step's
+        tokens = self._send_pieces(upload, token_index, token_values, self.token_ids)
+        blocks = self._send_pieces(upload, block_index, block_values, self.block_tables)
+        if tokens is not None:
+            w.token_index, w.token_values = upload.put(tokens[0]), upload.put(tokens[1])
+        if blocks is not None:
+            w.block_index, w.block_values = upload.put(blocks[0]), upload.put(blocks[1])
         if new_rows:
             rows = np.array([r for r, _ in new_rows], dtype=np.int64)
             w.param_rows = upload.put(rows)
             w.params_f = upload.put(self.params_f_np[rows])
             w.params_i = upload.put(self.params_i_np[rows])
         self._writes = w
+
+    def _send_pieces(self, upload: PackedUpload, index: list, values: list, target: torch.Tensor
+                     ) -> tuple[np.ndarray, np.ndarray] | None:
+        """Write all but the last `write_piece` of these (flat index, value) pairs into `target` now, a piece at a
+        time, each piece its own upload and scatter; returns the rest (None if there is none) for the step's own
+        upload. A step that adds many long requests at once (256 prefix-cache hits of 131,072 tokens: 33 million
+        token ids) so never stages more than a piece on the device, and the upload keeps the size it had."""
+        if not index:
+            return None
+        index, values = np.concatenate(index), np.concatenate(values)
+        piece = self.write_piece
+        start = 0
+        while len(index) - start > piece:
+            end = start + piece
+            index_seg, value_seg = upload.put(index[start:end]), upload.put(values[start:end])
+            buf = upload.flush()
+            seg = PackedUpload.segment
+            target.view(-1).index_copy_(0, seg(buf, index_seg), seg(buf, value_seg).to(torch.int32))
+            upload.begin()
+            start = end
+        return index[start:], values[start:]
 
     def _add(self, new: NewRequest, token_index, token_values, block_index, block_values) -> int:
         if new.req_id in self.rows:

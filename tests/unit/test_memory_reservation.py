@@ -66,6 +66,8 @@ def test_the_cache_leaves_room_for_the_largest_steps(model_folder, monkeypatch):
     assert runner.num_blocks == cpu_kv_cache_bytes(BUDGET - workspace.nbytes) // per_block
     assert runner.max_model_len == CONTEXT
     kv_bytes = runner.num_blocks * per_block
+    upload = runner.upload
+    sizes = [upload._ring[0][0].numel(), upload._ring[1][0].numel(), upload._device_buf.numel()]
 
     # the largest prefill (a whole 2,048-token prompt), then 128 decodes at the longest context; null blocks stand
     # for the context, which the cache could not hold for all 128
@@ -79,6 +81,21 @@ def test_the_cache_leaves_room_for_the_largest_steps(model_folder, monkeypatch):
         assert 0 < step.section_peaks[0] <= workspace.nbytes, name
         # the whole step, its activations included (on the CPU they come out of what the cache leaves)
         assert kv_bytes + step.peak <= BUDGET, (name, kv_bytes, step.peak)
+
+    # the decodes as a whole step (their 128 rows of 2,048 tokens written into the request table, then sampled);
+    # here and above, the table's writes go in pieces, and the upload keeps the size start-up gave it
+    from ember.runner.step_input import null_block_step
+    from ember.runner.warmup import GREEDY
+    assert MAX_NUM_SEQS * CONTEXT > runner.table.write_piece      # more than one piece of token ids
+    step = null_block_step("__long", [1] * MAX_NUM_SEQS, [GREEDY] * MAX_NUM_SEQS, runner.config.cache.block_size,
+                           len(runner.attn.groups), CONTEXT - 1)
+    with PeakMemory() as whole:
+        out = runner.execute(step)
+    for new in step.new_requests:
+        runner.table.remove(new.req_id)
+    assert len(out.sampled_token_ids) == MAX_NUM_SEQS
+    assert [upload._ring[0][0].numel(), upload._ring[1][0].numel(), upload._device_buf.numel()] == sizes
+    assert kv_bytes + whole.peak <= BUDGET, (kv_bytes, whole.peak)
 
 
 def _each_attention_call_in(section, monkeypatch) -> None:

@@ -193,3 +193,35 @@ def test_step_input_refuses_counts_that_do_not_match_or_run_nothing():
         StepInput(req_ids=("a", "b"), num_scheduled_tokens=(1, 1), num_computed_tokens=(0,))
     assert StepInput().is_empty
     assert StepInput(req_ids=("a",), num_scheduled_tokens=(3,), num_computed_tokens=(0,)).total_num_tokens == 3
+
+
+def test_a_step_of_many_long_new_requests_is_written_in_pieces_and_the_upload_keeps_its_size():
+    """Token and block writes beyond one piece go ahead in uploads of their own: every token and block id lands,
+    the upload never grows past what start-up sized (the table's `upload_elements` beside the batch's data), and
+    the number of extra uploads is the full pieces'."""
+    from ember.runner.step_input import NewRequest
+    rng = np.random.default_rng(0)
+    piece, max_len, num_reqs, groups = 256, 1000, 5, 2
+    table = RequestTable(groups, BS, num_reqs, max_len, VOCAB, CPU, write_piece=piece)
+    upload = PackedUpload(64 + table.upload_elements(), CPU)
+    sizes = [upload._ring[0][0].numel(), upload._ring[1][0].numel(), upload._device_buf.numel()]
+    flushes = []
+    real_flush = upload.flush
+    upload.flush = lambda: flushes.append(upload._used) or real_flush()
+    lens = [900, 1000, 700, 999, 901]
+    prompts = [rng.integers(0, VOCAB, n) for n in lens]
+    blocks = [[tuple(rng.integers(1, 10_000, -(-n // BS))) for _ in range(groups)] for n in lens]
+    new = tuple(NewRequest(f"r{i}", tuple(int(t) for t in p), SamplingParams(), i, tuple(b), n - 1)
+                for i, (p, b, n) in enumerate(zip(prompts, blocks, lens)))
+    upload.begin()
+    table.apply(StepInput(new_requests=new), upload)
+    table.commit(upload.flush())
+    num_tokens, num_blocks = sum(lens), groups * sum(-(-n // BS) for n in lens)
+    assert len(flushes) == (num_tokens - 1) // piece + (num_blocks - 1) // piece + 1
+    assert max(flushes) <= 64 + table.upload_elements()
+    assert [upload._ring[0][0].numel(), upload._ring[1][0].numel(), upload._device_buf.numel()] == sizes
+    for i, (p, b, n) in enumerate(zip(prompts, blocks, lens)):
+        row = table.rows[f"r{i}"]
+        assert table.token_ids[row, :n].tolist() == p.tolist()
+        for g in range(groups):
+            assert table.block_tables[g, row, :len(b[g])].tolist() == list(b[g])
