@@ -41,7 +41,7 @@ from ember.graphs.modes import CUDAGraphMode
 from ember.kernels.gemv import GEMV_MAX_M
 from ember.runner.sampler import SamplingMetadata
 from ember.runner.step_input import null_block_step
-from ember.sampling_params import SamplingParams, StructuredOutputsParams
+from ember.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger("ember")
 
@@ -50,8 +50,11 @@ RANDOM = SamplingParams(temperature=1.0, max_tokens=1)            # no temperatu
 HOT = SamplingParams(temperature=0.8, max_tokens=1)
 FILTERED = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, min_p=0.01, max_tokens=1)
 LOGPROBS = SamplingParams(temperature=0.8, logprobs=2, max_tokens=1)
-# the profile run's sampling (`profile_run`): the filtered path, whose work is the largest
-PROFILE_SAMPLING = SamplingParams(temperature=1.0, top_p=0.9, top_k=50)
+# the profile run's sampling (`profile_run`): every option that makes the sampler allocate, at once (the filtered
+# path; the penalties' [N, V] prompt ids and output counts; logprobs, whose [N, V] are held through the sampling),
+# so that no step's sampling needs more than the profile measured
+PROFILE_SAMPLING = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, min_p=0.01, repetition_penalty=1.1,
+                                  presence_penalty=0.1, frequency_penalty=0.1, logprobs=MAX_LOGPROBS)
 
 # each batch mix of the one-pass sampling kernel's flags (all greedy, all random with / without temperature,
 # greedy and random rows together with / without temperature)
@@ -268,7 +271,7 @@ def _dry_sampling_mixes(runner) -> list[tuple[SamplingParams, ...]]:
     """The sampling settings of the profile run and of the warm-up's steps, each once, with no logprobs: the
     dry pass's sampler must not gather at tokens its kernels did not write, and logprobs pick no kernel of their
     own (they are torch ops on the logits)."""
-    mixes = {(PROFILE_SAMPLING,): None}
+    mixes = {(dataclasses.replace(PROFILE_SAMPLING, logprobs=None),): None}
     if runner.config.compile.jit_warmup:
         for step in warmup_plan(runner.max_num_tokens, runner.max_num_reqs, runner.table.max_model_len,
                                 runner.capture_sizes):

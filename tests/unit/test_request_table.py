@@ -225,3 +225,38 @@ def test_a_step_of_many_long_new_requests_is_written_in_pieces_and_the_upload_ke
         assert table.token_ids[row, :n].tolist() == p.tolist()
         for g in range(groups):
             assert table.block_tables[g, row, :len(b[g])].tolist() == list(b[g])
+
+
+@pytest.mark.parametrize("chunk", [6, 1 << 22])
+def test_penalty_counts_from_the_table_equal_counting_the_tokens(chunk, monkeypatch):
+    """The prompt's ids and the output's counts, read from the table a chunk of columns at a time (6 ids over 3
+    rows: two columns a chunk) or at once, are the ids and counts of each request's own tokens."""
+    from collections import Counter
+
+    from ember.runner import sampling_inputs
+    from ember.runner.step_input import NewRequest
+    monkeypatch.setattr(sampling_inputs, "COUNT_CHUNK_ELEMENTS", chunk)
+    rng = np.random.default_rng(1)
+    table = RequestTable(1, BS, 4, MAX_LEN, VOCAB, CPU)
+    upload = PackedUpload(64, CPU)
+    prompts = [rng.integers(0, VOCAB, n).tolist() for n in (9, 3, 20)]
+    outputs = [rng.integers(0, VOCAB, n).tolist() for n in (5, 0, 11)]
+    params = [SamplingParams(repetition_penalty=1.2), SamplingParams(frequency_penalty=0.5),
+              SamplingParams(presence_penalty=0.3, repetition_penalty=0.9)]
+    new = tuple(NewRequest(f"r{i}", tuple(p), sp, i, ((1,) * -(-(len(p) + len(o)) // BS),), len(p) + len(o) - 1,
+                           tuple(o)) for i, (p, o, sp) in enumerate(zip(prompts, outputs, params)))
+    upload.begin()
+    table.apply(StepInput(new_requests=new), upload)
+    ends = np.array([len(p) + len(o) for p, o in zip(prompts, outputs)])
+    rows = table.rows_of([n.req_id for n in new])
+    plan = sampling_inputs.plan_sampling(table, rows, ends, upload)
+    table.commit(buf := upload.flush())
+    meta = sampling_inputs.sampling_metadata(table, plan, torch.as_tensor(rows), torch.as_tensor(ends), buf)
+    want_seen = torch.zeros(3, VOCAB, dtype=torch.bool)
+    want_counts = torch.zeros(3, VOCAB, dtype=torch.int32)
+    for r, (p, o) in enumerate(zip(prompts, outputs)):
+        want_seen[r, p] = True
+        for token, n in Counter(o).items():
+            want_counts[r, token] = n
+    assert torch.equal(meta.prompt_mask, want_seen)
+    assert torch.equal(meta.output_counts, want_counts)

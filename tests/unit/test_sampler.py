@@ -197,11 +197,12 @@ def test_penalties_match_direct_computation():
 def test_only_needed_tensors_are_built():
     meta = make_meta([SamplingParams(temperature=0.0)] * 2, 10, outputs=[[1], [2]])
     assert meta.all_greedy and meta.temperature is None and meta.top_k is None and meta.top_p is None
-    assert meta.output_token_ids is None and meta.prompt_token_ids is None and meta.max_num_logprobs is None
+    assert meta.output_counts is None and meta.prompt_mask is None and meta.max_num_logprobs is None
     meta = make_meta([SamplingParams(presence_penalty=0.5), SamplingParams(top_k=4, logprobs=2)], 10,
                      outputs=[[1, 1, 1], [2]], prompts=[[3], [4]])
-    assert meta.prompt_token_ids is None and meta.repetition_penalty is None
-    assert meta.output_token_ids.tolist() == [[1, 1, 1], [2, 10, 10]]   # padded with vocab_size
+    assert meta.prompt_mask is None and meta.repetition_penalty is None
+    # how often each id was generated (the padding of the shorter row counts nowhere)
+    assert meta.output_counts.tolist() == [[0, 3] + [0] * 8, [0, 0, 1] + [0] * 7]
     assert meta.top_k.tolist() == [10, 4] and meta.max_top_k == 4 and meta.max_num_logprobs == 2
 
 

@@ -28,8 +28,10 @@ class SamplingMetadata:
     min_p: torch.Tensor | None                  # [N] float32
     seeds: torch.Tensor                         # [N] int64
     output_lens: torch.Tensor                   # [N] int64: output tokens so far, the noise counter
-    prompt_token_ids: torch.Tensor | None       # [N, max_prompt_len] int64, padded with vocab_size
-    output_token_ids: torch.Tensor | None       # [N, max_output_len] int64, padded with vocab_size
+    # penalties read which ids a request's tokens hold, [N, V] whatever its length (so a step's memory does not grow
+    # with the context): the prompt's ids (repetition only), and how often each id was generated (any penalty)
+    prompt_mask: torch.Tensor | None            # [N, V] bool
+    output_counts: torch.Tensor | None          # [N, V] int32
     repetition_penalty: torch.Tensor | None     # [N] float32
     presence_penalty: torch.Tensor | None       # [N] float32
     frequency_penalty: torch.Tensor | None      # [N] float32
@@ -43,7 +45,7 @@ class SamplingMetadata:
     @property
     def has_penalties(self) -> bool:
         """Whether any request uses a repetition, presence or frequency penalty."""
-        return self.output_token_ids is not None
+        return self.output_counts is not None
 
     @classmethod
     def build(cls, params: list[SamplingParams], seeds: list[int], output_token_ids: list[list[int]],
@@ -128,8 +130,10 @@ class SamplingMetadata:
             min_p=min_p,
             seeds=vec(seeds, torch.int64),
             output_lens=vec(out_lens, torch.int64),
-            prompt_token_ids=_padded(prompt_token_ids, vocab_size, device) if use_rep else None,
-            output_token_ids=_padded(output_token_ids, vocab_size, device) if use_penalties else None,
+            prompt_mask=token_counts(_padded(prompt_token_ids, vocab_size, device), vocab_size, torch.bool)
+            if use_rep else None,
+            output_counts=token_counts(_padded(output_token_ids, vocab_size, device), vocab_size)
+            if use_penalties else None,
             repetition_penalty=vec(rep, torch.float32) if use_rep else None,
             presence_penalty=vec(pres, torch.float32) if use_pres else None,
             frequency_penalty=vec(freq, torch.float32) if use_freq else None,
@@ -147,6 +151,21 @@ def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type == "cuda":
         t = t.pin_memory()
     return t.to(device, non_blocking=True)
+
+
+def token_counts(token_ids: torch.Tensor, vocab_size: int, dtype: torch.dtype = torch.int32,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """[N, V] `dtype`: how often each id occurs in each row of `token_ids` [N, W] int64 (bool: whether it does);
+    the pad id `vocab_size` counts in an extra column that is dropped. With `out` ([N, V + 1] of `dtype`, as a
+    call without it returns before the slice), the counts are added to it, so that a long row can be counted a
+    chunk of columns at a time."""
+    if out is None:
+        out = torch.zeros(token_ids.shape[0], vocab_size + 1, dtype=dtype, device=token_ids.device)
+    if out.dtype == torch.bool:
+        out.scatter_(1, token_ids, True)
+    else:
+        out.scatter_add_(1, token_ids, torch.ones(token_ids.shape, dtype=out.dtype, device=out.device))
+    return out[:, :vocab_size]
 
 
 def _padded(rows: list, pad_id: int, device: torch.device) -> torch.Tensor:

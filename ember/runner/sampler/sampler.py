@@ -166,25 +166,21 @@ def _token_mask(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return mask.scatter_(1, token_ids, True)[:, :vocab_size]
 
 
-def _token_counts(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[N, V] int64, how often each id occurs per row; padding is counted in a dropped extra column."""
-    counts = torch.zeros(token_ids.shape[0], vocab_size + 1, dtype=torch.int64, device=token_ids.device)
-    return counts.scatter_add_(1, token_ids, torch.ones_like(token_ids))[:, :vocab_size]
-
-
 def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     """Repetition (HF/vLLM, prompt + output tokens) then presence and frequency (OpenAI, output tokens only)."""
     if not meta.has_penalties:
         return logits
     vocab_size = meta.vocab_size
     if meta.repetition_penalty is not None:
-        seen = _token_mask(meta.prompt_token_ids, vocab_size) | _token_mask(meta.output_token_ids, vocab_size)
+        seen = meta.output_counts > 0                                # [N, V]
+        if meta.prompt_mask is not None:
+            seen |= meta.prompt_mask
         penalty = meta.repetition_penalty[:, None]
         # dividing positive and multiplying negative logits makes a seen token less likely either way
         penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
         logits = torch.where(seen, penalised, logits)
     if meta.frequency_penalty is not None or meta.presence_penalty is not None:
-        counts = _token_counts(meta.output_token_ids, vocab_size)   # [N, V]
+        counts = meta.output_counts                                  # [N, V]
         if meta.frequency_penalty is not None:
             logits = logits - meta.frequency_penalty[:, None] * counts
         if meta.presence_penalty is not None:
