@@ -6,15 +6,16 @@ against a decode step's one, in bfloat16), so the target is first given a peaked
 (`peak_greedy`): the token after t is always next_token[t], by a margin of sqrt(hidden_size) standard deviations of
 the other logits. Every layer still computes on random weights, so the cost of a step is unchanged.
 
-A first pass records the target's own greedy continuation of every prompt with plain decoding; the timed spec run
-then proposes from that recording through `ReplayProposer` (a proposer of this bench only, never of the package),
-which corrupts one proposed token a step so that on average `--acceptance-length - 1` proposals are accepted: the
-verify step's cost is measured at a known acceptance, independent of how well n-grams would guess. Greedy outputs
-must match the recording token for token (checked), and the recording must be the chain of next_token (checked
-before the spec run: otherwise the acceptance asked for is not the one measured). Per batch size: plain decoding with async scheduling (the
-engine's default on CUDA), plain decoding synchronous (what speculation gives up), and speculation.
+A first pass records the target's own greedy continuation of every prompt with plain decoding (it must be the
+chain of next_token: checked); the timed spec run then proposes from that recording through `ReplayProposer` (a
+proposer of this bench only, never of the package), which corrupts one proposed token a step so that on average
+`--acceptance-length - 1` proposals are accepted: the verify step's cost is measured at a known acceptance,
+independent of how well n-grams would guess. Greedy outputs must match the recording token for token (checked).
+Per batch size: plain decoding with async scheduling (the engine's default on CUDA), plain decoding synchronous
+(what speculation gives up), and speculation, with the graphs a verify step and a decode step replay.
 
-    PYTHONPATH=. python benches/spec_decode.py --model llama-3.1-8b --batch-sizes 1 8 32 -k 4 --acceptance-length 3.0
+    PYTHONPATH=. python benches/spec_decode.py --model llama-3.1-8b --batch-sizes 1 8 32 -k 4 --acceptance-length 3.0 \
+        [--verify-buckets on off] [--profile 20]
 
 On a CPU (the acceptance and the token match, not the speed), a 4-layer Qwen3-0.6B in bfloat16:
 
@@ -33,8 +34,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+import ember.graphs.dispatcher as dispatcher_module
 from ember import LLM, SamplingParams
-from ember.bench.commands import release_engine
+from ember.bench.commands import profile_workload, release_engine
 from ember.models.bundled import CONFIG_DIR
 from ember.models.layers.embedding import LMHead, VocabEmbedding
 
@@ -144,16 +146,25 @@ def main() -> None:
     ap.add_argument("--num-layers", type=int, default=None, help="decoder layers (default: the config's)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--verify-buckets", nargs="+", choices=["on", "off"], default=["on"],
+                    help="FULL graphs of verify steps by request count (ember.graphs.dispatcher.VERIFY_BUCKETS); "
+                         "'on off' runs speculation on an engine of each")
+    ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                    help="then profile STEPS steps of synchronous plain decoding and of speculation at the first "
+                         "batch size (host phases, device kernels and their share of the critical path)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as folder:
         run(model_path(args.model, args.num_layers, folder), args.batch_sizes, args.num_speculative_tokens,
-            args.acceptance_length, args.prompt_len, args.output_len, device=args.device, dtype=args.dtype)
+            args.acceptance_length, args.prompt_len, args.output_len, args.profile,
+            tuple(v == "on" for v in args.verify_buckets), device=args.device, dtype=args.dtype)
 
 
 def run(model: str, batch_sizes: list[int], k: int, acceptance_length: float, prompt_len: int, output_len: int,
-        **engine_kwargs) -> list[dict]:
+        profile: int = 0, verify_buckets: tuple[bool, ...] = (True,), **engine_kwargs) -> list[dict]:
     """Plain decoding (async, then synchronous) and speculation at `acceptance_length` per batch size, on `model`
-    with peaked random weights; prints each batch size's figures as a JSON line and returns them."""
+    with peaked random weights; prints each batch size's figures as a JSON line and returns them. A speculative
+    engine for each of `verify_buckets` (FULL graphs of verify steps by request count on / off). `profile` > 0:
+    then that many steps of each of the two synchronous runs at the first batch size under the profiler."""
     rng = np.random.default_rng(0)
     largest = max(batch_sizes)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
@@ -175,15 +186,31 @@ def run(model: str, batch_sizes: list[int], k: int, acceptance_length: float, pr
         results.append({"batch": b, "plain_async_tok_s": b * output_len / elapsed})
     release_engine(plain)
     del plain
-    spec = LLM(model, **engine_kwargs,
-               speculative_config={"method": "ngram", "num_speculative_tokens": k,
-                                   "disable_by_batch_size": max(largest, 1)})
-    if peak_greedy(spec.engine.runner.model).tolist() != next_token:
-        raise RuntimeError("the speculative engine's peaked chain differs from the plain engine's")
+    rows = []
+    for buckets in verify_buckets:
+        dispatcher_module.VERIFY_BUCKETS = buckets
+        spec = LLM(model, **engine_kwargs,
+                   speculative_config={"method": "ngram", "num_speculative_tokens": k,
+                                       "disable_by_batch_size": max(largest, 1)})
+        dispatcher_module.VERIFY_BUCKETS = True
+        if peak_greedy(spec.engine.runner.model).tolist() != next_token:
+            raise RuntimeError("the speculative engine's peaked chain differs from the plain engine's")
+        rows += spec_runs(spec, results, buckets, prompts, recorded, params, k, acceptance_length, vocab, profile)
+        release_engine(spec)
+        del spec
+    return rows
+
+
+def spec_runs(spec, plain_rows: list[dict], buckets: bool, prompts, recorded, params, k: int,
+              acceptance_length: float, vocab: int, profile: int) -> list[dict]:
+    """On one speculative engine, per batch size: plain decoding without proposals (synchronous), then speculation
+    with `ReplayProposer`; then the profiles. Returns the rows, each `plain_rows`' row with these figures."""
     sched = spec.engine.scheduler
-    ngram = sched.proposer
+    prompt_len, output_len = len(prompts[0]), params.max_tokens
     timed(spec, prompts[:1], SamplingParams(max_tokens=8, ignore_eos=True))
-    for r in results:
+    rows = []
+    for plain in plain_rows:
+        r = dict(plain, verify_buckets=buckets)
         b = r["batch"]
         sched.proposer = None
         elapsed, outs = timed(spec, prompts[:b], params)
@@ -199,10 +226,25 @@ def run(model: str, batch_sizes: list[int], k: int, acceptance_length: float, pr
                  mean_acceptance_length=1 + (s.num_accepted_tokens - before[1]) / max(verified, 1),
                  steps=s.num_steps - before[3])
         r["speedup_vs_async"] = r["spec_tok_s"] / r["plain_async_tok_s"]
+        # how a verify step of b requests with k proposals each runs, and the plain decode step beside it
+        dispatcher = spec.engine.runner.dispatcher
+        for key, (mode, desc) in (("verify_graph", dispatcher.dispatch(b * (k + 1), b, False, None, k + 1)),
+                                  ("decode_graph", dispatcher.dispatch(b, b, True))):
+            r[key] = f"{mode.name} {desc.num_tokens} tokens, {desc.padded_num_reqs(b)} request rows"
         print(json.dumps(r), flush=True)
-    sched.proposer = ngram
-    release_engine(spec)
-    return results
+        rows.append(r)
+    if profile:
+        b = plain_rows[0]["batch"]
+        for name, proposer in (("plain decoding, synchronous", None),
+                               (f"speculation, k={k}, acceptance length {acceptance_length}, verify buckets "
+                                f"{'on' if buckets else 'off'}",
+                                ReplayProposer(recorded, k, acceptance_length - 1, vocab, prompt_len))):
+            sched.proposer = proposer
+            # past the prefill step and the first decode, whose host work differs
+            steps = profile_workload(spec, prompts[:b], params, profile, skip_steps=2)
+            print(f"{name}, batch {b} (per engine step):\n{steps.table()}", flush=True)
+    sched.proposer = None
+    return rows
 
 
 if __name__ == "__main__":

@@ -4,8 +4,9 @@ API:
     resolve_modes(compile_config, device, backends) -> ResolvedModes     once at start-up; logs every downgrade
     ResolvedModes(compile_mode, cudagraph_mode, support, reasons)
     CudaGraphDispatcher(cudagraph_mode, capture_sizes, max_num_seqs, support=CudaGraphSupport.ALWAYS,
-                        short_context_len=None)
-    dispatcher.dispatch(num_tokens, num_reqs, uniform_decode, max_seq_len=None) -> (CUDAGraphMode, BatchDescriptor)
+                        short_context_len=None, verify_query_len=None, max_num_tokens=None)
+    dispatcher.dispatch(num_tokens, num_reqs, uniform_decode, max_seq_len=None, max_query_len=None)
+        -> (CUDAGraphMode, BatchDescriptor)
     dispatcher.capture_list() -> list[(CUDAGraphMode, BatchDescriptor)]  what to capture, largest first
 
 Resolution (requested mode x backend support), after CPU / enforce_eager (both: NONE, and enforce_eager also
@@ -16,8 +17,14 @@ turns compilation off):
     ALWAYS:                       FULL_AND_PIECEWISE -> FULL  (every bucketed batch gets a full graph)
 Without compiled pieces (compile_mode "none") a mode with PIECEWISE cannot run: an explicitly requested PIECEWISE
 or FULL_AND_PIECEWISE raises ValueError; one reached from "auto" or by a downgrade becomes FULL_DECODE_ONLY (when
-the backends allow it) or NONE, with the reason logged. There is no speculative decoding, so UNIFORM_BATCH and
-UNIFORM_SINGLE_TOKEN_DECODE behave alike: uniform batches are single-token decodes.
+the backends allow it) or NONE, with the reason logged.
+
+Verify buckets (speculative decoding, `verify_query_len` = k + 1): a step whose requests each bring at most k + 1
+query tokens, at least one of them more than one, takes a FULL graph of R request rows and R x (k + 1) tokens, R
+padded to the next decode size, where the backends support ALWAYS, or UNIFORM_BATCH when every request brings
+exactly k + 1 tokens (a mixed bucket would pad the rows to its token count, and attention would plan its query
+tile for one-token queries). Other steps, and every step under UNIFORM_SINGLE_TOKEN_DECODE, take the mixed path.
+`VERIFY_BUCKETS = False` turns them off (an A/B switch).
 
 Short-context decode graphs: where the attention builders plan other kernels for a uniform-decode bucket whose
 requests are all short (`short_context_len(num_reqs)`, e.g. triton_unified's one-pass decode kernel instead of
@@ -41,6 +48,9 @@ from ember.graphs.modes import BatchDescriptor, CUDAGraphMode
 logger = logging.getLogger("ember")
 
 M = CUDAGraphMode
+
+# FULL graphs of verify steps by request count (see the module docstring); False sends them down the mixed path
+VERIFY_BUCKETS = True
 
 
 @dataclass(frozen=True)
@@ -126,7 +136,8 @@ class CudaGraphDispatcher:
 
     def __init__(self, cudagraph_mode: CUDAGraphMode, capture_sizes: Sequence[int], max_num_seqs: int,
                  support: CudaGraphSupport = CudaGraphSupport.ALWAYS, pad_piecewise_reqs: bool = False,
-                 short_context_len: Callable[[int], int | None] | None = None):
+                 short_context_len: Callable[[int], int | None] | None = None, verify_query_len: int | None = None,
+                 max_num_tokens: int | None = None):
         self.mode = CUDAGraphMode.parse(cudagraph_mode)
         # PIECEWISE descriptors that pad the request rows as FULL ones do: a model whose last layers run on one row
         # per request (a prefill-skipping tail) needs a row count fixed per bucket for those layers' graphs
@@ -160,6 +171,13 @@ class CudaGraphDispatcher:
         self.short_decode_max_reqs = max(self.short_decode, default=0)
         self._full_mixed = self.mode == M.FULL
         self._piecewise_mixed = self.mode.has_piecewise
+        # verify buckets: request counts R whose R x verify_query_len tokens fit a step
+        self.verify_query_len = verify_query_len
+        self.verify_sizes: tuple[int, ...] = ()
+        if (VERIFY_BUCKETS and verify_query_len is not None and verify_query_len > 1 and self._full_decode
+                and self.support >= CudaGraphSupport.UNIFORM_BATCH):
+            limit = max_num_tokens if max_num_tokens is not None else max(self.sizes, default=0)
+            self.verify_sizes = tuple(s for s in self.decode_sizes if s * verify_query_len <= limit)
 
     def _full_desc(self, bucket: int, uniform_decode: bool, max_seq_len: int | None = None) -> BatchDescriptor:
         # a bucket of T tokens holds at most T requests, and never more than the request rows that exist
@@ -168,10 +186,20 @@ class CudaGraphDispatcher:
     def _piecewise_desc(self, bucket: int) -> BatchDescriptor:
         return BatchDescriptor(bucket, min(bucket, self.max_num_seqs) if self.pad_piecewise_reqs else None)
 
+    def _verify_desc(self, reqs: int) -> BatchDescriptor:
+        return BatchDescriptor(reqs * self.verify_query_len, reqs, False)
+
     def dispatch(self, num_tokens: int, num_reqs: int, uniform_decode: bool,
-                 max_seq_len: int | None = None) -> tuple[CUDAGraphMode, BatchDescriptor]:
+                 max_seq_len: int | None = None, max_query_len: int | None = None
+                 ) -> tuple[CUDAGraphMode, BatchDescriptor]:
         """The runtime mode and padded descriptor for a step of `num_tokens` tokens over `num_reqs` requests whose
-        longest is `max_seq_len` tokens (None: unknown, which never takes a short-context graph)."""
+        longest is `max_seq_len` tokens (None: unknown, which never takes a short-context graph) and whose largest
+        query is `max_query_len` tokens (None: unknown, which never takes a verify bucket)."""
+        if (self.verify_sizes and max_query_len is not None and 1 < max_query_len <= self.verify_query_len
+                and num_reqs <= self.verify_sizes[-1]
+                # UNIFORM_BATCH promises graphs of uniform batches only: every request k + 1 tokens
+                and (self.support == CudaGraphSupport.ALWAYS or num_tokens == num_reqs * self.verify_query_len)):
+            return M.FULL, self._verify_desc(pad_to_bucket(num_reqs, self.verify_sizes))
         if self._full_decode and uniform_decode and num_tokens == num_reqs:
             bucket = pad_to_bucket(num_tokens, self.decode_sizes) if self.decode_sizes else None
             if bucket is not None:
@@ -197,5 +225,7 @@ class CudaGraphDispatcher:
             out += [(M.FULL, self._full_desc(s, False)) for s in self.sizes]
         elif self._piecewise_mixed:
             out += [(M.PIECEWISE, self._piecewise_desc(s)) for s in self.sizes]
+        # a verify bucket of max_num_seqs rows may be a mixed bucket's descriptor too: captured once
+        out += [(M.FULL, self._verify_desc(s)) for s in self.verify_sizes if (M.FULL, self._verify_desc(s)) not in out]
         return sorted(out, key=lambda md: (-md[1].num_tokens, md[0].value, md[1].uniform_decode,
                                            md[1].max_seq_len or 0))

@@ -112,9 +112,12 @@ class ModelRunner:
                         self.capture_sizes, config.attention_backend_options)
         self.builders = make_builders(*builder_args)
         self.tail_builders = make_builders(*builder_args) if has_tail else []
+        spec = config.speculative
         self.dispatcher = CudaGraphDispatcher(self.modes.cudagraph_mode, self.capture_sizes, self.max_num_reqs,
                                               self.modes.support, pad_piecewise_reqs=self.skip_prefill,
-                                              short_context_len=self._short_context_len)
+                                              short_context_len=self._short_context_len,
+                                              verify_query_len=spec.num_speculative_tokens + 1 if spec else None,
+                                              max_num_tokens=self.max_num_tokens)
         self.sampler = Sampler()
         self.grammar = GrammarMask(self.max_num_reqs, self.vocab_size, self.device)
         self.decode_tail = DecodeTail(self.model, self.sampler, self.table, self.input_batch, self.grammar.bitmask,
@@ -344,7 +347,8 @@ class ModelRunner:
         # a uniform decode's requests are each one token past their computed context
         longest = (max(step.num_computed_tokens) + 1 if uniform and num_reqs <= self.dispatcher.short_decode_max_reqs
                    else None)
-        return self.dispatcher.dispatch(step.total_num_tokens, num_reqs, uniform, longest)
+        widest = max(step.num_scheduled_tokens) if self.dispatcher.verify_sizes and not uniform else None
+        return self.dispatcher.dispatch(step.total_num_tokens, num_reqs, uniform, longest, widest)
 
     def sample_step(self, prepared: "PreparedStep", hidden: torch.Tensor,
                     tokens: torch.Tensor | None = None) -> AsyncModelRunnerOutput:

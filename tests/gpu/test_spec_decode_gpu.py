@@ -1,13 +1,16 @@
 """Speculative decoding on a GPU, through compile and CUDA graphs: float32 greedy tokens with n-gram proposals equal
-plain decoding's in each graph mode (verify steps run the mixed-batch path), with proposals accepted; seeded
-sampling is reproducible."""
+plain decoding's in each graph mode (verify steps in FULL graphs of their own by request count where the backend
+runs every batch in a graph, else the mixed-batch path), with proposals accepted; seeded sampling is
+reproducible."""
 
 import gc
 
 import pytest
 import torch
 
+import ember.graphs.dispatcher as dispatcher_module
 from ember import LLM, SamplingParams
+from ember.graphs.modes import CUDAGraphMode
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -22,28 +25,45 @@ def prompts():
 
 
 def run(params=GREEDY, **kw):
+    """Greedy tokens, accepted proposals, and how many steps replayed a verify bucket's FULL graph."""
     llm = LLM("qwen3-0.6b", load_format="dummy", dtype="float32", max_num_seqs=16, **kw)
+    runner = llm.engine.runner
+    dispatch, verify_steps = runner._dispatch, []
+
+    def counted(step):
+        mode, desc = dispatch(step)
+        if mode == CUDAGraphMode.FULL and not desc.uniform_decode and desc.num_reqs is not None \
+                and desc.num_tokens == desc.num_reqs * (NGRAM["num_speculative_tokens"] + 1):
+            verify_steps.append(desc)
+        return mode, desc
+
+    runner._dispatch = counted
     outs = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts()], params,
                                                          use_tqdm=False)]
     stats = llm.engine.stats
     accepted = stats.num_accepted_tokens
-    del llm
+    del llm, runner
     gc.collect()
     torch.cuda.empty_cache()
-    return outs, accepted
+    return outs, accepted, len(verify_steps)
 
 
-@pytest.mark.parametrize("mode", ["none", "piecewise", "full_and_piecewise"])
-def test_greedy_tokens_equal_plain_decoding(mode):
+@pytest.mark.parametrize("mode", ["none", "piecewise", "full_and_piecewise", "full_and_piecewise, no verify buckets"])
+def test_greedy_tokens_equal_plain_decoding(mode, monkeypatch):
+    buckets = not mode.endswith("no verify buckets")
+    monkeypatch.setattr(dispatcher_module, "VERIFY_BUCKETS", buckets)
+    mode = mode.split(",")[0]
     kw = dict(enforce_eager=True) if mode == "none" else dict(cudagraph_mode=mode)
-    plain, _ = run(async_scheduling=False, **kw)
-    spec, accepted = run(speculative_config=NGRAM, **kw)
+    plain, _, _ = run(async_scheduling=False, **kw)
+    spec, accepted, verify_steps = run(speculative_config=NGRAM, **kw)
     assert spec == plain
     assert accepted > 0
+    # the bundled CUDA backends run every batch in a graph (ALWAYS), so FULL resolves and verify buckets serve
+    assert (verify_steps > 0) == (mode == "full_and_piecewise" and buckets)
 
 
 def test_seeded_sampling_is_reproducible():
     params = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=48, ignore_eos=True)
-    first, accepted = run(params, speculative_config=NGRAM)
-    again, _ = run(params, speculative_config=NGRAM)
+    first, accepted, _ = run(params, speculative_config=NGRAM)
+    again, _, _ = run(params, speculative_config=NGRAM)
     assert first == again and all(len(t) == 48 for t in first)

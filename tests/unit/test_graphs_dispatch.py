@@ -222,6 +222,44 @@ def test_every_captured_descriptor_is_reachable():
     assert reached == set(dispatcher.capture_list())
 
 
+@pytest.mark.parametrize("mode, support", [(M.FULL, S.ALWAYS), (M.FULL_AND_PIECEWISE, S.UNIFORM_BATCH)])
+def test_verify_steps_take_full_graphs_by_request_count(mode, support):
+    # k = 4: R requests of at most 5 query tokens run in the FULL graph of R rows (padded to a decode size) and
+    # 5 R tokens; 16 tokens a step at most, so 3 rows is the largest verify bucket
+    dispatcher = CudaGraphDispatcher(mode, SIZES, max_num_seqs=8, support=support, verify_query_len=5,
+                                     max_num_tokens=16)
+    assert dispatcher.verify_sizes == (1, 2)
+    assert dispatcher.dispatch(5, 1, False, max_query_len=5) == (M.FULL, BD(5, 1, False))
+    assert dispatcher.dispatch(10, 2, False, max_query_len=5) == (M.FULL, BD(10, 2, False))
+    mixed = M.FULL if mode == M.FULL else M.PIECEWISE
+    # fewer proposals for some request: ALWAYS runs any batch in a graph, UNIFORM_BATCH only uniform ones
+    short = (M.FULL, BD(5, 1, False)) if support == S.ALWAYS else (M.PIECEWISE, BD(4))
+    assert dispatcher.dispatch(3, 1, False, max_query_len=3) == short
+    assert dispatcher.dispatch(6, 2, False, max_query_len=5)[1] == (BD(10, 2, False) if support == S.ALWAYS
+                                                                   else BD(8))
+    # a longer query (a prefill chunk), or more requests than the largest bucket: the mixed-batch path
+    assert dispatcher.dispatch(6, 1, False, max_query_len=6)[0] == mixed
+    assert dispatcher.dispatch(12, 3, False, max_query_len=5)[0] == mixed
+    # a uniform decode keeps its decode graph
+    assert dispatcher.dispatch(2, 2, True, max_query_len=1) == (M.FULL, BD(2, 2, True))
+    captured = dispatcher.capture_list()
+    assert (M.FULL, BD(10, 2, False)) in captured and (M.FULL, BD(5, 1, False)) in captured
+    assert len(captured) == len(set(captured))
+
+
+def test_verify_buckets_need_uniform_batch_support_and_the_switch(monkeypatch):
+    import ember.graphs.dispatcher as dispatcher_module
+    single = CudaGraphDispatcher(M.FULL_AND_PIECEWISE, SIZES, max_num_seqs=8,
+                                 support=S.UNIFORM_SINGLE_TOKEN_DECODE, verify_query_len=5, max_num_tokens=16)
+    assert single.verify_sizes == ()
+    assert single.dispatch(5, 1, False, max_query_len=5) == (M.PIECEWISE, BD(8))
+    assert CudaGraphDispatcher(M.FULL, SIZES, max_num_seqs=8, support=S.ALWAYS).verify_sizes == ()
+    monkeypatch.setattr(dispatcher_module, "VERIFY_BUCKETS", False)
+    off = CudaGraphDispatcher(M.FULL, SIZES, max_num_seqs=8, support=S.ALWAYS, verify_query_len=5,
+                              max_num_tokens=16)
+    assert off.dispatch(5, 1, False, max_query_len=5) == (M.FULL, BD(8, 8, False))
+
+
 def test_dispatcher_refuses_unresolved_modes():
     with pytest.raises(ValueError, match="FULL needs attention CUDA-graph support ALWAYS, not UNIFORM_BATCH"):
         CudaGraphDispatcher(M.FULL, SIZES, max_num_seqs=8, support=S.UNIFORM_BATCH)

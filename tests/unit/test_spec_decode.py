@@ -7,7 +7,10 @@ import logging
 import pytest
 
 from ember import LLM, SamplingParams
+from ember.attention_backends.base import CudaGraphSupport
 from ember.bench.commands import spec_figures
+from ember.graphs.dispatcher import CudaGraphDispatcher
+from ember.graphs.modes import CUDAGraphMode
 from ember.speculative_config import SpeculativeConfig
 from tests.helpers.model_harness import random_hf_model, tiny_config
 
@@ -95,6 +98,28 @@ def test_disable_by_batch_size_stops_proposing(path, reference):
     # five requests run together at first: no proposals then; the last one alone may speculate
     one = _tokens(llm, PROMPTS[:1])
     assert one == reference[:1] and llm.engine.stats.num_draft_tokens > 0
+
+
+def test_verify_buckets_pad_without_changing_tokens(path, reference):
+    # the descriptors a FULL-graph dispatcher gives verify steps (R request rows, 5 R tokens), run here without a
+    # graph (no CUDA): the padded rows and tokens leave every emitted token as plain decoding's
+    llm = LLM(path, device="cpu", speculative_config=NGRAM)
+    runner = llm.engine.runner
+    graphs = CudaGraphDispatcher(CUDAGraphMode.FULL, (1, 2, 4, 8, 16, 32, 64), runner.max_num_reqs,
+                                 CudaGraphSupport.ALWAYS, verify_query_len=5, max_num_tokens=runner.max_num_tokens)
+    plain, padded = runner._dispatch, []
+
+    def dispatch(step):
+        mode, desc = graphs.dispatch(step.total_num_tokens, step.num_reqs, step.num_decodes == step.num_reqs,
+                                     None, max(step.num_scheduled_tokens))
+        if desc.num_reqs is not None and not desc.uniform_decode and desc.num_tokens == 5 * desc.num_reqs:
+            padded.append((step.total_num_tokens, desc.num_tokens))
+            return CUDAGraphMode.NONE, desc
+        return plain(step)
+
+    runner._dispatch = dispatch
+    assert _tokens(llm) == reference
+    assert sum(live < bucket for live, bucket in padded) > 0
 
 
 @pytest.mark.parametrize("spec, message", [
