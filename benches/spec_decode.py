@@ -40,8 +40,9 @@ from ember.bench.commands import profile_workload, release_engine
 from ember.models.bundled import CONFIG_DIR
 from ember.models.layers.embedding import LMHead, VocabEmbedding
 
-# the embeddings' RMS after `peak_greedy`: each layer adds about 3 per element to the residual stream (std-0.02
-# weights on RMS-normed inputs), so 32 layers add about 17, under 2% of this
+# the embeddings' RMS after `peak_greedy`: random layers (std-0.02 weights on RMS-normed inputs) add to the residual
+# stream about 2.6 RMS a layer for the Llama-3.1-8B config (5.15 over its first 4 layers, bf16 on a CPU), so about
+# 15 over its 32 layers, 1.5% of this; Qwen3-0.6B's 28 layers add 3.1
 EMBEDDING_RMS = 1000.0
 
 
@@ -165,6 +166,9 @@ def run(model: str, batch_sizes: list[int], k: int, acceptance_length: float, pr
     with peaked random weights; prints each batch size's figures as a JSON line and returns them. A speculative
     engine for each of `verify_buckets` (FULL graphs of verify steps by request count on / off). `profile` > 0:
     then that many steps of each of the two synchronous runs at the first batch size under the profiler."""
+    if not 1 <= acceptance_length <= k + 1:
+        raise ValueError(f"acceptance length {acceptance_length} is outside 1..k+1={k + 1}; a verify step emits "
+                         f"its accepted proposals and one more token")
     rng = np.random.default_rng(0)
     largest = max(batch_sizes)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
