@@ -57,6 +57,7 @@ from ember.graphs.artifacts import compile_cache_key  # noqa: F401  (part of thi
 from ember.graphs.layer_stamp import TRACED_LAYERS, cut_layers, stamp_failure, stamp_plan
 from ember.graphs.piecewise import (CompileStats, PiecewiseBackend, install_pieces, split_names,  # noqa: F401
                                     is_attention_node, split_at_attention, uninstall_pieces)   # (part of this API)
+from ember.graphs.specialization import TokenCountSpecialized
 from ember.kernels import hooks
 from ember.kernels.triton_key import pin_cache_dir
 
@@ -220,6 +221,11 @@ class CompiledModel:
                     # the tail's row count must keep a symbol of its own even where it equals the token count
                     with shapes_config.patch(use_duck_shape=len(inputs) == 2):
                         out = self._trace(inputs)
+                except torch._dynamo.exc.BackendCompilerFailed as exc:
+                    # the backend's own refusal (a token count the compile fixed) reads better unwrapped
+                    if isinstance(exc.inner_exception, TokenCountSpecialized):
+                        raise exc.inner_exception from None
+                    raise
                 except torch._dynamo.exc.Unsupported as exc:
                     # fullgraph: a graph break fails the trace; say where, and what to do meanwhile
                     where = str(exc).strip().splitlines()

@@ -16,6 +16,7 @@ import ember.attention_backends.op  # noqa: F401  (registers torch.ops.ember.att
 from ember.graphs.artifacts import ArtifactStore, InputSpec
 from ember.graphs.layer_stamp import StampPlan, WithLayerInputs, stamped_graph
 from ember.graphs.piece_dedupe import piece_signature
+from ember.graphs.specialization import check_not_specialized
 
 logger = logging.getLogger("ember")
 
@@ -143,6 +144,8 @@ class PiecewiseBackend:
         # parameters, which dynamo never saw, get static shapes like the traced ones (not symbols of their own)
         fake_args = [fake_mode.from_tensor(a, static_shapes=i >= num_cut_inputs) if isinstance(a, torch.Tensor)
                      else a for i, a in enumerate(example_inputs)]
+        # the token count must still be a symbol after the trace and after each piece (ember.graphs.specialization)
+        check_not_specialized(fake_mode.shape_env, "dynamo's trace of the model")
         compiler = _PieceCompiler(split, pieces, self.dedupe, self.inductor_options, self.plain_pieces)
         compiled = compiler.compile(fake_mode, fake_args)
         seconds = time.perf_counter() - start
@@ -193,6 +196,7 @@ class _PieceCompiler(torch.fx.Interpreter):
     def __init__(self, split: torch.fx.GraphModule, pieces: Sequence[str], dedupe: bool,
                  inductor_options: Mapping[str, Any], plain_pieces: bool = False):
         super().__init__(split)
+        self.fake_mode = None
         self.pieces = set(pieces)
         self.dedupe = dedupe
         self.inductor_options = inductor_options
@@ -206,6 +210,7 @@ class _PieceCompiler(torch.fx.Interpreter):
         self._outputs: list[Any] = []             # group index -> the fake outputs of its first piece
 
     def compile(self, fake_mode, fake_args: list) -> dict[str, Callable]:
+        self.fake_mode = fake_mode
         with fake_mode:
             self.run(*fake_args)
         return self.compiled
@@ -220,6 +225,8 @@ class _PieceCompiler(torch.fx.Interpreter):
             out = super().call_module(target, args, kwargs)
             group = self._by_signature[signature] = len(self.artifacts)
             self.artifacts.append(self._compile(piece, list(args)))
+            check_not_specialized(getattr(self.fake_mode, "shape_env", None),
+                                  f"compiling piece {target} ({_op_summary(piece)})")
             self.single_output.append(isinstance(piece.graph.output_node().args[0], torch.fx.Node))
             self._outputs.append(out)
         self.groups[target] = group
@@ -243,6 +250,13 @@ class _PieceCompiler(torch.fx.Interpreter):
                     fusion.record(counts)
                 return plain
         return _compile_piece(piece, args, self.inductor_options)
+
+
+def _op_summary(piece: torch.fx.GraphModule, limit: int = 12) -> str:
+    """The distinct ops a piece calls, in order, for an error message."""
+    ops = list(dict.fromkeys(getattr(n.target, "__name__", str(n.target)) for n in piece.graph.nodes
+                             if n.op in ("call_function", "call_method")))
+    return ", ".join(ops[:limit]) + (f" and {len(ops) - limit} more" if len(ops) > limit else "")
 
 
 def _compile_piece(piece: torch.fx.GraphModule, args: list, inductor_options: Mapping[str, Any]) -> Callable:
