@@ -59,14 +59,14 @@ def _flash():
     return kernels, plan
 
 
-def _prefill_variants(F, P, group, length):
+def _prefill_variants(F, P, group, length, num_kv_heads):
     """(label, block_size, tiles): the plan's pick per page size first, then a sweep around it."""
-    variants = [("plan bs64", 64, P.prefill_tiles(group, HEAD_SIZE, DTYPE, 64, length)),
-                ("plan bs128", 128, P.prefill_tiles(group, HEAD_SIZE, DTYPE, 128, length))]
+    variants = [("plan bs64", 64, P.prefill_tiles(group, HEAD_SIZE, DTYPE, 64, length, num_kv_heads)),
+                ("plan bs128", 128, P.prefill_tiles(group, HEAD_SIZE, DTYPE, 128, length, num_kv_heads))]
     if group == 4:
         T = F.FlashTiles
-        variants += [("bs64 m128 8w 3stg", 64, T(128, 64, 8, 3)), ("bs128 n128 8w 2stg", 128, T(128, 128, 8, 2)),
-                     ("bs64 m64 4w 4stg", 64, T(64, 64, 4, 4))]
+        variants += [("bs64 m64 4w 3stg", 64, T(64, 64, 4, 3)), ("bs128 n128 8w 3stg", 128, T(128, 128, 8, 3)),
+                     ("bs64 m128 4w 2stg", 64, T(128, 64, 4, 2))]
     return variants
 
 
@@ -164,7 +164,7 @@ def test_prefill(benchmark, device_peaks, bench_table, heads, length):
     peers = dict(sdpa_cudnn_tflops=flops / sdpa["cudnn"] / 1e9 if "cudnn" in sdpa else None,
                  sdpa_default_tflops=flops / sdpa["default"] / 1e9 if "default" in sdpa else None,
                  unified_tflops=flops / unified_ms / 1e9, unified_bs64_tflops=flops / unified64_ms / 1e9)
-    for label, block_size, tiles in _prefill_variants(F, P, group, length):
+    for label, block_size, tiles in _prefill_variants(F, P, group, length, num_kv_heads):
         cache, tables = cache_for(block_size)
 
         def run(i, cache=cache, tables=tables, tiles=tiles):

@@ -42,18 +42,18 @@ class PerPhaseImpl(TritonUnifiedImpl):
         key_cache = layout[1]
         options = {k: v for k, v in options.items() if k != "alibi_slopes"}    # None: `supports` refuses ALiBi
         tiles = prefill_tiles(o.num_heads // o.num_kv_heads, o.head_size, key_cache.dtype, key_cache.shape[2],
-                              metadata.num_tokens_padded)
+                              metadata.num_tokens_padded, o.num_kv_heads)
         flash_prefill(*layout, num_seqs=metadata.num_reqs_padded, num_tokens=metadata.num_tokens_padded,
                       tiles=tiles, num_decodes=metadata.num_decodes, **options)
 
 
 class PerPhaseBackend(TritonUnifiedBackend):
     """Prefill through `flash`, decode through `triton_unified`, on one cache of 64- or 128-token pages (the
-    default on CUDA). Why: on an H100 (bf16, GQA 32/8, head 128) `flash`'s causal prefill ran at 280 / 395 / 407
-    TFLOP/s at 1k / 4k / 16k tokens against the unified kernel's 148 / 256 / 315 on the same 64-token pages, and
-    `triton_unified`'s decode step (split-KV for small batches, the new K/V and rotary inside the kernel) gave the
-    higher engine throughput: 18,629 output tok/s (16-token pages) against `flash`'s 17,166 (nano-vllm workload,
-    Qwen3-0.6B config)."""
+    default on CUDA). Why, on an H100 (bf16, GQA 32/8, head 128): `flash`'s causal prefill ran at 505 / 470 / 275
+    TFLOP/s at 16k / 4k / 1k tokens against the unified kernel's 315 / 256 / 148 on the same pages; `triton_unified`'s
+    decode step (split-KV for small batches, the new K/V and rotary inside the kernel) gave the higher engine
+    throughput, 18,629 output tok/s against `flash`'s 17,166 (nano-vllm workload, Qwen3-0.6B config), and reads
+    64-token pages as fast as 16-token ones."""
     name = "per_phase"
     priority = 30
     builder_cls = PerPhaseMetadataBuilder

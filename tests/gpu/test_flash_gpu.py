@@ -38,21 +38,23 @@ def _backend():
     return backend
 
 
-def _builder(shape, dtype, max_num_reqs=256, max_num_tokens=16384):
+def _builder(shape, dtype, max_num_reqs=256, max_num_tokens=16384, backend="flash", options=()):
     from ember.attention_backends.base import BuilderContext
+    from ember.attention_backends.registry import get_backend
     from ember.kv_spec import KVCacheGroup, KVCacheSpec
     spec = KVCacheSpec(shape.block_size, shape.num_kv_heads, shape.head_size, dtype, shape.sliding_window)
     ctx = BuilderContext(KVCacheGroup(("layer.0",), spec), 0, dtype, torch.device("cuda"), max_num_reqs,
-                         max_num_tokens, 65536, num_sms=torch.cuda.get_device_properties(0).multi_processor_count)
-    return _backend().FlashBackend.builder_cls(ctx)
+                         max_num_tokens, 65536, num_sms=torch.cuda.get_device_properties(0).multi_processor_count,
+                         backend_options=tuple(options), num_queries_per_kv=shape.num_heads // shape.num_kv_heads)
+    return get_backend(backend).builder_cls(ctx)
 
 
-def _forward(batch, builder=None, out=None, cache=None):
-    B = _backend()
-    builder = builder or _builder(batch.shape, batch.query.dtype)
+def _forward(batch, builder=None, out=None, cache=None, backend="flash", options=()):
+    from ember.attention_backends.registry import get_backend
+    builder = builder or _builder(batch.shape, batch.query.dtype, backend=backend, options=options)
     out = torch.full_like(batch.query, float("nan")) if out is None else out
     cache = batch.kv_cache.clone() if cache is None else cache
-    impl = B.FlashBackend.impl_cls(batch.shape.options(), sinks=batch.sinks)
+    impl = get_backend(backend).impl_cls(batch.shape.options(), sinks=batch.sinks)
     impl.forward(batch.query, batch.key, batch.value, cache, builder.build(common_metadata(batch)), out)
     return out, cache
 
@@ -76,6 +78,27 @@ def test_backend_matches_reference(shape, dtype, block_size):
     out, cache = _forward(batch)
     torch.testing.assert_close(cache[:, 1:], batch.expected_cache[:, 1:], atol=0, rtol=0)
     assert _err(out, batch) <= tolerance(dtype)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=[s.name for s in SHAPES])
+def test_per_phase_matches_reference(shape):
+    """The default backend (prefill through flash, decode through triton_unified) on the same named batches."""
+    batch = make_paged_batch(shape, torch.bfloat16, "cuda")
+    out, cache = _forward(batch, backend="per_phase")
+    torch.testing.assert_close(cache[:, 1:], batch.expected_cache[:, 1:], atol=0, rtol=0)
+    assert _err(out, batch) <= tolerance(torch.bfloat16)
+
+
+def test_per_phase_mixed_batch_equals_each_backend_alone():
+    """Its decode rows are triton_unified's (split launch) to the bit, its prefill rows flash's."""
+    mixed = next(s for s in SHAPES if s.name == "mixed_medium")
+    batch = make_paged_batch(mixed, torch.bfloat16, "cuda")
+    out, _ = _forward(batch, backend="per_phase")
+    unified, _ = _forward(batch, backend="triton_unified", options=[("split_launch", True)])
+    flash, _ = _forward(batch)
+    nd, n = mixed.num_decodes, batch.num_tokens
+    torch.testing.assert_close(out[:nd], unified[:nd], atol=0, rtol=0)
+    torch.testing.assert_close(out[nd:n], flash[nd:n], atol=0, rtol=0)
 
 
 def test_decodes_and_prefills_together_equal_each_alone():

@@ -125,3 +125,17 @@ def test_selected_by_name_and_refused_with_reasons(monkeypatch):
     with pytest.raises(BackendSelectionError, match="flash.*ALiBi"):
         select_backend(spec, torch.float16, torch.device("cpu"), [dataclasses.replace(opts[0], use_alibi=True)],
                        requested="flash")
+
+
+def test_prefill_tiles_by_bucket_rows():
+    """128-row tiles, registers capped for two programs an SM, from 65,536 query rows (tokens x query heads) in
+    bf16/fp16; 64 x 64 tiles below, float32 halved, heads over 128 on 64 rows."""
+    from ember.attention_backends.flash.kernels import FlashTiles
+    from ember.attention_backends.flash.plan import prefill_tiles
+    wide = FlashTiles(128, 64, 8, 2, maxnreg=128)
+    assert prefill_tiles(4, 128, torch.bfloat16, 64, 2048, 8) == wide           # GQA 32/8 at 2k tokens
+    assert prefill_tiles(2, 128, torch.float16, 128, 4096, 8) == wide           # GQA 16/8 at 4k tokens
+    assert prefill_tiles(2, 128, torch.bfloat16, 64, 2048, 8) == FlashTiles(64, 64, 4, 3)
+    assert prefill_tiles(4, 128, torch.bfloat16, 64, 1024, 8) == FlashTiles(64, 64, 4, 3)
+    assert prefill_tiles(4, 128, torch.float32, 64, 16384, 8) == FlashTiles(64, 32, 4, 2)
+    assert prefill_tiles(4, 256, torch.bfloat16, 64, 16384, 8) == FlashTiles(64, 64, 8, 2)

@@ -84,7 +84,7 @@ class FlashImpl(AttentionImpl):
         if not metadata.uniform_decode:
             flash_prefill(*layout, num_seqs=metadata.num_reqs_padded, num_tokens=metadata.num_tokens_padded,
                           tiles=prefill_tiles(group, o.head_size, key_cache.dtype, block_size,
-                                              metadata.num_tokens_padded),
+                                              metadata.num_tokens_padded, o.num_kv_heads),
                           num_decodes=metadata.num_decodes, **options)
 
 

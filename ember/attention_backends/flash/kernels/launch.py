@@ -25,6 +25,7 @@ class FlashTiles:
     num_warps: int = 8
     num_stages: int = 3
     warp_specialize: bool = False
+    maxnreg: int = 0          # registers a thread may use (0: the compiler's choice), so that more programs fit an SM
 
     def block_q(self, num_queries_per_kv: int) -> int:
         """Query tokens per prefill program."""
@@ -120,7 +121,7 @@ def flash_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
         USE_TMA=use_tma, OFFSET_64=offset_64, USE_WINDOW=sliding_window is not None, USE_SOFTCAP=bool(soft_cap),
         USE_SINKS=sinks is not None, WRITE_LSE=lse is not None, IEEE=query.dtype == torch.float32,
         WARP_SPECIALIZE=tiles.warp_specialize, num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages, **_fp8_flag(key_cache))
+        num_stages=tiles.num_stages, **_fp8_flag(key_cache), **(dict(maxnreg=tiles.maxnreg) if tiles.maxnreg else {}))
 
 
 def _fp8_flag(cache: torch.Tensor) -> dict:
