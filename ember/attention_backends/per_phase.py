@@ -49,11 +49,11 @@ class PerPhaseImpl(TritonUnifiedImpl):
 
 class PerPhaseBackend(TritonUnifiedBackend):
     """Prefill through `flash`, decode through `triton_unified`, on one cache of 64- or 128-token pages (the
-    default on CUDA). Why, on an H100 (bf16, GQA 32/8, head 128): `flash`'s causal prefill ran at 505 / 470 / 275
+    default on CUDA). Why, on an H100 (bf16, GQA 32/8, head 128): `flash`'s causal prefill ran at 508 / 464 / 276
     TFLOP/s at 16k / 4k / 1k tokens against the unified kernel's 315 / 256 / 148 on the same pages; `triton_unified`'s
     decode step (split-KV for small batches, the new K/V and rotary inside the kernel) gave the higher engine
-    throughput, 18,629 output tok/s against `flash`'s 17,166 (nano-vllm workload, Qwen3-0.6B config), and reads
-    64-token pages as fast as 16-token ones."""
+    throughput, 18,629 output tok/s against `flash`'s 17,166 (nano-vllm workload, Qwen3-0.6B config; 18,765 through
+    this backend), and reads 64-token pages as fast as 16-token ones."""
     name = "per_phase"
     priority = 30
     builder_cls = PerPhaseMetadataBuilder

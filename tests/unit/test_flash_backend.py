@@ -132,7 +132,7 @@ def test_prefill_tiles_by_bucket_rows():
     bf16/fp16; 64 x 64 tiles below, float32 halved, heads over 128 on 64 rows."""
     from ember.attention_backends.flash.kernels import FlashTiles
     from ember.attention_backends.flash.plan import prefill_tiles
-    wide = FlashTiles(128, 64, 8, 2, maxnreg=128)
+    wide = FlashTiles(128, 64, 8, 3, maxnreg=128)
     assert prefill_tiles(4, 128, torch.bfloat16, 64, 2048, 8) == wide           # GQA 32/8 at 2k tokens
     assert prefill_tiles(2, 128, torch.float16, 128, 4096, 8) == wide           # GQA 16/8 at 4k tokens
     assert prefill_tiles(2, 128, torch.bfloat16, 64, 2048, 8) == FlashTiles(64, 64, 4, 3)

@@ -4,8 +4,11 @@ bucket, never of the live batch.
 Measured on an H100 (benches/bench_flash.py, bf16, head 128, CUDA-graph replays; 2026-11-22):
 
 - Prefill, causal, against cuDNN SDPA in the same process (benches/experiments/flash_prefill_sweep.py, 2026-11-27,
-  64-token pages; GQA 32/8 / 16/8): 128 rows x 64 keys on 8 warps, 2 stages, registers capped at 128 so that two
-  programs share an SM (98 KB of shared memory each; one's softmax overlaps the other's products) ran at
+  64-token pages; GQA 32/8 / 16/8): 128 rows x 64 keys on 8 warps, registers capped at 128 so that two programs
+  share an SM (98 KB of shared memory each; one's softmax overlaps the other's products). 3 stages (the same
+  shared memory as 2, 4 spilled registers against 10): 508 / 500 TFLOP/s at 16k, 476 / 447 at 4k, against 2
+  stages' 501 / 497 and 445 / 448 in the same run; in another, 508 / 502 at 16k (0.85 / 0.87x cuDNN), 464 / 454
+  at 4k (0.85 / 0.97x). With 2 stages it ran at
   494-505 / 502-508 TFLOP/s at 16k tokens (0.85 / 0.88x cuDNN), 454-470 / 451-461 at 4k (0.87 / 0.99-1.02x) and
   400 / 252 at 2k, against 64 x 64 on 4 warps, 3 stages: 430 / 428 at 16k, 387 / 385 at 4k, 347 / 331 at 2k and
   278 / 177 at 1k (1.07 / 0.86x). The wider tile wins once a bucket has about 512 programs (65,536 query rows: GQA
@@ -13,7 +16,7 @@ Measured on an H100 (benches/bench_flash.py, bf16, head 128, CUDA-graph replays;
   0.6x), 128 rows on 4 warps (1 program an SM; 489 at 16k, 373 at 2k), 128 x 128 on 128-token pages (472 / 421 at
   16k / 4k), a 128-key step over two 64-token pages (427 / 369), Triton 3.6's warp specialization (no change on 8
   warps; its pass fails on 64 x 64). 128-token pages gave the same tile 498-534 TFLOP/s at 16k and 465-489 at 4k
-  (0-7% more), ragged decode the same as 64 (within 1%).
+  (-2 to +7%), ragged decode the same as 64 (within 1%).
 - Decode, ragged GQA 32/8 batches, % of copy bandwidth on 256 x U[100, 2048] / 64 x U[200, 8192] /
   16 x U[100, 16384] / 4 x U[1000, 32768]: DECODE_PROGRAMS_PER_SM 8: 92.0 / 93.5 / 92.4 / 77.2; 4: 92.2 / 89.5 /
   88.1 / 82.2; 16: 90.6 / 94.7 / 89.9 / 73.0. 64-key tiles, 4 warps, 3 stages (128-key tiles within a point).
@@ -44,7 +47,7 @@ def prefill_tiles(num_queries_per_kv: int, head_size: int, dtype: torch.dtype, b
             num_tokens * num_queries_per_kv * num_kv_heads >= WIDE_PREFILL_ROWS:
         # 128 rows on two warp groups, registers capped so that two programs (98 KB of shared memory each) share
         # an SM: one's softmax runs while the other's products do
-        tiles = FlashTiles(block_m=128, tile_n=64, num_warps=8, num_stages=2, maxnreg=128)
+        tiles = FlashTiles(block_m=128, tile_n=64, num_warps=8, num_stages=3, maxnreg=128)
     else:
         tiles = FlashTiles(block_m=64, tile_n=64, num_warps=4, num_stages=3)
     return FlashTiles(max(tiles.block_m, triton.next_power_of_2(num_queries_per_kv)),
