@@ -352,12 +352,28 @@ class EngineCore:
     def score(self, token_ids: list[int]) -> "torch.Tensor":
         """Teacher-forced logits [len(token_ids), V] of one sequence, computed through the paged cache in one
         prefill step. Runs only while no other request is in flight."""
+        return self._scoring_step(token_ids, self.executor.all_logits)
+
+    def prompt_logprobs(self, token_ids: list[int], k: int) -> "PromptLogprobData":
+        """The logprob of every prompt token after the ones before it, its rank, and the `k` most likely tokens at
+        each position, as token ids and numbers (`Engine.prompt_logprobs` makes the entries). The runner computes
+        them a chunk of rows at a time: the whole prompt's logits never exist at once."""
+        chosen, ranks, top_ids, top_logprobs = self._scoring_step(
+            token_ids, lambda step: self.executor.prompt_logprobs(step, k))
+        if not k:
+            empty = [[] for _ in range(len(chosen))]
+            return PromptLogprobData(chosen.tolist(), ranks.tolist(), empty, empty)
+        return PromptLogprobData(chosen.tolist(), ranks.tolist(), top_ids.tolist(), top_logprobs.tolist())
+
+    def _scoring_step(self, token_ids: list[int], run):
+        """`run(step)` on one prefill step of `token_ids` from position 0, its blocks held for the call."""
         if self.has_unfinished():
             raise RuntimeError("score() needs an idle engine; finish or abort running requests first")
+        token_ids = list(token_ids)
         if len(token_ids) > self.config.scheduler.max_num_batched_tokens:
             raise ValueError(f"{len(token_ids)} tokens exceed max_num_batched_tokens "
                              f"{self.config.scheduler.max_num_batched_tokens} for one scoring step")
-        req = Request("__score__", list(token_ids), SamplingParams())
+        req = Request("__score__", token_ids, SamplingParams())
         if not self.kv.try_allocate(req, len(token_ids)):
             raise ValueError(f"{len(token_ids)} tokens do not fit in the KV cache")
         try:
@@ -368,24 +384,9 @@ class EngineCore:
                              finished_ids=self.scheduler.take_finished_ids(),
                              req_ids=(req.request_id,), num_scheduled_tokens=(len(token_ids),),
                              num_decodes=1 if len(token_ids) == 1 else 0, num_computed_tokens=(0,))
-            return self.executor.all_logits(step)
+            return run(step)
         finally:
             self.kv.free(req)
-
-    def prompt_logprobs(self, token_ids: list[int], k: int) -> "PromptLogprobData":
-        """The logprob of every prompt token after the ones before it, its rank, and the `k` most likely tokens at
-        each position, as token ids and numbers (`Engine.prompt_logprobs` makes the entries)."""
-        import torch
-        logits = self.score(list(token_ids))                             # [n, V]
-        logprobs = torch.log_softmax(logits.float(), dim=-1)[:-1]        # row i predicts token i + 1
-        targets = torch.tensor(token_ids[1:], dtype=torch.long, device=logprobs.device)
-        chosen = logprobs.gather(1, targets[:, None])                    # [n - 1, 1]
-        ranks = (logprobs > chosen).sum(-1) + 1                          # [n - 1]
-        top = logprobs.topk(k, dim=-1) if k else None
-        chosen_list = chosen[:, 0].tolist()
-        empty = [[] for _ in chosen_list]
-        return PromptLogprobData(chosen_list, ranks.tolist(), top.indices.tolist() if top is not None else empty,
-                                 top.values.tolist() if top is not None else empty)
 
     def shutdown(self) -> None:
         if self._structured is not None:

@@ -1,7 +1,7 @@
 """`make_executor`: what runs the model for an engine core. One rank: the `ModelRunner` itself. Several: a
 `MultiprocExecutor`, which runs rank 0's `ModelRunner` in this process and one worker process a further rank
 (`ember.executor.worker`), and has the runner's surface (`execute_async`, `update_table`, `all_logits`,
-`shutdown`, and the sizes the engine reads).
+`prompt_logprobs`, `shutdown`, and the sizes the engine reads).
 
 Each call writes its message (the `StepInput`, pickled once) to the step ring (`channel.RingWriter`) before rank 0
 runs its own part, so every rank runs the same step at about the same time; each rank keeps its own request table,
@@ -151,6 +151,10 @@ class MultiprocExecutor:
 
     def all_logits(self, step):
         return self._call("logits", step, self.runner.all_logits)
+
+    def prompt_logprobs(self, step, k: int):
+        """Rank 0's prompt logprobs; the other ranks run the same chunks of the LM head (their `k` does not matter)."""
+        return self._call("prompt_logprobs", step, lambda s: self.runner.prompt_logprobs(s, k))
 
     def shutdown(self) -> None:
         """Stop the workers (each finishes the messages before the end) and leave the group; idempotent."""

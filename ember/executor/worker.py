@@ -84,6 +84,8 @@ def serve(args: WorkerArgs, status) -> None:
                 runner.update_table(step)
             elif kind == "logits":
                 runner.all_logits(step)
+            elif kind == "prompt_logprobs":
+                runner.prompt_logprobs(step, 1)
             elif kind == "shutdown":
                 break
             else:

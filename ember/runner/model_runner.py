@@ -36,6 +36,7 @@ from ember.runner.kv_cache_setup import (allocate_kv_caches, attention_workspace
 from ember.runner.output import AsyncModelRunnerOutput, DeviceOnlyOutput, HostRing, ModelRunnerOutput, StartupTimes
 from ember.runner.request_table import RequestTable
 from ember.runner.grammar_mask import GrammarMask
+from ember.runner import scoring
 from ember.runner.sampler import Sampler, SamplerOutput
 from ember.runner.sampling_inputs import SamplingPlan, fits_graph_tail, plan_sampling, sampling_metadata
 from ember.runner.step_input import StepInput, null_block_step
@@ -374,23 +375,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def all_logits(self, step: StepInput) -> torch.Tensor:
-        """Logits of every scheduled token [num_tokens, V] (for scoring and teacher-forced checks). The step's
-        new requests leave the table afterwards: scoring is one step."""
-        try:
-            num_reqs = step.num_reqs
-            mode, desc = self._dispatch(step)
-            if self.skip_prefill:   # every row is wanted: graphs of this model were captured with the tail's rows
-                mode, desc = CUDAGraphMode.NONE, BatchDescriptor(step.total_num_tokens)
-            num_reqs_padded = desc.padded_num_reqs(num_reqs)
-            layout, seg, buf = self._stage(step, num_reqs_padded)
-            batch = self.input_batch.prepare(self.table, layout, seg, buf, desc.num_tokens, num_reqs_padded,
-                                             *self._graph_batch(desc, mode == CUDAGraphMode.FULL))
-            hidden = self._run(batch, mode, desc, skip=False)[0]
-            return self.model.compute_logits(hidden[:batch.common.num_actual_tokens])
-        finally:
-            for new in step.new_requests:
-                self.table.remove(new.req_id)
+        """Logits of every scheduled token [num_tokens, V] (for scoring and teacher-forced checks)."""
+        return self.model.compute_logits(scoring.step_hidden(self, step))
 
+    def prompt_logprobs(self, step: StepInput, k: int) -> tuple[torch.Tensor, ...]:
+        """The prompt logprobs of the one sequence `step` scores, in chunks of rows (`scoring.prompt_logprobs`)."""
+        return scoring.prompt_logprobs(self, step, k)
 
 # warm-up rows sample greedily (the profile run measures sampling separately, with filters on)
 _DUMMY_PARAMS = SamplingParams(temperature=0.0, max_tokens=1)

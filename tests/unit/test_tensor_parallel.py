@@ -10,13 +10,17 @@ import sys
 import textwrap
 import time
 
+import torch
+
 from ember import LLM, SamplingParams
 from tests.helpers.model_harness import random_hf_model, tiny_config
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
 PROMPTS = [[1, 5, 9, 33, 7], list(range(40, 66)), list(range(40, 64)) + [9, 9]]
-# chunks of 8 tokens, a pool too small for the three requests at once (preemption), prompts sharing a prefix
-SMALL = dict(device="cpu", max_num_batched_tokens=8, block_size=8, num_kv_blocks=10, max_model_len=64)
+# chunks of 8 tokens, a pool too small for the three requests at once (preemption), prompts sharing a prefix; prompt
+# logprobs of SCORED in two chunks of the LM head's rows (at most max_num_seqs a chunk), the same on both ranks
+SMALL = dict(device="cpu", max_num_batched_tokens=8, block_size=8, num_kv_blocks=10, max_model_len=64,
+             max_num_seqs=4)
 LOGITS_ATOL = 1e-4
 SCORED = list(range(100, 108))
 
@@ -33,7 +37,8 @@ def run_both(path, prompts=PROMPTS, params=GREEDY, **kwargs):
         try:
             tokens = generate(llm, prompts, params)
             stats = llm.engine.stats
-            results.append((tokens, (stats.num_preemptions, stats.num_prefix_cache_hits), llm.engine.score(SCORED)))
+            results.append((tokens, (stats.num_preemptions, stats.num_prefix_cache_hits), llm.engine.score(SCORED),
+                            llm.engine.prompt_logprobs(SCORED, 2)))
         finally:
             llm.engine.runner.shutdown()
     return results
@@ -42,18 +47,25 @@ def run_both(path, prompts=PROMPTS, params=GREEDY, **kwargs):
 def test_two_ranks_give_one_ranks_tokens_and_logits(tmp_path):
     # vocabulary 317: two ranks hold 159 and 158 ids (one padding row)
     random_hf_model(tiny_config("llama", vocab_size=317)).save_pretrained(tmp_path)
-    (one, one_stats, one_logits), (two, two_stats, two_logits) = run_both(str(tmp_path), **SMALL)
+    (one, one_stats, one_logits, one_lp), (two, two_stats, two_logits, two_lp) = run_both(str(tmp_path), **SMALL)
     assert all(len(t) == 32 for t in two)
     assert two == one
     assert one_stats == two_stats and one_stats[0] > 0 and one_stats[1] > 0     # preempted, prefix-cache hits
     assert two_logits.shape == (len(SCORED), 317) and one_logits.std() > 0.1
     assert (two_logits - one_logits).abs().max().item() <= LOGITS_ATOL
+    # each position's logprob from the logits, the top two ids (the same on both), their logprobs within the logits'
+    want = torch.log_softmax(one_logits.float(), dim=-1)[:-1]
+    assert len(one_lp) == len(two_lp) == len(SCORED) and one_lp[0] is None
+    for i, (a, b) in enumerate(zip(one_lp[1:], two_lp[1:])):
+        assert a.keys() == b.keys() and SCORED[i + 1] in a and len(a) >= 2
+        assert abs(a[SCORED[i + 1]].logprob - want[i, SCORED[i + 1]].item()) <= 1e-5
+        assert max(abs(a[t].logprob - b[t].logprob) for t in a) <= 2 * LOGITS_ATOL
 
 
 def test_a_kv_head_replicated_on_both_ranks(tmp_path):
     # Gemma 2 with one KV head: each rank holds it, with its two query heads; soft caps and a sliding window too
     random_hf_model(tiny_config("gemma2", num_key_value_heads=1)).save_pretrained(tmp_path)
-    (one, _, one_logits), (two, _, two_logits) = run_both(str(tmp_path), PROMPTS[:2], SamplingParams(
+    (one, _, one_logits, _), (two, _, two_logits, _) = run_both(str(tmp_path), PROMPTS[:2], SamplingParams(
         temperature=0.0, max_tokens=16, ignore_eos=True), device="cpu")
     assert two == one
     assert (two_logits - one_logits).abs().max().item() <= LOGITS_ATOL
