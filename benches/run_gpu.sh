@@ -431,7 +431,7 @@ part_fallback() {
   for impl in $impls; do
     for kind in throughput latency; do
       echo "-- $config $impl $kind"
-      grep -h "runs through the transformers\|packed\|compiled the model\|fusion passes\|output \|decode \|TPOT\|start-up" \
+      grep -h "runs through the transformers\|packed\|rotary embedding\|token count\|compiled the model\|fusion passes\|output \|decode \|TPOT\|start-up" \
         "$OUT/${config}_${impl}_${kind}.log" | cut -c1-240
     done
   done

@@ -34,6 +34,7 @@ from ember.models.fallback_attention import (ATTENTION_CHILD, ATTN_IMPLEMENTATIO
                                              probing, register_attention)
 from ember.models.fallback_check import causal_lm_class, fallback_refusal
 from ember.models.fallback_packing import pack_siblings, sibling_groups
+from ember.models.fallback_rotary import tabulate_rotary
 from ember.models.layers.attention import Attention
 from ember.models.layers.embedding import LMHead
 from ember.models.layers.linear import Linear
@@ -223,12 +224,16 @@ class TransformersForCausalLM(nn.Module):
                 "class": self.hf_class.__name__}
 
     def init_buffers(self, device: torch.device) -> None:
-        """Once the weights are in: move the transformers buffers (rotary tables, made on the CPU at build) to
-        `device`, and pack sibling projections (q/k/v, gate/up) into one weight each (ember.models.fallback_packing)."""
+        """Once the weights are in: move the transformers buffers (rotary frequencies, made on the CPU at build) to
+        `device`, give rotary embeddings their cos/sin tables (ember.models.fallback_rotary), and pack sibling
+        projections (q/k/v, gate/up) into one weight each (ember.models.fallback_packing)."""
         for module in self._parts.hf.modules():
             for name, buf in module._buffers.items():
                 if buf is not None and buf.device != torch.device(device):
                     module._buffers[name] = buf.to(device)
+        tables = tabulate_rotary(self._parts.hf, device)
+        if tables:
+            logger.info("%d rotary embedding(s) read cos/sin tables by position (ember.models.fallback_rotary)", tables)
         groups, self._parts.sibling_groups = self._parts.sibling_groups, []
         if groups:
             packed = pack_siblings(groups)

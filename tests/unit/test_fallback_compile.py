@@ -4,7 +4,8 @@ compiled graph runs other token counts than the first call's, as the eager model
 fixes the token count to the first call's size is refused where it happens, before anything is saved.
 
 The default tests hand each piece over as its traced FX graph (no Inductor build, a few seconds); the slow one
-compiles the pieces with Inductor, as on a GPU."""
+compiles the pieces with Inductor, as on a GPU. The rotary embedding reads cos/sin tables by position
+(ember.models.fallback_rotary) instead of computing them over the tokens."""
 
 from __future__ import annotations
 
@@ -32,18 +33,18 @@ def fallback_qwen3(tmp_path_factory):
     return load_model(path, None, torch.float32, "cpu", progress=False, model_impl="transformers")
 
 
-def _pieces_as_traced(monkeypatch, specialize_first: bool = False) -> list[int]:
+def _pieces_as_traced(monkeypatch, specialize_first: bool = False) -> list[torch.fx.GraphModule]:
     """Hand each piece over as its traced FX graph instead of Inductor's code; with `specialize_first`, the first
     piece's compile also fixes its first symbolic input size (as a size read with `int()` would). Returns the list
-    the pieces' counts go into."""
+    the compiled pieces go into."""
     from torch.fx.experimental.symbolic_shapes import guard_int
-    compiled: list[int] = []
+    compiled: list[torch.fx.GraphModule] = []
 
     def as_traced(piece, args, inductor_options):
         if specialize_first and not compiled:
             size = next(d for a in args if isinstance(a, torch.Tensor) for d in a.shape if isinstance(d, torch.SymInt))
             guard_int(size)
-        compiled.append(1)
+        compiled.append(piece)
         return piece
     monkeypatch.setattr(piecewise, "_compile_piece", as_traced)
     return compiled
@@ -71,6 +72,22 @@ def test_one_compiled_graph_runs_every_token_count(fallback_qwen3, monkeypatch, 
     compiled = CompiledModel(fallback_qwen3, cache_root=tmp_path, use_artifacts=False, plain_pieces=False)
     _check_token_counts(fallback_qwen3, compiled)
     assert len(pieces) == compiled.stats.num_distinct == 3       # first, middle, last
+    # the rotary angles come from tables (ember.models.fallback_rotary): no matmul, cos or sin over the tokens
+    called = {getattr(n.target, "__name__", str(n.target)) for p in pieces for n in p.graph.nodes
+              if n.op in ("call_function", "call_method")}
+    assert not {name for name in called if name in ("cos", "sin", "matmul", "bmm")}, called
+
+
+def test_rotary_tables_hold_what_the_module_computes(fallback_qwen3):
+    """Each table row is the transformers rotary module's own output for that position, bit for bit."""
+    rotary = fallback_qwen3.decoder.rotary_emb
+    config = fallback_qwen3.config
+    assert tuple(rotary.ember_cos.shape) == (config.max_position_embeddings, config.head_dim)
+    positions = torch.tensor([[0, 1, 7, 100, config.max_position_embeddings - 1]])
+    x = torch.zeros(1, dtype=torch.bfloat16)
+    for got, want in zip(rotary(x, positions), type(rotary).forward(rotary, x, positions)):
+        assert got.dtype == torch.bfloat16
+        assert torch.equal(got, want)
 
 
 @pytest.mark.slow
