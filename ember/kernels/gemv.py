@@ -76,7 +76,9 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, residual_ptr, norm_weight_ptr, out_ptr,
     2, one per block of SCALE_BN rows and SCALE_BK columns ([N / SCALE_BN, K / SCALE_BK], row stride stride_sn),
     applied to each K step's W tile (a step lies within one block column: BLOCK_K divides SCALE_BK).
     ACT_QUANT (fp8 W with row scales, ember.kernels.gemv_fp8): x rounded to e4m3 as the many-row path rounds it, 1
-    per row by its amax (a first pass over K), 2 by the static scale at act_scale_ptr."""
+    per row by its amax (a first pass over K in every program), 2 by the static scale at act_scale_ptr; 3, x
+    already rounded (e4m3 values in x's dtype, the norm folded in) with each row's scale at act_scale_ptr [M],
+    applied to the sums: the K loop is weight-only's."""
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     # not tl.sum/tl.zeros/tl.cdiv: those are @triton.jit library functions that the interpreted copy cannot call
@@ -135,7 +137,7 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, residual_ptr, norm_weight_ptr, out_ptr,
             sum_sq = tl.full((BLOCK_M, BLOCK_N, BLOCK_K), 0.0, tl.float32)
         else:
             sum_sq = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
-    if (NORM and PARTIAL) or ACT_QUANT:
+    if (NORM and PARTIAL) or ACT_QUANT == 1 or ACT_QUANT == 2:
         # a split sees part of K, and quantizing x needs its rows' amax: every program first sums its rows' squares
         # and takes their amax over all of K (x stays in L1/L2)
         if USE_DOT:
@@ -208,7 +210,7 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, residual_ptr, norm_weight_ptr, out_ptr,
                 x = tl.load(x_ptrs + k, mask=k_ok, other=0.0)
                 if NORM:
                     nw = tl.load(nw_ptrs + k, mask=k_ok, other=0.0)
-        if ACT_QUANT:
+        if ACT_QUANT == 1 or ACT_QUANT == 2:
             # the values the many-row path quantizes: x * norm weight by its amax (1/rms applied to the sums), or
             # the normed x by the static scale
             xf = x.to(tl.float32)
@@ -287,11 +289,14 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, residual_ptr, norm_weight_ptr, out_ptr,
             acc_up = acc_up * rstd
     if ACT_QUANT:
         # x's scale per row, times 1/rms where the quantized values are of x * norm weight
-        row_scale = x_scale_rows
-        if NORM and ACT_QUANT == 1:
-            row_scale = row_scale * rstd_rows
-        if USE_DOT:
-            row_scale = row_scale[:, None]
+        if ACT_QUANT == 3:
+            row_scale = tl.load(act_scale_ptr + x_rows)[:, None]
+        else:
+            row_scale = x_scale_rows
+            if NORM and ACT_QUANT == 1:
+                row_scale = row_scale * rstd_rows
+            if USE_DOT:
+                row_scale = row_scale[:, None]
         acc = acc * row_scale
         if GATED:
             acc_up = acc_up * row_scale

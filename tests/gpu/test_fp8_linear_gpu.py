@@ -141,6 +141,35 @@ def test_gemv_and_scaled_mm_round_a_row_alike(name, activations):
     assert _error(gemv_out, mm_out.float()) <= 2.0 ** -7
 
 
+@pytest.mark.parametrize("activations", ["dynamic", "static"])
+@pytest.mark.parametrize("M", [1, 4, 16])
+@pytest.mark.parametrize("name", ["llama-3.1-8b gate_up", "llama-3.1-8b down"])
+def test_rows_rounded_once_are_the_many_row_paths(name, M, activations):
+    """`round_rows` (the fp8 GEMV's pass before it) gives `quantize_rows_fp8`'s e4m3 values and scales on the GPU
+    (the same arithmetic in the same order, its loop unrolled), and the GEMV on them the numbers of the GEMV that
+    rounds x in every program: equal without the norm; with it 1/rms is summed in another order, so at most one
+    bf16 rounding of the output apart."""
+    from ember.kernels.fp8_gemm import quantize_rows_fp8
+    from ember.kernels.gemv_fp8 import gemv_fp8, round_rows, set_row_prepass
+    weight, scale, x, norm_weight, gated, residual = _case(name, M, None)
+    input_scale = torch.tensor([0.05], device="cuda") if activations == "static" else None
+    rounded, row_scale = round_rows(x, norm_weight, 1e-6, input_scale)
+    xq, x_scale = quantize_rows_fp8(x, norm_weight, 1e-6, input_scale)
+    assert torch.equal(rounded, xq.to(DTYPE)) and torch.equal(row_scale, x_scale.reshape(M))
+    outs = {}
+    for prepass in (True, False):
+        set_row_prepass(prepass)
+        try:
+            outs[prepass] = gemv_fp8(x, weight, scale, None, residual, activations=activations,
+                                     input_scale=input_scale, norm_weight=norm_weight, gated=gated)
+        finally:
+            set_row_prepass(True)
+    if norm_weight is None:
+        assert torch.equal(outs[True], outs[False])
+    else:
+        torch.testing.assert_close(outs[True], outs[False], rtol=2.0 ** -7, atol=0)
+
+
 def test_fp8_gemv_and_scaled_mm_replay_in_a_cuda_graph():
     weight, scale, _, norm_weight, gated, _ = _case("qwen3-0.6b gate_up", 1, None)
     outs, xs = {}, {m: torch.randn(m, weight.shape[1], device="cuda", dtype=DTYPE) for m in (1, 256)}
