@@ -184,8 +184,9 @@ def run(model: str, batch_sizes: list[int], k: int, acceptance_length: float, pr
         elapsed, outs = timed(plain, prompts[:b], params)
         off = sum(o != greedy_chain(p[-1], next_token, len(o)) for p, o in zip(prompts[:b], outs))
         if off:
-            raise RuntimeError(f"batch {b}: {off} of {b} greedy outputs left the peaked chain: the model's argmax is "
-                             f"not next_token[last token], so the acceptance asked for would not be the one measured")
+            raise RuntimeError(f"batch {b}: {off} of {b} greedy outputs left the peaked chain: the model's argmax "
+                               f"is not next_token[last token], so the acceptance asked for would not be the one "
+                               f"measured")
         recorded.update({tuple(p): p + o for p, o in zip(prompts[:b], outs)})
         results.append({"batch": b, "plain_async_tok_s": b * output_len / elapsed})
     release_engine(plain)
