@@ -147,7 +147,7 @@ def main() -> None:
     ap.add_argument("--num-layers", type=int, default=None, help="decoder layers (default: the config's)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--verify-buckets", nargs="+", choices=["on", "off"], default=["on"],
+    ap.add_argument("--verify-buckets", nargs="+", choices=["on", "off"], default=["off"],
                     help="FULL graphs of verify steps by request count (ember.graphs.dispatcher.VERIFY_BUCKETS); "
                          "'on off' runs speculation on an engine of each")
     ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
@@ -161,7 +161,7 @@ def main() -> None:
 
 
 def run(model: str, batch_sizes: list[int], k: int, acceptance_length: float, prompt_len: int, output_len: int,
-        profile: int = 0, verify_buckets: tuple[bool, ...] = (True,), **engine_kwargs) -> list[dict]:
+        profile: int = 0, verify_buckets: tuple[bool, ...] = (False,), **engine_kwargs) -> list[dict]:
     """Plain decoding (async, then synchronous) and speculation at `acceptance_length` per batch size, on `model`
     with peaked random weights; prints each batch size's figures as a JSON line and returns them. A speculative
     engine for each of `verify_buckets` (FULL graphs of verify steps by request count on / off). `profile` > 0:
@@ -192,12 +192,13 @@ def run(model: str, batch_sizes: list[int], k: int, acceptance_length: float, pr
     release_engine(plain)
     del plain
     rows = []
+    default_buckets = dispatcher_module.VERIFY_BUCKETS
     for buckets in verify_buckets:
         dispatcher_module.VERIFY_BUCKETS = buckets
         spec = LLM(model, **engine_kwargs,
                    speculative_config={"method": "ngram", "num_speculative_tokens": k,
                                        "disable_by_batch_size": max(largest, 1)})
-        dispatcher_module.VERIFY_BUCKETS = True
+        dispatcher_module.VERIFY_BUCKETS = default_buckets
         if peak_greedy(spec.engine.runner.model).tolist() != next_token:
             raise RuntimeError("the speculative engine's peaked chain differs from the plain engine's")
         rows += spec_runs(spec, results, buckets, prompts, recorded, params, k, acceptance_length, vocab, profile)

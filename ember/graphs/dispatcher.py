@@ -24,7 +24,7 @@ query tokens, at least one of them more than one, takes a FULL graph of R reques
 padded to the next decode size, where the backends support ALWAYS, or UNIFORM_BATCH when every request brings
 exactly k + 1 tokens (a mixed bucket would pad the rows to its token count, and attention would plan its query
 tile for one-token queries). Other steps, and every step under UNIFORM_SINGLE_TOKEN_DECODE, take the mixed path.
-`VERIFY_BUCKETS = False` turns them off (an A/B switch).
+`VERIFY_BUCKETS` (off by default: measured slower) turns them on.
 
 Short-context decode graphs: where the attention builders plan other kernels for a uniform-decode bucket whose
 requests are all short (`short_context_len(num_reqs)`, e.g. triton_unified's one-pass decode kernel instead of
@@ -49,8 +49,10 @@ logger = logging.getLogger("ember")
 
 M = CUDAGraphMode
 
-# FULL graphs of verify steps by request count (see the module docstring); False sends them down the mixed path
-VERIFY_BUCKETS = True
+# FULL graphs of verify steps by request count (see the module docstring). Off: on an H100 (Llama-3.1-8B config,
+# k = 4, acceptance length 3.0) the mixed-batch FULL graphs ran speculation 2-6% faster at batch 1, 8 and 32
+# (369 / 2,602 / 6,968 against 349 / 2,551 / 6,819 tok/s, benches/spec_decode.py --verify-buckets on off)
+VERIFY_BUCKETS = False
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from ember.config import CompileConfig
 from ember.graphs.buckets import (DEFAULT_CAPTURE_SIZES, decode_capture_sizes, default_capture_sizes, pad_to_bucket,
                                   resolve_capture_sizes, validate_capture_sizes)
 from ember.graphs.cuda_graph import CUDAGraphManager, CUDAGraphWrapper
+import ember.graphs.dispatcher as dispatcher_module
 from ember.graphs.dispatcher import CudaGraphDispatcher, min_support, resolve_modes
 from ember.graphs.modes import BatchDescriptor, CUDAGraphMode
 
@@ -223,7 +224,8 @@ def test_every_captured_descriptor_is_reachable():
 
 
 @pytest.mark.parametrize("mode, support", [(M.FULL, S.ALWAYS), (M.FULL_AND_PIECEWISE, S.UNIFORM_BATCH)])
-def test_verify_steps_take_full_graphs_by_request_count(mode, support):
+def test_verify_steps_take_full_graphs_by_request_count(mode, support, monkeypatch):
+    monkeypatch.setattr(dispatcher_module, "VERIFY_BUCKETS", True)
     # k = 4: R requests of at most 5 query tokens run in the FULL graph of R rows (padded to a decode size) and
     # 5 R tokens; 16 tokens a step at most, so 3 rows is the largest verify bucket
     dispatcher = CudaGraphDispatcher(mode, SIZES, max_num_seqs=8, support=support, verify_query_len=5,
