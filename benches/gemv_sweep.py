@@ -25,9 +25,10 @@ shape, and which kernel, each weight shape would pick on its own.
 `crossover`: each projection alone, ember's GEMV (with its fusions) against the same layer as separate kernels on
 cuBLAS, for 1..16 rows; the largest row count up to which the GEMV wins is what ember.kernels.gemv_routing stores
 (--write). `chain`: the whole step's projections at each row count, routed GEMV against torch's ops.
-`--fp8` (crossover): e4m3 weights with row scales (`ember::scaled_linear`): the fp8 GEMV against the many-row path
-(activations quantized per token, then `torch._scaled_mm`), stored in gemv_fp8_crossover.json (--write); the LM head
-stays bf16 and is left out. Its printed percentages count the fp8 bytes: the fp8 GEMV against copy bandwidth.
+`--fp8` (crossover, shapes): e4m3 weights with row scales (`ember::scaled_linear`, dynamic activations): crossover,
+the fp8 GEMV against the many-row path (activations quantized per token, then `torch._scaled_mm`), stored in
+gemv_fp8_crossover.json (--write); shapes, the fp8 GEMV's one-row launch shapes (no TMA kernel), stored in
+gemv_fp8_shapes.json (--write). The LM head stays bf16 and is left out. Printed percentages count the fp8 bytes.
 """
 
 from __future__ import annotations
@@ -184,12 +185,12 @@ TMA_MARGIN = 0.02
 TMA_CANDIDATES = [(block_n, 256, stages) for block_n in (8, 16, 32) for stages in (3, 4, 6)]
 
 
-def shapes(configs, bw, rounds: int = 2, write: bool = False, tp_sizes=(1,)) -> None:
+def shapes(configs, bw, rounds: int = 2, write: bool = False, tp_sizes=(1,), fp8: bool = False) -> None:
     """Each projection at one row under every (programs per SM, W tile bytes), `rounds` interleaved passes: its
     own best launch shape, against the constants (the first candidate), then each of TMA_CANDIDATES on the TMA
     kernel. `write`: store the shapes whose best took at least SHAPES_MARGIN less time for
     ember.kernels.gemv_routing.launch_shape, and the TMA shapes that took at least TMA_MARGIN less than what the
-    register kernel keeps for ember.kernels.gemv_routing.tma_shape."""
+    register kernel keeps for ember.kernels.gemv_routing.tma_shape. fp8: e4m3 weights, the register kernel only."""
     from ember.kernels import gemv_routing
     props = torch.cuda.get_device_properties(0)
     l2 = props.L2_cache_size
@@ -200,12 +201,14 @@ def shapes(configs, bw, rounds: int = 2, write: bool = False, tp_sizes=(1,)) -> 
     G.tma_shape = lambda *args: None
     try:
         for name, proj, op, weight in _projections(configs, tp_sizes):
-            floor = 1e6 * weight.numel() * weight.element_size() / bw
+            if fp8 and op is None:          # the LM head stays in the model's dtype
+                continue
+            floor = 1e6 * weight.numel() * (1 if fp8 else weight.element_size()) / bw
             times: dict[tuple[int, int], list[float]] = {c: [] for c in grid}
             for _ in range(rounds):
                 for pps, tile in grid:
                     _set(PROGRAMS_PER_SM=pps, W_TILE_BYTES=tile)
-                    times[(pps, tile)].append(_projection_us(op, weight, 1, l2, True))
+                    times[(pps, tile)].append(_projection_us(op, weight, 1, l2, True, fp8=fp8))
             mean = {c: sum(t) / len(t) for c, t in times.items()}
             for (pps, tile), us in mean.items():
                 print(f"shapes {name} {proj} {tuple(weight.shape)} programs/SM {pps} tile {tile}: "
@@ -220,7 +223,7 @@ def shapes(configs, bw, rounds: int = 2, write: bool = False, tp_sizes=(1,)) -> 
             if won:
                 stored.append(dict(n=weight.shape[0], k=weight.shape[1], gated=gated, programs_per_sm=best[0],
                                    w_tile_bytes=best[1], us=round(mean[best], 2), constants_us=round(mean[default], 2)))
-            tma = _tma_candidates(op, weight, l2, floor, f"{name} {proj} {tuple(weight.shape)}")
+            tma = None if fp8 else _tma_candidates(op, weight, l2, floor, f"{name} {proj} {tuple(weight.shape)}")
             if tma and tma[0] <= (1 - TMA_MARGIN) * kept:
                 block_n, block_k, stages = tma[1]
                 tma_stored.append(dict(n=weight.shape[0], k=weight.shape[1], gated=gated, block_n=block_n,
@@ -231,11 +234,12 @@ def shapes(configs, bw, rounds: int = 2, write: bool = False, tp_sizes=(1,)) -> 
         GC.launch_shape, G.tma_shape = table_lookup, tma_lookup
     if write:
         table = dict(command="PYTHONPATH=. python benches/gemv_sweep.py shapes --configs "
-                             + " ".join(configs) + _tp_flag(tp_sizes) + " --write",
-                     device=props.name, num_sms=props.multi_processor_count, element_size=2, shapes=stored,
-                     tma_shapes=tma_stored)
-        gemv_routing.SHAPES_PATH.write_text(json.dumps(table, indent=1) + "\n")
-        print(f"wrote {len(stored)} launch shapes to {gemv_routing.SHAPES_PATH}", flush=True)
+                             + " ".join(configs) + _tp_flag(tp_sizes) + (" --fp8" if fp8 else "") + " --write",
+                     device=props.name, num_sms=props.multi_processor_count, element_size=1 if fp8 else 2,
+                     shapes=stored, tma_shapes=tma_stored)
+        path = gemv_routing.FP8_SHAPES_PATH if fp8 else gemv_routing.SHAPES_PATH
+        path.write_text(json.dumps(table, indent=1) + "\n")
+        print(f"wrote {len(stored)} launch shapes to {path}", flush=True)
 
 
 def _tma_candidates(op, weight, l2: int, floor: float, label: str) -> tuple[float, tuple[int, int, int]] | None:
@@ -306,7 +310,7 @@ def main() -> None:
     p.add_argument("--rows", type=int, nargs="+", default=list(range(1, G.GEMV_MAX_M + 1)))
     p.add_argument("--tensor-parallel-sizes", type=int, nargs="+", default=[1], metavar="N",
                    help="crossover, shapes, resident: also each rank's shard of the projections at these sizes")
-    p.add_argument("--fp8", action="store_true", help="crossover: e4m3 weights (ember::scaled_linear)")
+    p.add_argument("--fp8", action="store_true", help="crossover, shapes: e4m3 weights (ember::scaled_linear)")
     args = p.parse_args()
     import ember.kernels.fused_linear  # noqa: F401  (registers ember::fused_linear)
     import ember.kernels.scaled_linear_op  # noqa: F401  (registers ember::scaled_linear)
@@ -315,7 +319,7 @@ def main() -> None:
     if args.what == "tiles":
         tiles(args.configs, bw)
     elif args.what == "shapes":
-        shapes(args.configs, bw, write=args.write, tp_sizes=args.tensor_parallel_sizes)
+        shapes(args.configs, bw, write=args.write, tp_sizes=args.tensor_parallel_sizes, fp8=args.fp8)
     elif args.what == "resident":
         resident(args.configs, bw, args.tensor_parallel_sizes)
     elif args.what == "chain":

@@ -15,6 +15,8 @@
 #   bash benches/run_gpu.sh moe_throughput   # the nano-vllm throughput workload, Qwen3-30B-A3B config
 #   bash benches/run_gpu.sh fp8           # fp8 weights and KV cache: batch-1 latency beside bf16, throughput, the
 #                                         # fp8 decode attention and GEMV benches, accuracy against bf16 (< 9 min)
+#   bash benches/run_gpu.sh fp8_gemv      # the fp8 GEMV's variants, its one-row launch shapes (written), Llama-3.1-8B
+#                                         # batch-1 latency in bf16, fp8, fp8 rounding inside the GEMV (< 9 min)
 #   bash benches/run_gpu.sh fallback [qwen3|llama|pythia]   # native vs the transformers fallback, throughput + batch 1
 #   [TOKENIZER=folder] bash benches/run_gpu.sh structured   # structured output: GPU tests, the throughput workload
 #                                         # unconstrained / one JSON schema / 64 schemas, bitmask in and after the graph
@@ -383,6 +385,26 @@ part_moe_throughput() {
 # attention over an fp8 cache; the fp8 GEMV against copy bandwidth and the many-row path (its crossover, written
 # to $OUT/gemv_fp8_crossover.json: copy it to ember/kernels/ to route by it); and the teacher-forced accuracy of the
 # default model against its bf16 run (FP8_MODEL=folder names the model where ember cannot fetch its default).
+# fp8_gemv, one call of under 9 minutes (the steps' limits add up to 510 s): the fp8 GEMV's variants beside the bf16
+# GEMV (activations rounded before the GEMV or inside it, CUDA or tensor cores, one-row launch shapes), the one-row
+# launch-shape sweep of e4m3 weights (written to ember/kernels/gemv_fp8_shapes.json, so the latencies after it route
+# by it, and copied to $OUT: copy it to ember/kernels/ to keep it), then Llama-3.1-8B batch-1 latency in bf16, with
+# fp8 weights, and with fp8 weights rounding the activations inside every GEMV program (EMBER_FP8_ROW_PREPASS=0).
+part_fp8_gemv() {
+  local lat="--batch-size 1 --input-len 32 --output-len 128 --num-iters 2"
+  run fp8_gemv_modes 150 python3 benches/experiments/fp8_gemv_modes.py --rows 1 4 --shapes
+  run fp8_gemv_shapes 150 python3 benches/gemv_sweep.py shapes --fp8 --configs llama-3.2-1b llama-3.1-8b --write
+  cp ember/kernels/gemv_fp8_shapes.json "$OUT/" 2>/dev/null
+  run fp8g_llama8b_bf16 70 python3 -m ember bench latency --config llama-3.1-8b $lat
+  run fp8g_llama8b_fp8 70 python3 -m ember bench latency --config llama-3.1-8b $lat --quantization fp8
+  run fp8g_llama8b_fp8_in_gemv 70 env EMBER_FP8_ROW_PREPASS=0 python3 -m ember bench latency --config llama-3.1-8b \
+    $lat --quantization fp8
+  echo "== summary"
+  grep -h "gate_up\|down" "$OUT/fp8_gemv_modes.log" | grep "M= 1"
+  grep -h "best" "$OUT/fp8_gemv_shapes.log"
+  grep -h "formats\|decode \|TPOT" "$OUT"/fp8g_*.log
+}
+
 part_fp8() {
   local lat="--batch-size 1 --input-len 32 --output-len 128 --num-iters 2"
   run latency_llama8b_bf16 70 python3 -m ember bench latency --config llama-3.1-8b $lat \
@@ -440,7 +462,7 @@ part_fallback() {
 part=${1:-}
 [ $# -gt 0 ] && shift
 case "$part" in
-  decode|throughput|headline|serve|serve_dp|startup|flash|fusion|ab|moe|moe_sweep|moe_throughput|fp8|\
+  decode|throughput|headline|serve|serve_dp|startup|flash|fusion|ab|moe|moe_sweep|moe_throughput|fp8|fp8_gemv|\
   fallback|structured|tp2|tp2_collectives|tp4) mkdir -p "$OUT" ;;
 esac
 case "$part" in
@@ -457,13 +479,14 @@ case "$part" in
   moe_sweep) part_moe_sweep "$@" ;;
   moe_throughput) part_moe_throughput ;;
   fp8) part_fp8 ;;
+  fp8_gemv) part_fp8_gemv ;;
   fallback) part_fallback "$@" ;;
   structured) part_structured ;;
   tp2) part_tp2 ;;
   tp2_collectives) part_tp2_collectives ;;
   tp4) part_tp4 ;;
   *) echo "usage: bash benches/run_gpu.sh decode|throughput|headline|serve|serve_dp|startup [MODEL ...]|flash|fusion|ab|" \
-          "moe|moe_sweep [CONFIG]|moe_throughput|fp8|fallback [qwen3|llama|pythia]|structured|" \
+          "moe|moe_sweep [CONFIG]|moe_throughput|fp8|fp8_gemv|fallback [qwen3|llama|pythia]|structured|" \
           "tp2_collectives|tp2|tp4" >&2
      exit 2 ;;
 esac

@@ -5,7 +5,7 @@ Launch parameters come from `gemv_config`, a pure function of (M, N, K, SMs, ele
 nothing is timed at run time, so the first call for a shape (before CUDA-graph capture, as the engine does) only
 compiles, and every process picks the same kernels. At one row, a weight shape measured faster under another
 (programs per SM, W tile bytes) on a GPU of the same SM count takes that pair from a stored table
-(`gemv_routing.launch_shape`, gemv_shapes.json); the others take the constants.
+(`gemv_routing.launch_shape`, gemv_shapes.json; e4m3 weights gemv_fp8_shapes.json); the others take the constants.
 """
 
 from __future__ import annotations
@@ -67,7 +67,12 @@ def gemv_config(M: int, N: int, K: int, num_sms: int, element_size: int = 2,
     vec = 16 // element_size                       # elements of one 16-byte load
     tile = tile_bytes // element_size              # elements of W per program per K step
     min_block_k = max(vec, MIN_BLOCK_K_BYTES // element_size)
-    threads = 32 * NUM_WARPS
+    num_warps = NUM_WARPS
+    if not use_dot and tile > PRODUCT_REGS * 32 * num_warps:
+        # a tile of more values than 4 warps' products hold (a stored 16 KiB shape of 1-byte weights): 8 warps keep
+        # its bytes, where cutting it would leave the 8 KiB tile that the shape was measured against
+        num_warps = 2 * NUM_WARPS
+    threads = 32 * num_warps
     if use_dot:
         block_m, block_n = DOT_BLOCK, DOT_BLOCK
         block_k = tile // block_n
@@ -102,7 +107,7 @@ def gemv_config(M: int, N: int, K: int, num_sms: int, element_size: int = 2,
     steps_per_split = -(-k_steps // split_k)
     split_k = -(-k_steps // steps_per_split)       # no empty split
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
-                K_PER_SPLIT=steps_per_split * block_k, USE_DOT=use_dot, ACC_3D=acc_3d, num_warps=NUM_WARPS,
+                K_PER_SPLIT=steps_per_split * block_k, USE_DOT=use_dot, ACC_3D=acc_3d, num_warps=num_warps,
                 num_stages=DOT_NUM_STAGES if use_dot else 1)
 
 

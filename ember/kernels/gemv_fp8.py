@@ -16,11 +16,14 @@ A row's scale needs all of its K first. `round_rows` computes it once a call, in
 (`quantize_rows_fp8`'s arithmetic in the same order, its loop unrolled so that a row's loads are all in flight at
 once), and writes the rounded row as e4m3 values in x's dtype (exact in bfloat16, float16 and float32) with the
 row's scale (times 1/rms); the GEMV then runs weight-only's K loop on it and scales the sums by row (ACT_QUANT 3).
-Done inside the GEMV instead (`set_row_prepass(False)`, kept for A/B runs), every program first walks all of K for
-the amax and 1/rms and rounds x again at every step: on an H100 about twice weight-only's time at one row.
+Done inside the GEMV instead (`set_row_prepass(False)`, or EMBER_FP8_ROW_PREPASS=0 for a whole process: A/B runs),
+every program first walks all of K for the amax and 1/rms and rounds x again at every step: on an H100 about twice
+weight-only's time at one row.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -37,7 +40,7 @@ ACTIVATIONS = {"none": 0, "dynamic": 1, "static": 2}     # how x is rounded to e
 ROUNDED = 3                  # ACT_QUANT of a GEMV on `round_rows`' output
 ROW_BLOCK = 1024             # elements a step of `round_rows` (quantize_rows_fp8's, for the same sums)
 
-_row_prepass = True
+_row_prepass = os.environ.get("EMBER_FP8_ROW_PREPASS", "1") != "0"      # an A/B switch (module docstring)
 
 
 def set_row_prepass(on: bool) -> None:

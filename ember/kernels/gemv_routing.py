@@ -17,12 +17,13 @@ import os
 import warnings
 from pathlib import Path
 
-__all__ = ["FP8_TABLE_PATH", "SHAPES_PATH", "TABLE_PATH", "gemv_fp8_max_rows", "gemv_max_rows", "launch_shape",
-           "load_shapes", "load_table", "tma_shape"]
+__all__ = ["FP8_SHAPES_PATH", "FP8_TABLE_PATH", "SHAPES_PATH", "TABLE_PATH", "gemv_fp8_max_rows", "gemv_max_rows",
+           "launch_shape", "load_shapes", "load_table", "tma_shape"]
 
 TABLE_PATH = Path(__file__).with_name("gemv_crossover.json")
 FP8_TABLE_PATH = Path(__file__).with_name("gemv_fp8_crossover.json")
 SHAPES_PATH = Path(__file__).with_name("gemv_shapes.json")
+FP8_SHAPES_PATH = Path(__file__).with_name("gemv_fp8_shapes.json")      # e4m3 weights (element size 1)
 FALLBACK_MAX_ROWS = 1
 
 
@@ -88,6 +89,10 @@ def gemv_fp8_max_rows(n: int, k: int, gated: bool) -> int:
 #
 #     PYTHONPATH=. python benches/gemv_sweep.py shapes --configs qwen3-0.6b llama-3.2-1b llama-3.1-8b --write
 #
+# and for e4m3 weights (the fp8 GEMV after its activation rounding; gemv_fp8_shapes.json, element size 1) by
+#
+#     PYTHONPATH=. python benches/gemv_sweep.py shapes --fp8 --configs qwen3-0.6b llama-3.2-1b llama-3.1-8b --write
+#
 # (each projection alone, weights rotated out of L2, under every (programs per SM, W tile bytes); a shape is stored
 # where its best pair took at least `shapes`' margin less time than the constants). An entry holds for GPUs of the
 # SM count it was measured on; EMBER_GEMV_SHAPES=0 leaves every shape on the constants.
@@ -116,7 +121,9 @@ def load_tma_shapes(path: Path = SHAPES_PATH) -> dict[tuple[int, int, bool, int,
 
 @functools.cache
 def _shapes() -> dict:
-    return {} if os.environ.get("EMBER_GEMV_SHAPES", "1") == "0" else load_shapes()
+    # the bf16 and the fp8 documents: their keys differ by element size
+    return {} if os.environ.get("EMBER_GEMV_SHAPES", "1") == "0" else {**load_shapes(SHAPES_PATH),
+                                                                       **load_shapes(FP8_SHAPES_PATH)}
 
 
 @functools.cache

@@ -106,6 +106,30 @@ def test_a_stored_launch_shape_changes_one_row_of_its_weight_shape_on_its_sm_cou
     assert stored[1:] == constants[1:]
 
 
+def test_fp8_launch_shapes_come_from_their_own_document(tmp_path, monkeypatch):
+    """The fp8 document (element size 1) is read beside the bf16 one: its entry changes one row of an e4m3 weight of
+    its shape, and the bf16 weight of that shape keeps the constants."""
+    fp8 = tmp_path / "fp8.json"
+    fp8.write_text(json.dumps({"num_sms": 132, "element_size": 1, "shapes": [
+        dict(n=4096, k=4096, gated=False, programs_per_sm=4, w_tile_bytes=16384)]}))
+    monkeypatch.setattr(R, "SHAPES_PATH", _shapes_file(tmp_path))
+    monkeypatch.setattr(R, "FP8_SHAPES_PATH", fp8)
+    shapes = R._shapes.__wrapped__()
+    assert shapes == {(6144, 4096, False, 132, 2): (8, 16384), (4096, 4096, False, 132, 1): (4, 16384)}
+    monkeypatch.setattr(R, "_shapes", lambda: shapes)
+    GC.cached_config.cache_clear()
+    try:
+        fp8_config, bf16_config = (G.gemv_config(1, 4096, 4096, 132, size) for size in (1, 2))
+    finally:
+        GC.cached_config.cache_clear()
+    # 4 programs per SM: 4096 // (4 * 132) = 7 columns, rounded down to 4; a 16 KiB tile of 1-byte values, on 8
+    # warps (64 products a thread)
+    assert fp8_config["BLOCK_N"] == 4 and fp8_config["BLOCK_N"] * fp8_config["BLOCK_K"] == 16384
+    assert fp8_config["num_warps"] == 8
+    assert bf16_config["BLOCK_N"] == 8 and bf16_config["BLOCK_N"] * bf16_config["BLOCK_K"] * 2 == GC.W_TILE_BYTES
+    assert bf16_config["num_warps"] == GC.NUM_WARPS
+
+
 def test_a_missing_shapes_table_is_empty_and_a_corrupt_one_warns(tmp_path):
     assert R.load_shapes(tmp_path / "absent.json") == {}
     bad = tmp_path / "bad.json"
