@@ -18,7 +18,7 @@
 #   bash benches/run_gpu.sh fp8_gemv      # the fp8 GEMV's variants, its one-row launch shapes (written), Llama-3.1-8B
 #                                         # batch-1 latency in bf16, fp8, fp8 rounding inside the GEMV (< 9 min)
 #   bash benches/run_gpu.sh fallback [qwen3|llama|pythia]   # native vs the transformers fallback, throughput + batch 1
-#   [TOKENIZER=folder] bash benches/run_gpu.sh structured   # structured output: GPU tests, the throughput workload
+#   [TOKENIZER=folder] bash benches/run_gpu.sh structured   # structured output: GPU tests, host grammar work, throughput
 #                                         # unconstrained / one JSON schema / 64 schemas, bitmask in and after the graph
 #   bash benches/run_gpu.sh tp2_collectives   # 2 GPUs: the all-reduce bench (NCCL vs one-shot), the TP GPU tests
 #   bash benches/run_gpu.sh tp2           # 2 GPUs: Llama-3.1-8B batch 1 and nano-vllm throughput, TP=1 against TP=2
@@ -55,12 +55,14 @@ part_decode() {
 part_structured() {
   local tok=${TOKENIZER:-.bench_tokenizer} args="--config qwen3-0.6b --structured-output json --num-schemas 64"
   run structured_tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_structured_gpu.py
+  run grammar_host 60 python3 benches/grammar_host.py --tokenizer "$tok"
   run structured_in_graph 180 python3 -m ember bench throughput $args --tokenizer "$tok" \
     --json "$OUT/structured_in_graph.json"
   run structured_after_graph 180 env EMBER_GRAMMAR_MASK_IN_GRAPH=0 python3 -m ember bench throughput $args \
     --tokenizer "$tok" --json "$OUT/structured_after_graph.json"
   echo "== summary"
   grep -h "passed\|failed" "$OUT/structured_tests.log" | tail -1
+  grep -h "rows,\|schema" "$OUT/grammar_host.log"
   grep -h "unconstrained\|schema\|vocabulary" "$OUT"/structured_in_graph.log "$OUT"/structured_after_graph.log
 }
 

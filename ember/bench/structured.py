@@ -50,15 +50,19 @@ def run_structured_throughput(llm, workload: Workload, temperature: float, num_s
         engine.kv.pool.reset_prefix_cache()
         first = 0 if count == 1 else 1000      # schemas no earlier run compiled
         schemas = [StructuredOutputsParams(json=bench_schema(first + i)) for i in range(count)]
-        compiled, compile_s = structured.compiler.num_compiled, structured.compiler.compile_s
+        compiler = structured.compiler
+        compiled, compile_s, lanes, lanes_s = (compiler.num_compiled, compiler.compile_s, compiler.num_lanes,
+                                               compiler.lanes_s)
         before = dataclasses.replace(structured.stats)
         figures = run(llm, workload, temperature, False, schemas)
         after = structured.stats
         steps = max(after.num_steps - before.num_steps, 1)
         figures.update(
             ratio=figures["output_tok_s"] / plain["output_tok_s"],
-            grammars_compiled=structured.compiler.num_compiled - compiled,
-            compile_s=structured.compiler.compile_s - compile_s,
+            grammars_compiled=compiler.num_compiled - compiled,
+            compile_s=compiler.compile_s - compile_s,
+            lanes_compiled=compiler.num_lanes - lanes,
+            lanes_s=compiler.lanes_s - lanes_s,
             constrained_steps=after.num_steps - before.num_steps,
             bitmask_before_forward_steps=after.num_before_forward - before.num_before_forward,
             rows_per_step=(after.num_rows - before.num_rows) / steps,
@@ -78,10 +82,11 @@ def structured_rows(result: dict) -> list[tuple[str, str]]:
         rows.append((name.replace("_", " "),
                      f"{figures['output_tok_s']:,.1f} output tok/s ({figures['ratio']:.3f}x), "
                      f"{figures['output_tokens']:,} tokens in {figures['num_steps']:,} steps; "
-                     f"{figures['grammars_compiled']} grammars compiled in {figures['compile_s']:.3f} s (thread "
-                     f"time); per step: {figures['rows_per_step']:.1f} rows, wait {figures['wait_ms_per_step']:.3f} "
-                     f"ms, advance {figures['advance_ms_per_step']:.3f} ms, fill {figures['fill_ms_per_step']:.3f} "
-                     f"ms; bitmask before the forward in {figures['bitmask_before_forward_steps']} of "
+                     f"{figures['grammars_compiled']} grammars compiled in {figures['compile_s']:.3f} s, "
+                     f"{figures['lanes_compiled']} more lanes in {figures['lanes_s']:.3f} s (thread time); per step: "
+                     f"{figures['rows_per_step']:.1f} rows, wait {figures['wait_ms_per_step']:.3f} ms, advance "
+                     f"{figures['advance_ms_per_step']:.3f} ms, fill {figures['fill_ms_per_step']:.3f} ms; bitmask "
+                     f"before the forward in {figures['bitmask_before_forward_steps']} of "
                      f"{figures['constrained_steps']} steps"))
     rows.append(("vocabulary", f"converted for the grammar engine in {result['tokenizer_s']:.2f} s (once)"))
     return rows

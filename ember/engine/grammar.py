@@ -3,7 +3,12 @@
 A request's `StructuredOutputsParams` becomes an llguidance grammar. `check_grammar` checks it without a tokenizer
 (a malformed schema, regex or grammar is a ValueError naming the problem) where the request arrives. The engine's
 `GrammarCompiler` then compiles it against the model's vocabulary in a thread pool, once per distinct value
-(`StructuredOutputsParams.key`), and keeps the result: a matcher in its start state, which each request copies.
+(`StructuredOutputsParams.key`), and keeps the result: matchers in their start state, which requests copy.
+
+A copy of a matcher (llguidance's `deep_copy`) shares the original's lexer, and the lock around it, with every other
+copy: the masks and tokens of all the requests copied from one matcher are computed one at a time, however many
+threads the step gives them. So a grammar that many requests share is compiled again into independent lanes (each
+its own lexer and lock, about one compile's time each, in the pool), and its requests are dealt to them in turns.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from ember.sampling_params import StructuredOutputsParams
 logger = logging.getLogger("ember")
 
 MAX_CACHED_GRAMMARS = 1024     # distinct compiled grammars kept (least recently used go first)
+LANE_REQUESTS = 4              # requests of one grammar dealt to a lane before the next lane (up to max_lanes)
 # how an error names what failed to compile
 _WHAT = {"json": "the JSON schema", "json_object": "the JSON object grammar", "regex": "the regex",
          "choice": "the choice", "grammar": "the grammar"}
@@ -88,37 +94,61 @@ def check_grammar(params: StructuredOutputsParams) -> None:
         raise ValueError(f"{_WHAT[params.kind]} cannot be compiled: {error.strip()}")
 
 
+class _Lanes:
+    """One distinct grammar's compiles: lane 0 (the compile that may fail) and the lanes opened since."""
+    __slots__ = ("futures", "num_requests")
+
+    def __init__(self, first: Future):
+        self.futures = [first]
+        self.num_requests = 0
+
+
 class GrammarCompiler:
     """Compiles grammars against one vocabulary in a thread pool (llguidance drops the GIL while it builds one),
-    once per distinct `StructuredOutputsParams.key`. `submit(params)` returns a Future of the matcher in its start
-    state, or of the ValueError that refused the grammar; any thread may call it."""
+    once per distinct `StructuredOutputsParams.key`, and again into up to `max_lanes` independent lanes for a grammar
+    that many requests share (`LANE_REQUESTS` requests a lane, in turns). `submit(params)` returns a Future of the
+    matcher in its start state that the next request of `params` copies, or of the ValueError that refused the
+    grammar; any thread may call it."""
 
-    def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...], max_workers: int = 2):
+    def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...], max_workers: int = 2,
+                 max_lanes: int = 1):
+        if max_lanes < 1:
+            raise ValueError(f"max_lanes is {max_lanes}; a grammar needs at least one lane")
         self.vocab_size = vocab_size
+        self.max_lanes = max_lanes
         self._hf_tokenizer = hf_tokenizer
         self._eos = list(eos_token_ids)
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="ember-grammar")
-        self._cache: OrderedDict[tuple, Future] = OrderedDict()
+        self._cache: OrderedDict[tuple, _Lanes] = OrderedDict()
         self._lock = threading.Lock()
         self._tokenizer = None
         self._tokenizer_lock = threading.Lock()
-        self.num_compiled = 0
-        self.compile_s = 0.0          # seconds spent compiling, summed over the pool's threads
+        self.num_compiled = 0         # distinct grammars compiled (lane 0 of each)
+        self.compile_s = 0.0          # seconds spent compiling them, summed over the pool's threads
+        self.num_lanes = 0            # further lanes compiled
+        self.lanes_s = 0.0            # seconds spent compiling those
         self.tokenizer_s = 0.0        # the vocabulary's one-time conversion
 
     def submit(self, params: StructuredOutputsParams) -> Future:
-        """The compiled grammar of `params`: cached, or compiling, or submitted now."""
+        """The compiled grammar of `params` for its next request: the lane its turn falls on, cached, or compiling,
+        or submitted now (lane 0, where a failed compile is found, stands for every lane once it has failed)."""
         key = params.key
         with self._lock:
-            future = self._cache.get(key)
-            if future is not None:
+            lanes = self._cache.get(key)
+            if lanes is None:
+                lanes = self._cache[key] = _Lanes(self._pool.submit(self._compile, params, 0))
+                if len(self._cache) > MAX_CACHED_GRAMMARS:
+                    self._cache.popitem(last=False)
+            else:
                 self._cache.move_to_end(key)
-                return future
-            future = self._pool.submit(self._compile, params)
-            self._cache[key] = future
-            if len(self._cache) > MAX_CACHED_GRAMMARS:
-                self._cache.popitem(last=False)
-        return future
+            turn = lanes.num_requests // LANE_REQUESTS % self.max_lanes
+            lanes.num_requests += 1
+            first = lanes.futures[0]
+            if turn == 0 or (first.done() and first.exception() is not None):
+                return first
+            if turn == len(lanes.futures):      # lanes open in order
+                lanes.futures.append(self._pool.submit(self._compile, params, turn))
+            return lanes.futures[turn]
 
     def _ll_tokenizer(self):
         """llguidance's view of the model's vocabulary, built once (about a second for 50k tokens)."""
@@ -137,7 +167,7 @@ class GrammarCompiler:
                 self.tokenizer_s = time.perf_counter() - start
             return self._tokenizer
 
-    def _compile(self, params: StructuredOutputsParams):
+    def _compile(self, params: StructuredOutputsParams, lane: int):
         tokenizer = self._ll_tokenizer()
         start = time.perf_counter()
         grammar = grammar_text(params)
@@ -146,8 +176,12 @@ class GrammarCompiler:
             raise ValueError(f"{_WHAT[params.kind]} cannot be compiled: {matcher.get_error().strip()}")
         elapsed = time.perf_counter() - start
         with self._lock:
-            self.num_compiled += 1
-            self.compile_s += elapsed
+            if lane == 0:
+                self.num_compiled += 1
+                self.compile_s += elapsed
+            else:
+                self.num_lanes += 1
+                self.lanes_s += elapsed
         return matcher
 
     def close(self) -> None:

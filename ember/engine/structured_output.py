@@ -46,13 +46,15 @@ def check_request(params: StructuredOutputsParams, config, tokenizer) -> None:
 
 
 class RequestGrammar:
-    """One request's grammar: the compile it waits for, then its own matcher (a copy of the compiled one)."""
-    __slots__ = ("future", "matcher", "error")
+    """One request's grammar: the compile it waits for, then its own matcher (a copy of the compiled one, which
+    shares that one's lexer and lock: `lane` tells which)."""
+    __slots__ = ("future", "matcher", "error", "lane")
 
     def __init__(self, future: Future):
         self.future = future
         self.matcher = None
         self.error: str | None = None          # why the matcher refused a token (the request is then ended)
+        self.lane = 0
 
     @property
     def ready(self) -> bool:
@@ -60,7 +62,9 @@ class RequestGrammar:
         if self.matcher is None:
             if not self.future.done() or self.future.exception() is not None:
                 return False
-            self.matcher = self.future.result().deep_copy()
+            compiled = self.future.result()
+            self.matcher = compiled.deep_copy()
+            self.lane = id(compiled)
         return True
 
     @property
@@ -89,10 +93,12 @@ class GrammarStats:
 class StructuredOutputs:
     """The engine's structured-output state: the grammar compiler and the requests still compiling."""
 
-    def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...]):
+    def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...], threads: int | None = None):
         llg = llguidance()
-        threads = max(1, min(16, (os.cpu_count() or 2) - 1))
-        self.compiler = GrammarCompiler(hf_tokenizer, vocab_size, eos_token_ids, max_workers=min(4, threads))
+        threads = threads or max(1, min(16, (os.cpu_count() or 2) - 1))     # the host's cores less the step thread's
+        # as many lanes as threads: a step's rows, grouped by lane, give each thread a lock of its own
+        self.compiler = GrammarCompiler(hf_tokenizer, vocab_size, eos_token_ids, max_workers=min(4, threads),
+                                        max_lanes=threads)
         self.executor = llg.LLExecutor(threads)
         self._compiling: dict[str, tuple[Request, RequestGrammar]] = {}
         self._llg_torch = llg.torch
@@ -183,6 +189,7 @@ class StructuredOutputs:
             if req.status is RequestStatus.RUNNING and req.grammar.error is None:
                 pairs.append((req, int(sampled_token_ids[row])))
         if len(pairs) >= PARALLEL_MIN_ROWS:
+            pairs.sort(key=lambda pair: pair[0].grammar.lane)      # a lane's rows together, on one thread
             accepted = self._llg_torch.consume_token_par(self.executor, [(r.grammar.matcher, t) for r, t in pairs])
         else:
             accepted = [r.grammar.matcher.consume_token(t) for r, t in pairs]
@@ -197,17 +204,19 @@ class StructuredOutputs:
         """Write the next-token bitmask of each constrained row of `out` into `bitmask` [k, words] int32 (row j for
         the step's j-th constrained row); returns k."""
         rows = out.step.grammar_rows
-        pairs = []
+        entries = []
         for j, row in enumerate(rows):
             grammar = out.scheduled[row].request.grammar
             if grammar.error is not None:
                 bitmask[j].fill_(-1)        # the request ends before this row's token is read
             else:
-                pairs.append((grammar.matcher, j))
-        if len(pairs) >= 2:
-            self._llg_torch.fill_next_token_bitmask_par(self.executor, pairs, bitmask[:len(rows)])
-        elif pairs:
-            self._llg_torch.fill_next_token_bitmask(pairs[0][0], bitmask, pairs[0][1])
+                entries.append((grammar.lane, j, grammar.matcher))
+        if len(entries) >= 2:
+            entries.sort(key=lambda entry: entry[0])     # a lane's rows together, on one thread
+            self._llg_torch.fill_next_token_bitmask_par(self.executor, [(m, j) for _, j, m in entries],
+                                                        bitmask[:len(rows)])
+        elif entries:
+            self._llg_torch.fill_next_token_bitmask(entries[0][2], bitmask, entries[0][1])
         return len(rows)
 
     def close(self) -> None:
