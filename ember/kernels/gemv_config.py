@@ -68,9 +68,10 @@ def gemv_config(M: int, N: int, K: int, num_sms: int, element_size: int = 2,
     tile = tile_bytes // element_size              # elements of W per program per K step
     min_block_k = max(vec, MIN_BLOCK_K_BYTES // element_size)
     num_warps = NUM_WARPS
-    if not use_dot and tile > PRODUCT_REGS * 32 * num_warps:
+    if not use_dot and max_block_k is None and tile > PRODUCT_REGS * 32 * num_warps:
         # a tile of more values than 4 warps' products hold (a stored 16 KiB shape of 1-byte weights): 8 warps keep
-        # its bytes, where cutting it would leave the 8 KiB tile that the shape was measured against
+        # its bytes, where cutting it would leave the 8 KiB tile that the shape was measured against (block scales
+        # cap a step at one block column, far below)
         num_warps = 2 * NUM_WARPS
     threads = 32 * num_warps
     if use_dot:

@@ -120,12 +120,15 @@ def test_fp8_launch_shapes_come_from_their_own_document(tmp_path, monkeypatch):
     GC.cached_config.cache_clear()
     try:
         fp8_config, bf16_config = (G.gemv_config(1, 4096, 4096, 132, size) for size in (1, 2))
+        block_config = G.gemv_config(1, 4096, 4096, 132, 1, max_block_k=128)
     finally:
         GC.cached_config.cache_clear()
     # 4 programs per SM: 4096 // (4 * 132) = 7 columns, rounded down to 4; a 16 KiB tile of 1-byte values, on 8
     # warps (64 products a thread)
     assert fp8_config["BLOCK_N"] == 4 and fp8_config["BLOCK_N"] * fp8_config["BLOCK_K"] == 16384
     assert fp8_config["num_warps"] == 8
+    # block scales: a step within one 128-column block, so the tile is 16 x 128 on 4 warps
+    assert (block_config["BLOCK_N"], block_config["BLOCK_K"], block_config["num_warps"]) == (16, 128, GC.NUM_WARPS)
     assert bf16_config["BLOCK_N"] == 8 and bf16_config["BLOCK_N"] * bf16_config["BLOCK_K"] * 2 == GC.W_TILE_BYTES
     assert bf16_config["num_warps"] == GC.NUM_WARPS
 
