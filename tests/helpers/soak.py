@@ -151,9 +151,29 @@ def total(values: dict[str, float], name: str, **labels: str) -> float:
 
 
 HELD = ("server", "engine", "runner")
-# each process's resident memory: the front end's (HTTP, text) and the engine core's (the model, the cache on a CPU)
+# each process's resident memory as /metrics reports it: the front end's (HTTP, text) and the engine core's (the
+# model, the cache on a CPU)
 RESIDENT = {"front end": "process_resident_memory_bytes",
             "engine core": 'ember_engine_core_resident_memory_bytes{replica="0"}'}
+
+
+def server_pids(proc, log_path) -> dict[str, int]:
+    """{"front end": pid, "engine core": pid} of an `ember serve` started by `ember_serve` (its log names the
+    core's pid)."""
+    core = re.search(r"engine cores 0: pid (\d+)", open(log_path).read())
+    if core is None:
+        raise AssertionError(f"the server's log names no engine core pid: {open(log_path).read()[-2000:]}")
+    return {"front end": proc.pid, "engine core": int(core.group(1))}
+
+
+def anonymous_resident(pid: int) -> int:
+    """Bytes of a process's anonymous resident memory (RssAnon: its heaps and tensors; not the mapped files, such as
+    torch's libraries, whose clean pages the kernel drops and reads back under memory pressure)."""
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError(f"no RssAnon in /proc/{pid}/status")
 
 
 def wait_idle(base_url: str, timeout: float = 60.0) -> dict[str, float]:
