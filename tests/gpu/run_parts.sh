@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU test suite in parts that each fit one 10-minute device call, with a per-file time limit and a table last:
-#   bash tests/gpu/run_parts.sh 1      (then 2, 3, 4, 5, 6, 7, 8, 9 and 10)
+#   bash tests/gpu/run_parts.sh 1      (then 2 to 12)
 # Seconds per file on an H100 (measured, with Python start-up): graphs_engine 168, graphs_toy 30, sampling 12,
 # gemv 22, fused_linear 23, fusion_model 59 (part 1: 314); triton_unified 229, parity 143 (part 2: 372);
 # flash 116, flash_engine 53, kv_sharing 90, engine_release 53, kernels_per_layer 101 (part 3: ~413); jit_warmup 85
@@ -19,10 +19,12 @@ case "${1:-}" in
   6) FILES="test_fp8_linear_gpu test_fp8_kv_gpu" ;;     # fp8 weights (GEMV, _scaled_mm, block GEMM) and KV cache
   7) FILES="test_transformers_fallback_gpu"; LIMIT=${LIMIT:-560} ;;   # the transformers fallback (not yet timed)
   8) FILES="test_engine_process_gpu" ;;     # the engine core in its own process; data parallel on 2 GPUs (not yet timed)
-  # every backend x bundled config's largest steps, the small configs then the big ones (not yet timed)
-  9) FILES="test_memory_reservation_gpu"; SELECT="not big"; LIMIT=${LIMIT:-540} ;;
-  10) FILES="test_memory_reservation_gpu"; SELECT="big"; LIMIT=${LIMIT:-540} ;;
-  *) echo "usage: $0 1|2|3|4|5|6|7|8|9|10" >&2; exit 2 ;;
+  # every backend x bundled config's largest steps in four groups of configs (not yet timed)
+  9) FILES="test_memory_reservation_gpu"; SELECT="first or default or refused"; LIMIT=${LIMIT:-540} ;;
+  10) FILES="test_memory_reservation_gpu"; SELECT="second"; LIMIT=${LIMIT:-540} ;;
+  11) FILES="test_memory_reservation_gpu"; SELECT="big"; LIMIT=${LIMIT:-540} ;;
+  12) FILES="test_memory_reservation_gpu"; SELECT="huge"; LIMIT=${LIMIT:-540} ;;
+  *) echo "usage: $0 1|2|3|4|5|6|7|8|9|10|11|12" >&2; exit 2 ;;
 esac
 LIMIT=${LIMIT:-280}
 rm -f "$OUT/summary.$1"

@@ -8,11 +8,12 @@ allocated before each stays within the profiled activations plus the backend's d
 starts short; one more case starts the default configuration (compiled, CUDA graphs, warm-up) of the Qwen3-0.6B
 config. A backend that does not run on CUDA (cpu_sdpa) is checked to be refused at start-up.
 
-In two parts, each one device call of under 9 minutes (run_parts.sh 9 and 10): the small configs, then the big
-ones:
+In four parts (`bash tests/gpu/run_parts.sh 9`, then 10, 11 and 12), each one device call of under 9 minutes:
 
-    PYTHONPATH=. python -m pytest -q -m gpu tests/gpu/test_memory_reservation_gpu.py -k "not big" --durations=0
-    PYTHONPATH=. python -m pytest -q -m gpu tests/gpu/test_memory_reservation_gpu.py -k big --durations=0
+    PYTHONPATH=. python -m pytest -q -m gpu tests/gpu/test_memory_reservation_gpu.py -k "first or default or refused"
+    PYTHONPATH=. python -m pytest -q -m gpu tests/gpu/test_memory_reservation_gpu.py -k second
+    PYTHONPATH=. python -m pytest -q -m gpu tests/gpu/test_memory_reservation_gpu.py -k big
+    PYTHONPATH=. python -m pytest -q -m gpu tests/gpu/test_memory_reservation_gpu.py -k huge
 """
 
 from __future__ import annotations
@@ -31,14 +32,20 @@ from ember.runner.warmup import GREEDY, PROFILE_SAMPLING
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 GiB = 2 ** 30
-# configs of 8B parameters and more: their cases (131,072 tokens of context for the Llamas) take most of the time
-# (part 10, `-k big`)
-BIG = ("llama-3.1-8b", "llama-3.1-70b", "mixtral-8x7b", "qwen3-30b-a3b")
-
+# the cases in four groups, each one device call of under 9 minutes (run_parts.sh 9 to 12), by the id's last word:
+# the smallest configs ("first", with the default configuration and the refusals), the 1B configs of long contexts
+# ("second": 131,072 tokens for Llama-3.2-1B), Llama-3.1-8B ("big") and the larger ones ("huge", whose weights take
+# most of the device or do not fit it); a config not named here goes with the second
+GROUPS = {"qwen3-0.6b": "first", "pythia-1b": "first", "gemma-3-1b": "second", "llama-3.2-1b": "second",
+          "llama-3.1-8b": "big", "llama-3.1-70b": "huge", "mixtral-8x7b": "huge", "qwen3-30b-a3b": "huge"}
 
 def _block_size(backend: str) -> int:
-    """flash serves only pages that hold a whole KV tile; everything else at its default."""
-    return 64 if backend == "flash" else 16
+    """The default 16, or 64 for a backend that serves only pages holding a whole KV tile (flash, per_phase)."""
+    for size in (16, 64):
+        if not get_backend(backend).supports(KVCacheSpec(size, 8, 128, torch.bfloat16), torch.bfloat16,
+                                             torch.device("cuda")):
+            return size
+    return 16
 
 
 def _refusal(backend: str) -> list[str]:
@@ -113,7 +120,7 @@ def _drop(llm) -> None:
 
 
 def _config_id(config: str) -> str:
-    return f"{config}-big" if config in BIG else config
+    return f"{config}-{GROUPS.get(config, 'second')}"
 
 
 @pytest.mark.parametrize("config", bundled_config_names(), ids=_config_id)
