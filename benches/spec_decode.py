@@ -17,6 +17,13 @@ Per batch size: plain decoding with async scheduling (the engine's default on CU
     PYTHONPATH=. python benches/spec_decode.py --model llama-3.1-8b --batch-sizes 1 8 32 -k 4 --acceptance-length 3.0 \
         [--verify-buckets on off] [--profile 20]
 
+`--draft CONFIG` runs a draft model (a bundled config, random weights) instead of the replayed proposals and
+reports the cost of a draft call (catch-up and k greedy tokens) and of a verify step; both models are peaked to
+the identity chain (the token after t is t), so every proposal is accepted and the tokens are checked:
+
+    PYTHONPATH=. python benches/spec_decode.py --model llama-3.1-8b --draft llama-3.2-1b --batch-sizes 1 8 -k 4 \
+        --prompt-len 256 --output-len 128
+
 On a CPU (the acceptance and the token match, not the speed), a 4-layer Qwen3-0.6B in bfloat16:
 
     PYTHONPATH=. python benches/spec_decode.py --model qwen3-0.6b --num-layers 4 --device cpu --dtype bfloat16 \
@@ -47,7 +54,7 @@ EMBEDDING_RMS = 1000.0
 
 
 @torch.no_grad()
-def peak_greedy(model: torch.nn.Module, seed: int = 0) -> torch.Tensor:
+def peak_greedy(model: torch.nn.Module, seed: int = 0, identity: bool = False) -> torch.Tensor:
     """Set a randomly initialised model's embeddings and LM head so that greedy decoding emits next_token[t] after
     token t whatever came before, by a wide margin; returns next_token [V] (int64, on the CPU).
 
@@ -56,7 +63,8 @@ def peak_greedy(model: torch.nn.Module, seed: int = 0) -> torch.Tensor:
     small fraction to it. The final norm is at identity (random init), so the LM head sees the embedding's
     direction. An untied head's row next_token[t] becomes token t's embedding direction (at the init's scale):
     that logit is sqrt(hidden_size) standard deviations of the others above them. A tied head is the embedding,
-    so next_token is the identity."""
+    so next_token is the identity; `identity` makes it the identity for an untied head too (a tied draft model
+    then proposes the target's chain)."""
     embed = [m for m in model.modules() if isinstance(m, VocabEmbedding)]
     head = [m for m in model.modules() if isinstance(m, LMHead)]
     if len(embed) != 1 or len(head) != 1 or embed[0].tp_size != 1:
@@ -66,7 +74,7 @@ def peak_greedy(model: torch.nn.Module, seed: int = 0) -> torch.Tensor:
     weight = embed.weight                                                           # [V, hidden]
     vocab = weight.shape[0]
     std = None if head.tied else float(head.weight[:4096].float().std())
-    next_token = (torch.arange(vocab) if head.tied
+    next_token = (torch.arange(vocab) if head.tied or identity
                   else torch.randperm(vocab, generator=torch.Generator().manual_seed(seed)))
     for start in range(0, vocab, 4096):       # a few rows at a time: the KV cache holds most of the GPU's memory
         rows = weight[start:start + 4096].float()
@@ -150,10 +158,21 @@ def main() -> None:
     ap.add_argument("--verify-buckets", nargs="+", choices=["on", "off"], default=["off"],
                     help="FULL graphs of verify steps by request count (ember.graphs.dispatcher.VERIFY_BUCKETS); "
                          "'on off' runs speculation on an engine of each")
+    ap.add_argument("--draft", default=None, metavar="CONFIG",
+                    help="a bundled config drafting for --model (same vocabulary): times draft and verify steps")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.8,
+                    help="with --draft: the target's share (the draft's cache takes what the device has left)")
     ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
                     help="then profile STEPS steps of synchronous plain decoding and of speculation at the first "
                          "batch size (host phases, device kernels and their share of the critical path)")
     args = ap.parse_args()
+    if args.draft is not None:
+        with tempfile.TemporaryDirectory() as folder, tempfile.TemporaryDirectory() as draft_folder:
+            draft_run(model_path(args.model, args.num_layers, folder),
+                      model_path(args.draft, args.num_layers, draft_folder), args.batch_sizes,
+                      args.num_speculative_tokens, args.prompt_len, args.output_len, device=args.device,
+                      dtype=args.dtype, gpu_memory_utilization=args.gpu_memory_utilization)
+        return
     with tempfile.TemporaryDirectory() as folder:
         run(model_path(args.model, args.num_layers, folder), args.batch_sizes, args.num_speculative_tokens,
             args.acceptance_length, args.prompt_len, args.output_len, args.profile,
@@ -204,6 +223,70 @@ def run(model: str, batch_sizes: list[int], k: int, acceptance_length: float, pr
         rows += spec_runs(spec, results, buckets, prompts, recorded, params, k, acceptance_length, vocab, profile)
         release_engine(spec)
         del spec
+    return rows
+
+
+def draft_run(model: str, draft: str, batch_sizes: list[int], k: int, prompt_len: int, output_len: int,
+              **engine_kwargs) -> list[dict]:
+    """Plain decoding (async) against speculation with the draft model `draft`, both peaked to the identity chain;
+    per batch size a JSON line with the tokens/s, the seconds of a draft call (the catch-up prefill and k greedy
+    decode steps of the draft, synchronised) and of the rest of a speculative step (the verify step and the host's
+    work), and the acceptance."""
+    rng = np.random.default_rng(0)
+    largest = max(batch_sizes)
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    engine_kwargs.update(load_format="dummy", max_num_seqs=max(largest, 8), enable_prefix_caching=False)
+    plain = LLM(model, **engine_kwargs)
+    peak_greedy(plain.engine.runner.model, identity=True)
+    vocab = plain.engine.vocab_size
+    prompts = [rng.integers(1, vocab, prompt_len).tolist() for _ in range(largest)]
+    timed(plain, prompts[:1], SamplingParams(max_tokens=8, ignore_eos=True))          # warm-up
+    rows = []
+    for b in batch_sizes:
+        elapsed, outs = timed(plain, prompts[:b], params)
+        if any(o != [p[-1]] * len(o) for p, o in zip(prompts[:b], outs)):
+            raise RuntimeError(f"batch {b}: a greedy output left the identity chain")
+        rows.append({"batch": b, "plain_async_tok_s": b * output_len / elapsed})
+    release_engine(plain)
+    del plain
+    spec = LLM(model, **engine_kwargs, speculative_config={"method": "draft_model", "model": draft,
+                                                           "num_speculative_tokens": k,
+                                                           "disable_by_batch_size": max(largest, 1)})
+    proposer = spec.engine.scheduler.proposer
+    peak_greedy(spec.engine.runner.model, identity=True)
+    peak_greedy(proposer.runner.model, identity=True)
+    propose_batch, draft_time = proposer.propose_batch, [0.0, 0]
+
+    def timed_propose(wanted):
+        sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+        sync()
+        start = time.perf_counter()
+        out = propose_batch(wanted)
+        sync()
+        draft_time[0] += time.perf_counter() - start
+        draft_time[1] += 1
+        return out
+
+    proposer.propose_batch = timed_propose
+    timed(spec, prompts[:1], SamplingParams(max_tokens=8, ignore_eos=True))
+    for r in rows:
+        b = r["batch"]
+        s = spec.engine.stats
+        before = (s.num_draft_tokens, s.num_accepted_tokens, s.num_verified_requests, s.num_steps)
+        draft_time[:] = [0.0, 0]
+        elapsed, outs = timed(spec, prompts[:b], params)
+        steps = s.num_steps - before[3]
+        r.update(spec_tok_s=b * output_len / elapsed,
+                 greedy_tokens_match=all(o == [p[-1]] * len(o) for p, o in zip(prompts[:b], outs)),
+                 acceptance_rate=(s.num_accepted_tokens - before[1]) / max(s.num_draft_tokens - before[0], 1),
+                 mean_acceptance_length=1 + (s.num_accepted_tokens - before[1])
+                 / max(s.num_verified_requests - before[2], 1),
+                 steps=steps, draft_calls=draft_time[1],
+                 draft_call_ms=1e3 * draft_time[0] / max(draft_time[1], 1),
+                 step_without_draft_ms=1e3 * (elapsed - draft_time[0]) / max(steps, 1))
+        r["speedup_vs_async"] = r["spec_tok_s"] / r["plain_async_tok_s"]
+        print(json.dumps(r), flush=True)
+    release_engine(spec)
     return rows
 
 

@@ -5,28 +5,34 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
 # the batch size past which the n-gram proposer stops proposing (see docs/spec_decode.md for why this default)
 DEFAULT_DISABLE_BY_BATCH_SIZE = 32
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """An n-gram proposer: the last n tokens (n from `prompt_lookup_max` down to `prompt_lookup_min`) are looked up
-    among the request's earlier tokens, and up to `num_speculative_tokens` tokens that followed are proposed; a
-    step with more than `disable_by_batch_size` running requests proposes nothing."""
+    """Method "ngram": the last n tokens (n from `prompt_lookup_max` down to `prompt_lookup_min`) are looked up
+    among the request's earlier tokens, and up to `num_speculative_tokens` tokens that followed are proposed.
+    Method "draft_model": a smaller model of the same vocabulary (`model`: a folder, or with load_format "dummy" a
+    bundled config name) proposes them greedily. A step with more than `disable_by_batch_size` running requests
+    proposes nothing."""
     method: str = "ngram"
+    model: str | None = None
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
     disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
 
     def __post_init__(self):
-        if self.method == "draft_model":
-            raise ValueError("speculative method 'draft_model' is not supported yet: ember's runner holds one "
-                             "model; use {'method': 'ngram', ...}")
         if self.method not in METHODS:
             raise ValueError(f"speculative method {self.method!r} is not known; use one of {METHODS}")
+        if self.method == "draft_model" and (not isinstance(self.model, str) or not self.model):
+            raise ValueError(f"speculative method 'draft_model' needs 'model' (a folder or a bundled config name), "
+                             f"got {self.model!r}")
+        if self.method == "ngram" and self.model is not None:
+            raise ValueError(f"speculative_config model {self.model!r} is for method 'draft_model'; the n-gram "
+                             f"proposer runs no model")
         for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -51,4 +57,8 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config key {unknown[0]!r} is not known; use {sorted(known)}")
         if "method" not in spec:
             raise ValueError(f"speculative_config needs a 'method' (one of {METHODS}), got {dict(spec)!r}")
+        lookup = sorted(k for k in spec if k.startswith("prompt_lookup_"))
+        if spec["method"] == "draft_model" and lookup:
+            raise ValueError(f"speculative_config key {lookup[0]!r} is for method 'ngram'; a draft model looks "
+                             f"nothing up")
         return cls(**spec)

@@ -55,7 +55,11 @@ class EngineCore:
         self.vocab_size = self.executor.vocab_size
         self.kv = KVCacheCoordinator(self.executor.attn.groups, self.executor.num_blocks,
                                      config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, config.speculative)
+        proposer = None
+        if config.speculative is not None and config.speculative.method == "draft_model":
+            from ember.spec_decode.draft_model import build_draft_proposer
+            proposer = build_draft_proposer(config, load_format, self.executor, tokenizer)
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, config.speculative, proposer)
         self.eos_token_ids = _eos_ids(self.executor.hf_config, tokenizer)
         self._in_flight: LaunchedStep | None = None
         self._structured = None     # StructuredOutputs, made at the first request with a grammar

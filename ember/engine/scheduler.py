@@ -14,7 +14,7 @@ from ember.engine.prompt_fork import PromptFork
 from ember.engine.request import Request, RequestStatus
 from ember.runner.step_input import NewRequest, RunningRequest, StepInput
 from ember.spec_decode.ngram import NgramProposer
-from ember.spec_decode.schedule import propose_for
+from ember.spec_decode.schedule import proposal_limit, propose_for
 from ember.speculative_config import SpeculativeConfig
 
 
@@ -80,10 +80,14 @@ class Scheduler:
     """Decides which requests run in each step and how many tokens of each."""
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheCoordinator, max_model_len: int,
-                 speculative: SpeculativeConfig | None = None):
+                 speculative: SpeculativeConfig | None = None, proposer=None):
         self.config = config
         self.speculative = speculative
-        self.proposer = NgramProposer(speculative) if speculative is not None else None
+        # a proposer with `propose_batch` (a draft model) answers for the step's requests at once, before the
+        # loop below; the n-gram proposer answers per request inside it
+        if proposer is None and speculative is not None:
+            proposer = NgramProposer(speculative)
+        self.proposer = proposer
         self.kv = kv
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
@@ -125,6 +129,7 @@ class Scheduler:
         # costs a compare (sliding windows release what they slid past at the next allocator call)
         capacity = kv.req_capacity
         propose = self.proposer is not None and len(self.running) <= self.speculative.disable_by_batch_size
+        drafted = self._propose_batch() if propose and hasattr(self.proposer, "propose_batch") else None
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -138,8 +143,12 @@ class Scheduler:
             num_new = min(end - computed, budget)
             drafts = ()
             if propose and end - computed == 1 and not pending and budget > 1:
-                drafts = propose_for(self.proposer, req.prompt_token_ids, req.output_token_ids, req.sampling_params,
-                                     req.max_tokens, min(budget, max_len - num_tokens) - 1)
+                room = min(budget, max_len - num_tokens) - 1
+                if drafted is None:
+                    drafts = propose_for(self.proposer, req.prompt_token_ids, req.output_token_ids,
+                                         req.sampling_params, req.max_tokens, room)
+                else:   # a prefix of a greedy draft's proposals is what it would have proposed with less room
+                    drafts = drafted.get(req.request_id, ())[:max(room, 0)]
                 num_new += len(drafts)
             if computed + num_new > capacity.get(req.request_id, 0):
                 while not kv.try_allocate(req, computed + num_new):
@@ -211,6 +220,20 @@ class Scheduler:
                          grammar_rows)
         return SchedulerOutput(ordered, len(decodes), tuple(preempted), step)
 
+    def _propose_batch(self) -> dict[str, tuple[int, ...]]:
+        """The batch proposer's proposals for every running request that decodes its last token this step, each
+        as many as its own limits allow (the step's token budget trims them in `schedule`)."""
+        wanted = []
+        for req in self.running:
+            num_tokens = req.num_tokens
+            if req.num_pending or num_tokens - req.num_computed_tokens != 1:
+                continue
+            limit = proposal_limit(req.sampling_params, len(req.output_token_ids), req.max_tokens,
+                                   self.max_model_len - num_tokens - 1)
+            if limit > 0:
+                wanted.append((req.request_id, (*req.prompt_token_ids, *req.output_token_ids), limit))
+        return self.proposer.propose_batch(wanted) if wanted else {}
+
     def take_finished_ids(self) -> tuple[str, ...]:
         """Ids of requests the runner holds that finished, were aborted or preempted since the last step; the
         caller passes them to the runner (in a `StepInput`), which drops their rows."""
@@ -243,6 +266,8 @@ class Scheduler:
         """The runner drops the request's row at the next step."""
         if self._sent_blocks.pop(req.request_id, None) is not None:
             self._finished_ids.append(req.request_id)
+        if hasattr(self.proposer, "drop"):
+            self.proposer.drop(req.request_id)
 
     def _last_token_in_flight(self, req: Request) -> bool:
         """Whether the token a step in flight samples for `req` reaches its max_tokens or max_model_len."""

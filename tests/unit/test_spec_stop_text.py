@@ -1,4 +1,4 @@
-"""A stop string inside a run of accepted proposals ends the output there: the text is the plain decoding's cut at
+"""A stop string inside a run of accepted proposals (n-gram or draft model) ends the output there: the text is the plain decoding's cut at
 the stop and no token after it is returned. A tiny random model with the default model's tokenizer (slow: the
 tokenizer's conversion is shared with the other slow text tests)."""
 
@@ -41,11 +41,14 @@ def _runs(llm) -> tuple[list[int], list[int]]:
     return tokens, inside
 
 
-def test_stop_string_inside_an_accepted_run(path):
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_stop_string_inside_an_accepted_run(path, method):
     plain = LLM(path, device="cpu", max_model_len=128)
     ref = plain.generate(PROMPT, LONG, use_tqdm=False)[0].outputs[0]
-    spec = LLM(path, device="cpu", max_model_len=128, speculative_config={"method": "ngram",
-                                                                          "num_speculative_tokens": 4})
+    # the draft model is the target itself: it shares the tokenizer, and every proposal is accepted
+    spec_config = ({"method": "ngram", "num_speculative_tokens": 4} if method == "ngram" else
+                   {"method": "draft_model", "model": path, "num_speculative_tokens": 4})
+    spec = LLM(path, device="cpu", max_model_len=128, speculative_config=spec_config)
     tokens, inside = _runs(spec)
     assert tokens == ref.token_ids and inside, "no proposals were accepted"
     tok = spec.tokenizer
