@@ -6,6 +6,7 @@ refused with the reason."""
 import json
 
 import pytest
+import torch
 
 from ember import LLM, SamplingParams
 from ember.spec_decode.draft_model import check_draft
@@ -37,6 +38,21 @@ def small(tmp_path_factory):
     return _model(tmp_path_factory, "draft_small", hidden_size=32, intermediate_size=48, num_hidden_layers=1, seed=5)
 
 
+@pytest.fixture(scope="module")
+def noisy(tmp_path_factory):
+    # the target with noise of 5% of each layer weight's spread: it agrees with the target about half the time
+    p = tmp_path_factory.mktemp("draft_noisy")
+    model = random_hf_model(tiny_config("llama", vocab_size=320, hidden_size=64, intermediate_size=128,
+                                        num_hidden_layers=2, max_position_embeddings=256), seed=0)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, w in model.named_parameters():
+            if "layers" in name:
+                w.add_(torch.randn(w.shape, generator=g) * w.std() * 0.05)
+    model.save_pretrained(p)
+    return str(p)
+
+
 def _draft(model, k=4):
     return {"method": "draft_model", "model": model, "num_speculative_tokens": k}
 
@@ -65,14 +81,53 @@ def test_target_as_its_own_draft_has_every_proposal_accepted(self_draft, referen
     assert stats.spec_summary()["mean_acceptance_length"] > 4.0
 
 
-def test_small_draft_with_chunked_prefill_equals_plain_decoding(path, small, reference):
-    llm = LLM(path, device="cpu", speculative_config=_draft(small, k=3), max_num_batched_tokens=16, block_size=8)
+def test_small_draft_equals_plain_decoding(path, small, reference):
+    llm = LLM(path, device="cpu", speculative_config=_draft(small, k=3))
     assert _tokens(llm) == reference
     stats = llm.engine.stats
     assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens < stats.num_draft_tokens
+
+
+def test_partly_accepted_drafts_with_chunked_prefill_equal_plain_decoding(path, noisy, reference):
+    llm = LLM(path, device="cpu", speculative_config=_draft(noisy), max_num_batched_tokens=16, block_size=8)
+    assert _tokens(llm) == reference
+    # runs cut short part-way: the draft catches up on one token after a rejection, two after a whole run
+    assert 0.3 < llm.engine.stats.spec_summary()["acceptance_rate"] < 0.7
     # finished requests gave their draft blocks back
     proposer = llm.engine.scheduler.proposer
     assert proposer.num_free_blocks == proposer.runner.num_blocks - 1 and not proposer._states
+
+
+def test_prefix_hits_equal_plain_decoding(self_draft, reference):
+    stats = self_draft.engine.stats
+    hits, drafted, accepted = stats.num_prefix_cache_hits, stats.num_draft_tokens, stats.num_accepted_tokens
+    # the same prompts again: the target finds their blocks cached, the draft (which dropped them) runs them anew
+    assert _tokens(self_draft) == reference
+    assert stats.num_prefix_cache_hits > hits
+    assert stats.num_draft_tokens > drafted and stats.num_accepted_tokens - accepted == stats.num_draft_tokens - drafted
+
+
+@pytest.mark.slow
+def test_preemption_equals_plain_decoding(path, reference):
+    # prefix caching off, as for the n-gram proposer's preemption test (recomputed and cached KV differ in the last
+    # bits); 14 blocks of 8 tokens for the target, and as many for the draft (the target itself, so that proposals
+    # are accepted): requests are preempted, and some get no proposals in a step while the draft's pool is short
+    llm = LLM(path, device="cpu", speculative_config=_draft(path, k=3), max_num_batched_tokens=16,
+              num_kv_blocks=14, block_size=8, enable_prefix_caching=False)
+    assert _tokens(llm) == reference
+    stats = llm.engine.stats
+    assert stats.num_preemptions > 0 and stats.num_accepted_tokens > 0
+    proposer = llm.engine.scheduler.proposer
+    assert proposer.num_free_blocks == 14 and not proposer._states
+
+
+@pytest.mark.slow
+def test_sampling_is_reproducible_and_respects_max_tokens(self_draft):
+    params = SamplingParams(temperature=0.8, top_k=20, seed=11, max_tokens=20, ignore_eos=True)
+    before = self_draft.engine.stats.num_draft_tokens
+    first = _tokens(self_draft, PROMPTS[:2], params)
+    assert first == _tokens(self_draft, PROMPTS[:2], params) and [len(t) for t in first] == [20, 20]
+    assert self_draft.engine.stats.num_draft_tokens > before
 
 
 def test_stop_token_and_max_tokens_inside_an_accepted_run(self_draft, reference):
