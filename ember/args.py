@@ -95,7 +95,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "paged attention (auto: ember's where it has one; `ember models` lists them)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--speculative-config", default=None, metavar="JSON",
-                   help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
+                   help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' or '
+                        '\'{"method": "draft_model", "model": "/path/to/draft", "num_speculative_tokens": 4}\' '
                         '(docs/spec_decode.md)')
     p.add_argument("-v", "--verbose", action="store_true", help="log start-up decisions")
 

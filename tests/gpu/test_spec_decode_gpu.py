@@ -1,7 +1,7 @@
 """Speculative decoding on a GPU, through compile and CUDA graphs: float32 greedy tokens with n-gram proposals equal
 plain decoding's in each graph mode (verify steps in FULL graphs of their own by request count where the backend
 runs every batch in a graph, else the mixed-batch path), with proposals accepted; seeded sampling is
-reproducible."""
+reproducible; a draft model (the target drafting for itself) gives the plain tokens too."""
 
 import gc
 
@@ -67,3 +67,21 @@ def test_seeded_sampling_is_reproducible():
     first, accepted, _ = run(params, speculative_config=NGRAM)
     again, _, _ = run(params, speculative_config=NGRAM)
     assert first == again and all(len(t) == 48 for t in first)
+
+
+@pytest.mark.parametrize("mode", ["none", "full_and_piecewise"])
+def test_draft_model_greedy_tokens_equal_plain_decoding(mode):
+    # the target drafting for itself (its own runner, cache and graphs): nearly every proposal is accepted (a
+    # near tie of the random weights may flip between the draft's decode and the verify step's 5-token query)
+    kw = dict(enforce_eager=True) if mode == "none" else dict(cudagraph_mode=mode)
+    kw.update(gpu_memory_utilization=0.6)      # the draft's cache takes what the target leaves
+    plain, _, _ = run(async_scheduling=False, **kw)
+    llm = LLM("qwen3-0.6b", load_format="dummy", dtype="float32", max_num_seqs=16, **kw,
+              speculative_config={"method": "draft_model", "model": "qwen3-0.6b", "num_speculative_tokens": 4})
+    spec = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts()], GREEDY,
+                                                         use_tqdm=False)]
+    stats = llm.engine.stats
+    assert spec == plain
+    assert stats.num_draft_tokens > 0 and stats.spec_summary()["acceptance_rate"] > 0.9
+    proposer = llm.engine.scheduler.proposer
+    assert proposer.num_free_blocks == proposer.runner.num_blocks - 1
