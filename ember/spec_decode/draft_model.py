@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
@@ -22,6 +23,8 @@ from ember.sampling_params import SamplingParams
 logger = logging.getLogger("ember")
 
 _GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
+# draft steps launched and not yet read back at most: the runner's ring of pinned host buffers holds 4 steps' tokens
+_IN_FLIGHT = 3
 # strings whose token ids must be the same under the target's and the draft's tokenizers
 PROBE_STRINGS = ("Hello, world!", "The quick brown fox jumps over the lazy dog.", "def f(x):\n    return x ** 2\n",
                  "  12345 67.89e-3 \u00e9\u00e8\u00ea \u4f60\u597d \U0001f600", "<|endoftext|> </s> <s>")
@@ -58,6 +61,7 @@ class DraftModelProposer:
         self.block_size = runner.config.cache.block_size
         self._free = list(range(runner.num_blocks - 1, 0, -1))     # block 0 is the null block
         self._states: dict[str, _DraftState] = {}
+        self._in_flight: deque = deque()       # (the job taking each batch row's token or None, launched output)
 
     @property
     def num_free_blocks(self) -> int:
@@ -90,13 +94,15 @@ class DraftModelProposer:
             return {}
         runner = self.runner
         self._catch_up(jobs)
+        # each decode step reads the token the step before sampled from the table on the device, so the steps are
+        # launched without waiting for their tokens (read back a few steps behind, and all at the end)
         for j in range(1, max(job.limit for job in jobs)):
             batch = [job for job in jobs if job.limit > j]
-            out = runner.execute(StepInput(req_ids=tuple(job.req_id for job in batch),
-                                           num_scheduled_tokens=(1,) * len(batch), num_decodes=len(batch),
-                                           num_computed_tokens=tuple(len(job.tokens) + j - 1 for job in batch)))
-            for job, token in zip(batch, out.sampled_token_ids):
-                job.proposals.append(int(token))
+            self._launch(StepInput(req_ids=tuple(job.req_id for job in batch),
+                                   num_scheduled_tokens=(1,) * len(batch), num_decodes=len(batch),
+                                   num_computed_tokens=tuple(len(job.tokens) + j - 1 for job in batch)), batch)
+        while self._in_flight:
+            self._land()
         # the rows go; the cache's blocks stay with the request until `drop`
         runner.update_table(StepInput(finished_ids=tuple(job.req_id for job in jobs)))
         for job in jobs:
@@ -121,16 +127,29 @@ class DraftModelProposer:
                 batch.append((job, n))
                 budget -= n
             batch.sort(key=lambda b: b[1] != 1)     # single-token queries lead the batch
-            out = runner.execute(StepInput(
+            step = StepInput(
                 new_requests=new, req_ids=tuple(job.req_id for job, _ in batch),
                 num_scheduled_tokens=tuple(n for _, n in batch), num_decodes=sum(1 for _, n in batch if n == 1),
-                num_computed_tokens=tuple(done[job.req_id] for job, _ in batch)))
+                num_computed_tokens=tuple(done[job.req_id] for job, _ in batch))
             new = ()
-            for (job, n), token in zip(batch, out.sampled_token_ids):
+            for job, n in batch:
                 done[job.req_id] += n
-                if done[job.req_id] == len(job.tokens):
-                    job.proposals.append(int(token))
+            # a row part-way through its tokens samples a token nobody reads
+            self._launch(step, [job if done[job.req_id] == len(job.tokens) else None for job, _ in batch])
             pending = [job for job in pending if done[job.req_id] < len(job.tokens)]
+
+    def _launch(self, step: StepInput, receivers: list) -> None:
+        """Launch a draft step; `receivers[i]` is the job that takes batch row i's token (None: no one)."""
+        while len(self._in_flight) >= _IN_FLIGHT:
+            self._land()
+        self._in_flight.append((receivers, self.runner.execute_async(step)))
+
+    def _land(self) -> None:
+        """Read back the oldest launched step's tokens (waiting for them) and hand them to their jobs."""
+        receivers, out = self._in_flight.popleft()
+        for job, token in zip(receivers, out.result().sampled_token_ids):
+            if job is not None:
+                job.proposals.append(int(token))
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
