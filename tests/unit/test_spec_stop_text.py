@@ -1,6 +1,6 @@
-"""A stop string inside a run of accepted proposals (n-gram or draft model) ends the output there: the text is the plain decoding's cut at
-the stop and no token after it is returned. A tiny random model with the default model's tokenizer (slow: the
-tokenizer's conversion is shared with the other slow text tests)."""
+"""A stop string inside a run of accepted proposals (n-gram or draft model) ends the output there: the text is the
+plain decoding's cut at the stop and no token after it is returned. A tiny random model with the default model's
+tokenizer (slow: the tokenizer's conversion is shared with the other slow text tests)."""
 
 import shutil
 
