@@ -268,9 +268,10 @@ class LLM:
                   if p.prompt_logprobs is not None}
         ids = []
         try:
-            for (t, text), p in zip(tokenized, params):
-                ids.append(self.engine.add_request(t, p, text))
-                self._latest[ids[-1]] = None
+            with self.engine.client.batch():     # one batch, as the in-process core sees it
+                for (t, text), p in zip(tokenized, params):
+                    ids.append(self.engine.add_request(t, p, text))
+                    self._latest[ids[-1]] = None
             pending = list(ids)
             # on stderr, and only on a terminal: logs and pipes get no carriage-return noise
             with tqdm(total=len(ids), desc="Generating", unit="req", file=sys.stderr, dynamic_ncols=True,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import contextlib
 import itertools
 import shutil
 import signal
@@ -53,6 +54,10 @@ class InprocClient:
 
     def shutdown(self) -> None:
         self.core.shutdown()
+
+    def batch(self):
+        """Requests added inside are one batch: here they are, since the caller steps the core."""
+        return contextlib.nullcontext()
 
 
 class EngineCoreDead(RuntimeError):
@@ -175,6 +180,20 @@ class MPClient:
         self._inputs[replica].send_multipart([self._wire.header(self._wire.ADD, replica),
                                               self.codec.encode_request(request)])
         return replica
+
+    @contextlib.contextmanager
+    def batch(self):
+        """Requests added inside reach each core as one batch: the cores take no step between them (offline
+        `generate` then schedules as the in-process core does, whatever the arrival times)."""
+        self._check_alive()
+        for replica in range(self.num_replicas):
+            self._inputs[replica].send_multipart([self._wire.header(self._wire.HOLD, replica), b""])
+        try:
+            yield
+        finally:
+            if self.error is None and not self._closed:
+                for replica in range(self.num_replicas):
+                    self._inputs[replica].send_multipart([self._wire.header(self._wire.RELEASE, replica), b""])
 
     def abort_requests(self, request_ids) -> None:
         self._send_ids(self._wire.ABORT, request_ids)

@@ -123,6 +123,7 @@ class CoreLoop:
         self._changed = False        # an input changed the load while idle: tell the front end
         # a call runs only while no request is in flight: it waits, and the requests sent after it wait behind it
         self._deferred: collections.deque = collections.deque()
+        self._held = False           # between the front end's HOLD and RELEASE: read inputs, take no step
         self._memory = (0, 0, 0)     # device and resident memory as last read, and when
         self._memory_at = -MEMORY_PERIOD_S
 
@@ -131,6 +132,12 @@ class CoreLoop:
         core, inputs = self.core, self.inputs
         steps = 0
         while not self.stopping:
+            if self._held:         # a batch of requests is arriving: no step until all of it has
+                if inputs.poll(IDLE_POLL_MS, zmq.POLLIN):
+                    self._read_inputs()
+                else:
+                    self._check_parent()
+                continue
             if core.has_unfinished():
                 if inputs.poll(0, zmq.POLLIN):
                     self._read_inputs()
@@ -177,6 +184,8 @@ class CoreLoop:
                 core.finish_requests(codec.decode_ids(payload))
             elif kind == wire.CALL:
                 self._call(codec.decode_call(payload))
+            elif kind in (wire.HOLD, wire.RELEASE):
+                self._held = kind == wire.HOLD
             elif kind == wire.SHUTDOWN:
                 self.stopping = True
                 break

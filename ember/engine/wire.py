@@ -15,7 +15,7 @@ from ember.engine.core_io import CoreInfo, CoreStats, EngineCoreOutputs, EngineC
 from ember.sampling_params import SamplingParams, StructuredOutputsParams
 
 # message kinds, the first byte of a message's header
-ADD, ABORT, FINISH, CALL, SHUTDOWN = 1, 2, 3, 4, 5                 # front end -> core
+ADD, ABORT, FINISH, CALL, SHUTDOWN, HOLD, RELEASE = 1, 2, 3, 4, 5, 6, 7   # front end -> core
 OUTPUTS, READY, CALL_RESULT, FATAL = 11, 12, 13, 14               # core -> front end
 
 

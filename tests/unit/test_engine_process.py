@@ -268,3 +268,24 @@ def test_speculative_outputs_equal_in_process_and_in_a_core_process(folder, one_
         assert _texts(mp.generate(prompts, params, use_tqdm=False)) == _texts(want)
     finally:
         mp.shutdown()
+
+
+def test_a_generate_reaches_the_core_as_one_batch_however_slowly_it_is_sent(folder, inproc, mp, monkeypatch):
+    # the front end sends the requests slowly; the core, held until the last has come, takes no step before it, so
+    # it schedules them as the in-process core does: the same tokens in as many steps
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS[10:16]]
+    before = inproc.engine.stats.num_steps
+    want = inproc.generate(prompts, GREEDY, use_tqdm=False)
+    inproc_steps = inproc.engine.stats.num_steps - before
+    add = mp.engine.add_request
+
+    def slow_add(*args, **kwargs):
+        rid = add(*args, **kwargs)
+        time.sleep(0.05)
+        return rid
+
+    monkeypatch.setattr(mp.engine, "add_request", slow_add)
+    before = mp.engine.client.stats[0].num_steps
+    got = mp.generate(prompts, GREEDY, use_tqdm=False)
+    assert _texts(got) == _texts(want)
+    assert mp.engine.client.stats[0].num_steps - before == inproc_steps
