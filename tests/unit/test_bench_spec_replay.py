@@ -10,6 +10,7 @@ from tests.helpers.model_harness import tiny_config
 
 
 # llama's head is its own parameter (a permuted chain), qwen3's is tied to the embedding (each token repeats)
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_replay_measures_the_asked_acceptance_length(tmp_path, family):
     tiny_config(family, num_hidden_layers=2).save_pretrained(tmp_path)

@@ -31,6 +31,7 @@ def generate(llm, prompts, params):
     return [o.outputs[0].token_ids for o in outs]
 
 
+@pytest.mark.slow     # the allocator's order is held in test_kv_cache.py in milliseconds
 def test_preempted_request_resumes_from_its_cached_blocks_with_the_same_tokens(engines):
     on, off = engines
     params = SamplingParams(temperature=0.0, max_tokens=47, ignore_eos=True)

@@ -3,6 +3,7 @@ whole [n, V] logits never exist at once, and the figures equal those of the whol
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from ember import LLM
@@ -12,6 +13,7 @@ from tests.helpers.peak_memory import PeakMemory
 VOCAB, PROMPT, ROWS, MAX_LEN = 8_000, 250, 8, 256
 
 
+@pytest.mark.slow
 def test_prompt_logprobs_of_a_long_prompt_hold_a_chunk_of_logits_not_the_whole(tmp_path):
     random_hf_model(tiny_config("llama", vocab_size=VOCAB, max_position_embeddings=MAX_LEN)).save_pretrained(tmp_path)
     llm = LLM(str(tmp_path), device="cpu", max_num_seqs=ROWS, max_num_batched_tokens=MAX_LEN, max_model_len=MAX_LEN)
