@@ -13,8 +13,9 @@ the query-length dimension, so the batched call is [reqs, kv_heads, group * quer
 [reqs, kv_heads, seq_len, head_size].
 
 Masked positions (past a request's length, or table entries past its last block, which point at the null
-block 0) are read but never weighted. They hold finite values: the cache is zero-initialised and receives
-only K/V rows, padding rows included (they go to the null block).
+block 0) are read but never weighted. They must hold finite values (a NaN key or value times a zero weight is NaN):
+the cache is zero-initialised and receives only K/V rows, padding tokens' included (they go to the null block).
+Padding tokens' output rows are zeroed, so that the next layer's padding K/V computed from them are finite too.
 """
 
 from __future__ import annotations
@@ -135,6 +136,7 @@ class CpuSdpaMetadata:
     """The slots of the K/V write, and the step's pieces: decodes first, then prefills."""
     write_slots: torch.Tensor    # [num_tokens_padded] int64, padding's -1 sent to the null block 0
     parts: tuple[PartMetadata, ...]
+    num_actual_tokens: int       # the live tokens; the output rows after them (padding) are zeroed
 
 
 def _part(block_table: torch.Tensor, query_lens: torch.Tensor, seq_lens: torch.Tensor, max_q: int, max_seq: int,
@@ -230,7 +232,7 @@ class CpuSdpaMetadataBuilder(MetadataBuilder):
                 parts.append(_part(table[lo + a:lo + b], q, n, max_q, max_seq, tokens, start, spec.block_size,
                                    spec.sliding_window, (group, dtype) if cached else None))
         # clamped once here rather than in each layer's write
-        return CpuSdpaMetadata(common.slot_mappings[i].clamp(min=0), tuple(parts))
+        return CpuSdpaMetadata(common.slot_mappings[i].clamp(min=0), tuple(parts), common.num_actual_tokens)
 
 
 def attend_part(query: torch.Tensor, kv_cache: torch.Tensor, part: PartMetadata, options: AttentionLayerOptions,
@@ -271,13 +273,15 @@ def attend_part(query: torch.Tensor, kv_cache: torch.Tensor, part: PartMetadata,
 
 
 class CpuSdpaImpl(AttentionImpl):
-    """Writes K/V by slot, then attends each piece of the step with one SDPA call."""
+    """Writes K/V by slot, then attends each piece of the step with one SDPA call; padding tokens' rows of `out`
+    (no piece covers them) are zeroed."""
 
     def forward(self, query, key, value, kv_cache, metadata: CpuSdpaMetadata, out) -> None:
         if self.options.kv_sharing_target is None:
             copy_rows(kv_cache, metadata.write_slots[:key.shape[0]], key, value, self.kv_scales)
         for part in metadata.parts:
             attend_part(query, kv_cache, part, self.options, out, self.kv_scales)
+        out[metadata.num_actual_tokens:].zero_()
 
 
 class CpuSdpaBackend(AttentionBackend):

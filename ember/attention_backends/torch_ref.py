@@ -155,6 +155,9 @@ class TorchRefImpl(AttentionImpl):
         paged_attention_ref(query, kv_cache, metadata.block_table, common.query_start_loc_cpu, common.seq_lens_cpu,
                             common.num_reqs, self.options, out, self.sinks, self.alibi_slopes,
                             kv_scales=self.kv_scales)
+        # padding tokens' rows: zero, not whatever `out` held, or the next layer writes their NaN K/V into the
+        # null block, which requests read (masked: a NaN times a zero weight is NaN)
+        out[common.num_actual_tokens:].zero_()
 
 
 class TorchRefBackend(AttentionBackend):
