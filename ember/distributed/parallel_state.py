@@ -8,8 +8,9 @@ built whole and holds no collective.
 
 On CUDA the group has two backends, NCCL for device tensors and gloo for host ones; on the CPU, gloo only.
 The ranks meet at a TCP store: its host is MASTER_ADDR where that is set (ranks on several hosts), else this host's
-loopback, and its port MASTER_PORT, else one the store picks (`Rendezvous`). Nothing here assumes one host: the
-local rank (which GPU) is given apart from the rank.
+loopback, and its port MASTER_PORT, else one the store picks (`Rendezvous`). Each data-parallel replica's ranks
+form a group of their own, at a store of their own (`replica_rendezvous`). Nothing here assumes one host: the local
+rank (which GPU) is given apart from the rank.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import socket
 from dataclasses import dataclass
 
 import torch
@@ -47,6 +49,39 @@ class Rendezvous:
         if not port.isdigit():
             raise ValueError(f"MASTER_PORT {port!r} is not a port number; set it to a free TCP port or unset it")
         return cls(os.environ.get("MASTER_ADDR", "127.0.0.1"), int(port))
+
+
+def replica_rendezvous(num_replicas: int) -> list[Rendezvous]:
+    """Where the ranks of each of `num_replicas` data-parallel replicas meet, each at a store of its own: with no
+    MASTER_PORT set, a port each replica's store picks; with one, MASTER_PORT + the replica's index. ValueError naming
+    the ports when that range runs past the last port or one of them is in use on this host (rank 0 of every replica,
+    which serves its store, runs here)."""
+    base = Rendezvous.from_environment()
+    if base.port == 0:
+        return [base] * num_replicas
+    last = base.port + num_replicas - 1
+    if last > 65535:
+        raise ValueError(f"MASTER_PORT {base.port} with data_parallel_size {num_replicas}: replica i's ranks meet at "
+                         f"MASTER_PORT + i, and {last} is past the last port (65535); lower MASTER_PORT or unset it "
+                         f"(each replica's store then picks a free port)")
+    taken = [port for port in range(base.port, last + 1) if not _port_free(port)]
+    if taken:
+        raise ValueError(f"MASTER_PORT {base.port} with data_parallel_size {num_replicas}: replica i's ranks meet at "
+                         f"MASTER_PORT + i (ports {base.port}-{last}), and {', '.join(map(str, taken))} "
+                         f"{'is' if len(taken) == 1 else 'are'} in use on this host; set MASTER_PORT to the first of "
+                         f"{num_replicas} free ports, or unset it (each replica's store then picks a free port)")
+    return [Rendezvous(base.host, base.port + i) for i in range(num_replicas)]
+
+
+def _port_free(port: int) -> bool:
+    """Whether a store could listen on `port` of this host now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)     # as the store does: TIME_WAIT is no owner
+        try:
+            probe.bind(("", port))
+        except OSError:
+            return False
+    return True
 
 
 def open_store(rendezvous: Rendezvous, rank: int, world_size: int, timeout_s: float):

@@ -46,11 +46,13 @@ class EngineCore:
     one step and returns what it produced."""
 
     def __init__(self, config: EngineConfig, model_path: str, hf_config=None, load_format: str = "auto",
-                 tokenizer=None):
+                 tokenizer=None, rendezvous=None):
         self.config = config
         self.tokenizer = tokenizer      # for its EOS ids, and the vocabulary structured output compiles against
-        # rank 0's ModelRunner, or the executor of every tensor-parallel rank with the same surface
-        self.executor = make_executor(config, model_path, hf_config=hf_config, load_format=load_format)
+        # rank 0's ModelRunner, or the executor of every tensor-parallel rank with the same surface (its ranks meet
+        # at `rendezvous`, a data-parallel replica's own; None: where the environment says)
+        self.executor = make_executor(config, model_path, hf_config=hf_config, load_format=load_format,
+                                      rendezvous=rendezvous)
         self.max_model_len = self.executor.max_model_len
         self.vocab_size = self.executor.vocab_size
         self.kv = KVCacheCoordinator(self.executor.attn.groups, self.executor.num_blocks,

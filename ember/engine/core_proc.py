@@ -46,6 +46,7 @@ class CoreProcessArgs:
     parent_pid: int
     num_threads: int | None        # torch's intra-op threads (the front end's count), None: torch's default
     log_level: int
+    rendezvous: object = None      # where this replica's tensor-parallel ranks meet (None: the environment's)
 
 
 def run_engine_core(args: CoreProcessArgs) -> None:
@@ -98,7 +99,8 @@ def _start_core(args: CoreProcessArgs):
         import torch
         torch.set_num_threads(args.num_threads)
     from ember.engine.core import EngineCore
-    return EngineCore(args.config, args.model_path, args.hf_config, args.load_format, args.tokenizer)
+    return EngineCore(args.config, args.model_path, args.hf_config, args.load_format, args.tokenizer,
+                      rendezvous=args.rendezvous)
 
 
 def _describe(exc: BaseException) -> str:
@@ -271,20 +273,31 @@ def replica_devices(config: EngineConfig, num_replicas: int) -> list[str | None]
     return [",".join(devices[i * per_replica:(i + 1) * per_replica]) for i in range(num_replicas)]
 
 
+def replica_rendezvous(config: EngineConfig, num_replicas: int) -> list:
+    """Where each replica's tensor-parallel ranks meet (`parallel_state.replica_rendezvous`: a store each, on
+    MASTER_PORT + the replica where MASTER_PORT is set); None (the environment's, as in one engine) for one replica
+    or one rank. ValueError, before any process starts, when those ports are not free."""
+    if num_replicas == 1 or getattr(getattr(config, "parallel", None), "tensor_parallel_size", 1) == 1:
+        return [None] * num_replicas
+    from ember.distributed.parallel_state import replica_rendezvous as choose
+    return choose(num_replicas)
+
+
 def spawn_cores(config: EngineConfig, model_path: str, hf_config, load_format: str,
                 tokenizer, input_addresses: list[str], output_address: str) -> list:
     """Start one core process per input address (the `spawn` method: a forked CUDA context is unusable), each
-    seeing only its own GPUs."""
+    seeing only its own GPUs and, under tensor parallel, its ranks meeting at a rendezvous of their own."""
     import multiprocessing
 
     import torch
     context = multiprocessing.get_context("spawn")
     devices = replica_devices(config, len(input_addresses))
+    rendezvous = replica_rendezvous(config, len(input_addresses))
     procs = []
     for replica, (address, visible) in enumerate(zip(input_addresses, devices)):
         args = CoreProcessArgs(config, model_path, hf_config, load_format, tokenizer, address,
                                output_address, replica, os.getpid(), torch.get_num_threads(),
-                               logging.getLogger("ember").getEffectiveLevel())
+                               logging.getLogger("ember").getEffectiveLevel(), rendezvous[replica])
         proc = context.Process(target=run_engine_core, args=(args,), name=f"ember-core-{replica}")
         # the child takes this process's environment when it starts
         with _SPAWN_LOCK:

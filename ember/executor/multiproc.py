@@ -47,11 +47,13 @@ class WorkerFailure(RuntimeError):
     """A tensor-parallel worker died or stopped answering; the executor is unusable (restart the engine)."""
 
 
-def make_executor(config: EngineConfig, model_path: str, hf_config=None, load_format: str = "auto"):
-    """Rank 0's `ModelRunner` for `tensor_parallel_size` 1, else a `MultiprocExecutor` of that many ranks."""
+def make_executor(config: EngineConfig, model_path: str, hf_config=None, load_format: str = "auto",
+                  rendezvous: Rendezvous | None = None):
+    """Rank 0's `ModelRunner` for `tensor_parallel_size` 1, else a `MultiprocExecutor` of that many ranks meeting
+    at `rendezvous` (None: `Rendezvous.from_environment()`; a data-parallel replica is given its own)."""
     if config.parallel.tensor_parallel_size == 1:
         return ModelRunner(config, model_path, hf_config=hf_config, load_format=load_format)
-    return MultiprocExecutor(config, model_path, hf_config=hf_config, load_format=load_format)
+    return MultiprocExecutor(config, model_path, hf_config=hf_config, load_format=load_format, rendezvous=rendezvous)
 
 
 @dataclass
@@ -83,14 +85,15 @@ class _Shared:
 class MultiprocExecutor:
     """Rank 0's `ModelRunner` here and ranks 1..N-1 in worker processes, one a GPU; the runner's surface."""
 
-    def __init__(self, config: EngineConfig, model_path: str, hf_config=None, load_format: str = "auto"):
+    def __init__(self, config: EngineConfig, model_path: str, hf_config=None, load_format: str = "auto",
+                 rendezvous: Rendezvous | None = None):
         size = config.parallel.tensor_parallel_size
         device_type = torch.device(config.device).type
         _check_shardable(config, model_path, hf_config)
         for name, value in COLLECTIVE_ENV.items():
             os.environ.setdefault(name, value)
         timeout = config.parallel.worker_timeout_s
-        rendezvous = Rendezvous.from_environment()
+        rendezvous = rendezvous if rendezvous is not None else Rendezvous.from_environment()
         store = open_store(rendezvous, 0, size, timeout)
         rendezvous = Rendezvous(rendezvous.host, store.port)
         busy_wait_s = 1.0 if device_type == "cuda" else 0.0     # the CPU's cores are the ranks' compute
