@@ -17,11 +17,12 @@ Profile: ncu --clock-control none --kernel-name flash_prefill_kernel --launch-co
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 
 import torch
+
+from benches.bench_flash import time_graph as bench_time_graph
 
 HEAD_SIZE = 128
 DTYPE = torch.bfloat16
@@ -47,26 +48,7 @@ def variants():
 
 def time_graph(fns, calls: int = 10, reps: int = 10) -> float:
     """Median ms of one call, from replays of a CUDA graph of `calls` calls cycling through `fns`."""
-    for fn in fns:
-        fn()
-    torch.cuda.synchronize()
-    calls = max(calls, len(fns))
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            fns[i % len(fns)]()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / calls)
-    del graph
-    return statistics.median(times)
+    return bench_time_graph(fns, calls_per_replay=calls, reps=reps)
 
 
 def paged(k, v, block_size, copies):
