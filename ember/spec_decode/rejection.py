@@ -20,8 +20,7 @@ from __future__ import annotations
 import torch
 
 from ember.runner.sampler import SamplingMetadata
-from ember.runner.sampler.sampler import (_shift_right, _token_mask, apply_min_p, apply_penalties, apply_top_k_top_p,
-                                         random_bits)
+from ember.runner.sampler.sampler import _shift_right, _token_mask, apply_filters, apply_penalties, random_bits
 
 
 def processed_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
@@ -32,12 +31,7 @@ def processed_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tens
         out.masked_fill_(_token_mask(meta.blocked_token_ids, meta.vocab_size), float("-inf"))
     if meta.all_greedy:
         return out
-    if meta.temperature is not None:
-        out.div_(meta.temperature[:, None])
-    out = apply_top_k_top_p(out, meta.top_k, meta.top_p, meta.max_top_k)
-    if meta.min_p is not None:
-        out = apply_min_p(out, meta.min_p)
-    return out
+    return apply_filters(out, meta)
 
 
 def _uniform(bits: torch.Tensor) -> torch.Tensor:

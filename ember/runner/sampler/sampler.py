@@ -21,7 +21,7 @@ from torch import nn
 
 from ember.runner.sampler.metadata import SamplingMetadata
 
-__all__ = ["Sampler", "SamplerOutput", "SamplingMetadata", "apply_penalties", "apply_top_k_top_p", "apply_min_p",
+__all__ = ["Sampler", "SamplerOutput", "SamplingMetadata", "apply_filters", "apply_penalties", "apply_top_k_top_p", "apply_min_p",
            "apply_token_bitmask", "random_bits", "gumbel_noise"]
 
 
@@ -111,11 +111,7 @@ class Sampler(nn.Module):
         greedy = None if meta.all_random else logits.argmax(dim=-1)   # [N]
         if meta.all_greedy:
             return greedy
-        if meta.temperature is not None:
-            logits.div_(meta.temperature[:, None])
-        logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p, meta.max_top_k)
-        if meta.min_p is not None:
-            logits = apply_min_p(logits, meta.min_p)
+        logits = apply_filters(logits, meta)
         # Gumbel-max: argmax(l + G) with G = -log(E), E ~ Exp(1), is the exponential race argmax(p / E)
         logits.add_((noise or gumbel_noise)(meta.seeds, meta.output_lens, meta.vocab_size))
         sampled = logits.argmax(dim=-1)                                # [N]
@@ -185,6 +181,16 @@ def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tenso
             logits = logits - meta.frequency_penalty[:, None] * counts
         if meta.presence_penalty is not None:
             logits = logits - meta.presence_penalty[:, None] * (counts > 0)
+    return logits
+
+
+def apply_filters(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """The random rows' filters, in place where they can be: temperature, then top-k/top-p, then min-p."""
+    if meta.temperature is not None:
+        logits.div_(meta.temperature[:, None])
+    logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p, meta.max_top_k)
+    if meta.min_p is not None:
+        logits = apply_min_p(logits, meta.min_p)
     return logits
 
 
