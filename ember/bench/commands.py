@@ -417,7 +417,8 @@ def _latency(args) -> int:
         rng = random.Random(args.seed + 1)
         prompts = [[rng.randint(0, max_id) for _ in range(args.input_len)] for _ in range(args.batch_size)]
         params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=args.profile + 4)
-        result["profile"] = profile_workload(llm, prompts, params, args.profile, 2)
+        skip = 0 if args.profile_prefill else 2        # the prefill step (and the first decode) or past them
+        result["profile"] = profile_workload(llm, prompts, params, args.profile, skip)
     if args.compare_hf:
         _compare_with_hf(llm, result, rows, "decode_tok_s",
                          lambda hf_config, dtype: hf_latency(hf_config, dtype, device, args.batch_size, args.input_len,
@@ -440,6 +441,8 @@ def _add_common(p: argparse.ArgumentParser) -> None:
                    help="also run transformers on the same shapes (random weights from the same config)")
     p.add_argument("--profile", type=int, default=0, metavar="STEPS",
                    help="after the timed run, profile this many decode steps and print where their time goes")
+    p.add_argument("--profile-prefill", action="store_true",
+                   help="latency: profile from the first step on (the prefill) instead of after it")
 
 
 def add_bench_parser(subparsers) -> None:
