@@ -131,14 +131,19 @@ def test_op_shape_on_cpu_and_under_fake_tensors():
     assert fake.shape == (4, 8)
 
 
-@pytest.mark.parametrize("layout", ["qkv", "separate", "one_token"])
+@pytest.mark.parametrize("layout", ["qkv", "separate", "one_token", "qkv_rows", "separate_rows"])
 @pytest.mark.parametrize("norm", [True, False], ids=["norm", "rope_only"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-def test_qk_norm_rope_kernel_matches_the_torch_ops(dtype, norm, layout):
+def test_qk_norm_rope_kernel_matches_the_torch_ops(dtype, norm, layout, monkeypatch):
     """q and k read in place from a qkv buffer (strided rows), from buffers of their own, or as one token's views
-    (whose row strides torch may rewrite); cos/sin as strided halves of one table; with and without the norm."""
+    (whose row strides torch may rewrite); cos/sin as strided halves of one table; with and without the norm. The
+    *_rows layouts take the many-token kernel (blocks of 32 tokens, the last one partly masked)."""
+    import ember.kernels.qk_norm_rope as mod
     from ember.kernels.qk_norm_rope import _kernel_applies, qk_norm_rope_reference, qk_norm_rope_triton
-    num_tokens, hq, hkv, d = (1 if layout == "one_token" else 3), 4, 2, 16
+    rows = layout.endswith("_rows")
+    layout = layout.removesuffix("_rows")
+    monkeypatch.setattr(mod, "ROWS_MIN_TOKENS", 2 if rows else 10 ** 9)
+    num_tokens, hq, hkv, d = (1 if layout == "one_token" else 37 if rows else 3), 4, 2, 16
     g = torch.Generator().manual_seed(7)
     qkv = (2 * torch.randn(num_tokens, (hq + 2 * hkv) * d, generator=g)).to(dtype)    # [T, (Hq + 2 Hkv) D]
     q, k, _ = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
