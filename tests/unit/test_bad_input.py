@@ -130,3 +130,19 @@ def test_invalid_config_json_names_the_file(tmp_path, folder, text):
     (tmp_path / "model.safetensors").write_bytes((folder / "model.safetensors").read_bytes())
     with pytest.raises(ValueError, match=rf"{tmp_path / 'config.json'}.* cannot be read as a model config"):
         LLM(str(tmp_path), device="cpu")
+
+
+def test_token_id_list_takes_plain_ints_whole_and_converts_or_refuses_the_rest():
+    import numpy as np
+
+    from ember.engine.engine import token_id_list
+    ids = [5, 0, 127]
+    out = token_id_list(ids)
+    assert out == [5, 0, 127] and out is not ids           # a copy: the caller's list is never held
+    assert token_id_list((3, 4)) == [3, 4]
+    mixed = token_id_list([np.int64(7), 2, torch.tensor(9)])
+    assert mixed == [7, 2, 9] and [type(t) for t in mixed] == [int, int, int]
+    with pytest.raises(TypeError, match="must be an int, got bool True"):
+        token_id_list([1, True])
+    with pytest.raises(TypeError, match="must be an int, got float 2.0"):
+        token_id_list((1, 2.0))
