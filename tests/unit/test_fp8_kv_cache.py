@@ -103,6 +103,20 @@ def test_2d_kernel_attends_the_dequantized_cache(shape, dtype):
     _assert_matches(out, batch, dtype)
 
 
+def test_2d_kernel_multiplies_bfloat16_queries_in_float16_when_asked(monkeypatch):
+    """EMBER_FP8_KV_F16_DOT=1: bfloat16 queries and the e4m3 cache meet in float16 products (the interpreter's
+    bfloat16 dot is wrong, so this path is the one a bfloat16 query can take here); bfloat16's tolerance."""
+    monkeypatch.setenv("EMBER_FP8_KV_F16_DOT", "1")
+    batch, scales = fp8_batch(MIXED, torch.bfloat16)
+    K.write_kv(batch.key, batch.value, batch.kv_cache[0], batch.kv_cache[1], batch.slot_mapping, kv_scales=scales)
+    out = torch.full_like(batch.query, float("nan"))
+    K.unified_attention_2d(batch.query, batch.kv_cache[0], batch.kv_cache[1], out, batch.block_table,
+                           batch.query_start_loc, batch.seq_lens, num_seqs=batch.num_reqs_padded,
+                           num_tokens=batch.num_tokens_padded, config=K.TileConfig(block_m=32, tile_n=32),
+                           **_kwargs(batch, scales))
+    _assert_matches(out, batch, torch.bfloat16)
+
+
 @pytest.mark.parametrize("shape", [
     DECODES,
     pytest.param(dataclasses.replace(WINDOW, query_lens=(1,) * 4, seq_lens=(60, 7, 50, 40)), marks=pytest.mark.slow),

@@ -52,7 +52,7 @@ def unified_attention_kernel(
     USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_SINKS: tl.constexpr, USE_ALIBI: tl.constexpr,
     IEEE: tl.constexpr, UNMASKED_MIDDLE: tl.constexpr, FUSED_COMBINE: tl.constexpr = False,
     NEW_KV: tl.constexpr = False, PDL: tl.constexpr = False, ROPE: tl.constexpr = False,
-    QK_NORM: tl.constexpr = False, FP8_KV: tl.constexpr = 0,
+    QK_NORM: tl.constexpr = False, FP8_KV: tl.constexpr = 0, F16_DOT: tl.constexpr = False,
 ):
     # FP8_KV (an e4m3 cache, as `triton_common.kv_write` writes it): the KV head's key scale joins qk_scale, its
     # value scale multiplies the output (or the partial output) once; the new keys of NEW_KV are quantized as the
@@ -151,6 +151,10 @@ def unified_attention_kernel(
     else:
         q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                     mask=row_ok[:, None] & d_ok[None, :], other=0.0)            # [BLOCK_M, HEAD_PAD]
+    if F16_DOT:
+        # an e4m3 cache widens to float16 in one conversion a pair of values (to bfloat16 in several); the queries
+        # join it in float16, whose 10 mantissa bits hold them at least as well as bfloat16 does within its range
+        q = q.to(tl.float16)
 
     block_table_row = block_table_ptr + seq.to(tl.int64) * stride_bt
     k_base = k_cache_ptr + kv_head.to(tl.int64) * stride_ch
