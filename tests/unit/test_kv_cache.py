@@ -55,6 +55,19 @@ def test_prefix_hits_share_blocks_across_groups_and_keep_one_token_to_compute():
     assert [len(x) for x in kv.find_cached_prefix(make("e", 10))] == [2, 2]
 
 
+def test_prefix_hashes_grown_chunk_by_chunk_equal_those_taken_at_once():
+    kv = KVCacheCoordinator(GROUPS, num_blocks=64, enable_prefix_caching=True)
+    a = make("a", 30)
+    assert kv.try_allocate(a, 30)
+    for end in (5, 13, 21, 30):                   # a chunked prefill publishes its blocks piece by piece
+        kv.cache_full_blocks(a, end)
+    at_once = KVCacheCoordinator(GROUPS, num_blocks=64, enable_prefix_caching=True)._hashes(make("x", 30), 30)
+    assert kv._hashes(a, 30) == at_once and len(at_once) == 7
+    b = Request("b", list(range(4)) + [99] + list(range(5, 30)), SamplingParams(max_tokens=100))
+    assert [len(x) for x in kv.find_cached_prefix(b)] == [1, 1]       # only the block before the change
+    assert [len(x) for x in kv.find_cached_prefix(make("c", 30))] == [7, 7]
+
+
 def test_all_or_nothing_allocation():
     kv = KVCacheCoordinator(GROUPS, num_blocks=4, enable_prefix_caching=False)   # 3 usable blocks
     assert not kv.try_allocate(make("a", 13), 13)                                 # needs 4
