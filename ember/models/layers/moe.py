@@ -9,6 +9,12 @@ Qwen3-MoE, `block_sparse_moe.experts.{e}.w1/w3/w2.weight` in Mixtral), or, as tr
 the stacked `experts.gate_up_proj` [E, 2I, H] and `experts.down_proj` [E, H, I]. `expert_checkpoint_target` maps
 either onto w13 / w2 with a shard id, (expert, 0 | 1) for gate / up and expert for down, which the parameters'
 weight loaders place; the loader asks each parameter which of its shards a checkpoint left out.
+
+Under tensor parallelism each rank holds every expert's share of the intermediate dimension, [r I/N, (r+1) I/N):
+those rows of each expert's gate and of its up projection in w13 [E, 2I/N, H], the same columns of its down
+projection in w2 [E, H, I/N]. The router is replicated, so every rank routes alike; the op runs unchanged on the
+slices, and its output, a partial sum on each rank, is all-reduced once, as after a row-parallel linear. Each
+parameter's `checkpoint_slice` names the rows (gate / up) or columns (down) a rank reads of an expert's tensor.
 """
 
 from __future__ import annotations
@@ -18,7 +24,9 @@ import re
 import torch
 from torch import nn
 
-from ember.distributed.shard import current_shard
+from ember.distributed.ops import all_reduce
+from ember.distributed.parallel_state import TP_GROUP
+from ember.distributed.shard import CheckpointSlice, current_shard, split
 from ember.kernels.moe_op import moe
 from ember.models.layers.linear import Linear, check_shape, default_weight_loader, make_param
 from ember.quant import QuantConfig, QuantConfigError
@@ -52,36 +60,68 @@ def expert_checkpoint_target(name: str, projections: dict[str, tuple[str, int | 
 
 
 class FusedMoE(nn.Module):
-    """Every expert's weights as two stacked parameters (see the module docstring)."""
+    """Every expert's weights as two stacked parameters (see the module docstring): this rank's share of each
+    expert's intermediate dimension, the whole of it on one rank. `intermediate_size` is the model's;
+    `self.intermediate_size` this rank's."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
         super().__init__()
-        self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
-        self.w13 = make_param((num_experts, 2 * intermediate_size, hidden_size), self._load_w13)   # [E, 2I, H]
-        self.w2 = make_param((num_experts, hidden_size, intermediate_size), self._load_w2)         # [E, H, I]
+        spec = current_shard()
+        local = split(intermediate_size, spec, "the MoE experts' intermediate size")
+        self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, local
+        self.full_intermediate_size, self.first_column = intermediate_size, spec.rank * local
+        self.w13 = make_param((num_experts, 2 * local, hidden_size), self._load_w13)       # [E, 2I/N, H]
+        self.w2 = make_param((num_experts, hidden_size, local), self._load_w2)             # [E, H, I/N]
         self.w13.missing_shards = lambda got: self._missing(got, [(e, h) for e in range(num_experts) for h in (0, 1)])
         self.w2.missing_shards = lambda got: self._missing(got, list(range(num_experts)))
+        if spec.size > 1:
+            self.w13.checkpoint_slice = self._w13_slice
+            self.w2.checkpoint_slice = self._w2_slice
+
+    def _slice(self, dim: int) -> CheckpointSlice:
+        return CheckpointSlice(dim, self.first_column, self.intermediate_size, self.full_intermediate_size)
+
+    def _w13_slice(self, shard_id) -> CheckpointSlice | None:
+        """An expert's gate or up projection [I, H]: this rank's rows. A stacked gate_up [E, 2I, H] is read whole
+        (this rank's rows of both halves are two ranges) and narrowed by the loader."""
+        return None if shard_id is None else self._slice(0)
+
+    def _w2_slice(self, shard_id) -> CheckpointSlice:
+        """An expert's down projection [H, I], or the stacked [E, H, I]: this rank's columns."""
+        return self._slice(1 if shard_id is not None else 2)
 
     def _expert(self, expert: int) -> int:
         if not 0 <= expert < self.num_experts:
             raise ValueError(f"expert {expert} is out of range for {self.num_experts} experts")
         return expert
 
+    def _mine(self, loaded: torch.Tensor, dim: int) -> torch.Tensor:
+        """This rank's range of the intermediate dimension `dim` of a tensor handed whole (as it is)."""
+        full, size = self.full_intermediate_size, self.intermediate_size
+        if full == size or loaded.dim() <= dim or loaded.shape[dim] != full:
+            return loaded
+        return loaded.narrow(dim, self.first_column, size)
+
     def _load_w13(self, param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
         if shard_id is None:
+            full = self.full_intermediate_size
+            if full != self.intermediate_size and loaded.dim() == 3 and loaded.shape[1] == 2 * full:
+                loaded = torch.cat([self._mine(loaded[:, :full], 1), self._mine(loaded[:, full:], 1)], dim=1)
             default_weight_loader(param, loaded)
             return
         expert, half = shard_id
         size = self.intermediate_size
-        target = param.data[self._expert(expert)].narrow(0, half * size, size)                       # [I, H]
+        target = param.data[self._expert(expert)].narrow(0, half * size, size)                       # [I/N, H]
+        loaded = self._mine(loaded, 0)
         check_shape(param, loaded, target.shape)
         target.copy_(loaded)
 
     def _load_w2(self, param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
         if shard_id is None:
-            default_weight_loader(param, loaded)
+            default_weight_loader(param, self._mine(loaded, 2))
             return
-        target = param.data[self._expert(shard_id)]                                                  # [H, I]
+        target = param.data[self._expert(shard_id)]                                                  # [H, I/N]
+        loaded = self._mine(loaded, 1)
         check_shape(param, loaded, target.shape)
         target.copy_(loaded)
 
@@ -92,12 +132,16 @@ class FusedMoE(nn.Module):
                 for s in expected if s not in got]
 
     def extra_repr(self) -> str:
-        return f"experts={self.num_experts}, hidden={self.hidden_size}, intermediate={self.intermediate_size}"
+        shard = "" if self.intermediate_size == self.full_intermediate_size else f" of {self.full_intermediate_size}"
+        return f"experts={self.num_experts}, hidden={self.hidden_size}, intermediate={self.intermediate_size}{shard}"
 
 
 class SparseMoeBlock(nn.Module):
     """router -> top_k experts per token -> their outputs summed with the routing weights (renormalised to sum to
-    one where `renormalize`)."""
+    one where `renormalize`). Under tensor parallelism the router is replicated and the experts hold this rank's
+    share of the intermediate dimension: the op's output is a partial sum, all-reduced once here, before the
+    residual add (which then stays outside the op: the residual_epilogue pass folds it only into an op it directly
+    follows)."""
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int, renormalize: bool,
                  hidden_act: str = "silu"):
@@ -107,11 +151,9 @@ class SparseMoeBlock(nn.Module):
                              f"fuse SiLU (silu / swish)")
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok {top_k} must be between 1 and num_experts {num_experts}")
-        if current_shard().size > 1:
-            raise ValueError(f"MoE experts are not split over tensor-parallel ranks yet (tensor_parallel_size "
-                             f"{current_shard().size}); run this model with tensor_parallel_size=1")
         self.top_k, self.renormalize = int(top_k), bool(renormalize)
-        self.gate = Linear(hidden_size, num_experts)
+        self.tp_size = current_shard().size
+        self.gate = Linear(hidden_size, num_experts)           # a plain Linear: whole on every rank
         self.experts = FusedMoE(num_experts, hidden_size, intermediate_size)
 
     def expected_experts(self, num_tokens: int) -> float:
@@ -124,7 +166,8 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H]."""
-        return moe(x, self.gate(x), self.experts.w13, self.experts.w2, self.top_k, self.renormalize)
+        out = moe(x, self.gate(x), self.experts.w13, self.experts.w2, self.top_k, self.renormalize)
+        return out if self.tp_size == 1 else all_reduce(out, TP_GROUP)
 
     def extra_repr(self) -> str:
         return f"top_k={self.top_k}, renormalize={self.renormalize}"
