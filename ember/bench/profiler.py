@@ -80,7 +80,7 @@ def critical_path(kernels: list[tuple[str, float, float]]) -> tuple[dict[str, fl
 def profile_steps(engine, num_steps: int, top: int = 15) -> StepProfile:
     """Run up to `num_steps` engine steps (requests must already be queued) under the profiler."""
     from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity, profile, record_function, schedule
 
     from ember.profiling import enabled as sections_enabled
 
@@ -92,14 +92,23 @@ def profile_steps(engine, num_steps: int, top: int = 15) -> StepProfile:
     if cuda:
         torch.cuda.synchronize(device)
     steps = 0
-    with profile(activities=activities) as prof, sections_enabled():
-        start = time.perf_counter()
-        while steps < num_steps and engine.has_unfinished():
-            engine.step()
-            steps += 1
-        if cuda:
-            torch.cuda.synchronize(device)
-        wall = time.perf_counter() - start
+    # the profiler's first traced calls cost milliseconds (its own set-up, which torch's schedule keeps in a warm-up
+    # it discards): a warm-up of a few device ops, untimed, so that the first step (a prefill) is not charged
+    traced = []
+    with profile(activities=activities, schedule=schedule(wait=0, warmup=1, active=1, repeat=1),
+                 on_trace_ready=lambda p: traced.extend(p.events())) as prof:
+        with record_function("profiler.warmup"):
+            torch.ones(8, device=device).add_(1).sum().item()
+        prof.step()
+        with sections_enabled():
+            start = time.perf_counter()
+            while steps < num_steps and engine.has_unfinished():
+                engine.step()
+                steps += 1
+            if cuda:
+                torch.cuda.synchronize(device)
+            wall = time.perf_counter() - start
+        prof.step()
     if steps == 0:
         raise ValueError("no request was in flight to profile; add requests before profile_steps")
 
@@ -108,7 +117,7 @@ def profile_steps(engine, num_steps: int, top: int = 15) -> StepProfile:
     phases: dict[str, float] = {}
     per_kernel: dict[str, list[float]] = {}
     timeline: list[tuple[str, float, float]] = []
-    for evt in prof.events():
+    for evt in traced:
         if evt.device_type == DeviceType.CPU:
             if evt.name.startswith(PHASE_PREFIX):
                 phases[evt.name] = phases.get(evt.name, 0.0) + evt.cpu_time_total
