@@ -39,3 +39,10 @@ def scale_to_e4m3(x, scale, ROUND: tl.constexpr):
     if ROUND:
         q = round_to_e4m3(q)
     return q
+
+
+@triton.jit
+def to_f16_saturated(x):
+    """x in float16, saturated at +-65504 (float16's largest finite value) rather than overflowing to inf: the
+    queries' side of products with an e4m3 cache widened to float16."""
+    return tl.minimum(tl.maximum(x.to(tl.float32), -65504.0), 65504.0).to(tl.float16)

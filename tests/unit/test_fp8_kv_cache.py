@@ -13,10 +13,13 @@ import logging
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import ember.attention_backends.flash.kernels as F
 import ember.attention_backends.triton_unified.kernels as K
 from ember.attention_backends.torch_ref import quantize_kv
+from ember.kernels.e4m3 import to_f16_saturated
 from ember.kv_spec import KVCacheSpec
 from tests.helpers.paged_batches import BatchShape, make_paged_batch, reference_output, tolerance
 
@@ -103,10 +106,10 @@ def test_2d_kernel_attends_the_dequantized_cache(shape, dtype):
     _assert_matches(out, batch, dtype)
 
 
-def test_2d_kernel_multiplies_bfloat16_queries_in_float16_when_asked(monkeypatch):
-    """EMBER_FP8_KV_F16_DOT=1: bfloat16 queries and the e4m3 cache meet in float16 products (the interpreter's
-    bfloat16 dot is wrong, so this path is the one a bfloat16 query can take here); bfloat16's tolerance."""
-    monkeypatch.setenv("EMBER_FP8_KV_F16_DOT", "1")
+def test_2d_kernel_multiplies_bfloat16_queries_in_float16(monkeypatch):
+    """bfloat16 queries and the e4m3 cache meet in float16 products, the default (the interpreter's bfloat16 dot is
+    wrong, so this passes only through the float16 path); bfloat16's tolerance."""
+    monkeypatch.delenv("EMBER_FP8_KV_F16_DOT", raising=False)
     batch, scales = fp8_batch(MIXED, torch.bfloat16)
     K.write_kv(batch.key, batch.value, batch.kv_cache[0], batch.kv_cache[1], batch.slot_mapping, kv_scales=scales)
     out = torch.full_like(batch.query, float("nan"))
@@ -115,6 +118,26 @@ def test_2d_kernel_multiplies_bfloat16_queries_in_float16_when_asked(monkeypatch
                            num_tokens=batch.num_tokens_padded, config=K.TileConfig(block_m=32, tile_n=32),
                            **_kwargs(batch, scales))
     _assert_matches(out, batch, torch.bfloat16)
+
+
+@triton.jit
+def _to_f16_kernel(x_ptr, y_ptr):
+    offs = tl.arange(0, 4)
+    tl.store(y_ptr + offs, to_f16_saturated(tl.load(x_ptr + offs)))
+
+
+def test_float16_products_saturate_the_queries():
+    """A query past float16's range takes +-65504 rather than inf, so its scores stay finite; the switch applies to
+    bfloat16 queries over an e4m3 cache only."""
+    from ember.attention_backends.triton_common.kv_write import fp8_f16_products
+    from ember.kernels.interpret import interpreted
+    x = torch.tensor([1e6, -1e6, 3.0, -2.5], dtype=torch.bfloat16)
+    y = torch.empty(4, dtype=torch.float16)
+    interpreted(_to_f16_kernel)[(1,)](x, y)
+    assert y.tolist() == [65504.0, -65504.0, 3.0, -2.5]
+    cache = torch.empty(1, dtype=FP8)
+    assert fp8_f16_products(x, cache) and not fp8_f16_products(x.half(), cache)
+    assert not fp8_f16_products(x, torch.empty(1, dtype=torch.bfloat16))
 
 
 @pytest.mark.parametrize("shape", [
@@ -145,8 +168,9 @@ def test_3d_split_kv_writes_and_attends_the_new_keys_in_fp8(shape):
     dataclasses.replace(MIXED, block_size=64),
     pytest.param(dataclasses.replace(WINDOW, block_size=64), marks=pytest.mark.slow),
     pytest.param(dataclasses.replace(SOFTCAP, block_size=64), marks=pytest.mark.slow)], ids=["mixed", "window", "softcap"])
-def test_flash_kernels_attend_the_dequantized_cache(shape):
-    dtype = torch.float16
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_flash_kernels_attend_the_dequantized_cache(shape, dtype):
+    """float16 queries, and bfloat16 ones through float16 products (the interpreter's bfloat16 dot is wrong)."""
     batch, scales = fp8_batch(shape, dtype)
     F.write_kv(batch.key, batch.value, batch.kv_cache[0], batch.kv_cache[1], batch.slot_mapping, kv_scales=scales)
     out = torch.full_like(batch.query, float("nan"))

@@ -13,6 +13,8 @@ to nearest and saturated at +-448; the attention kernels multiply the scale back
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -58,6 +60,15 @@ def fp8_kv_mode(cache: torch.Tensor) -> int:
     if cache.dtype != torch.float8_e4m3fn:
         return 0
     return 2 if cache.device.type == "cpu" else 1
+
+
+def fp8_f16_products(query: torch.Tensor, cache: torch.Tensor) -> bool:
+    """Whether attention of `query` over `cache` multiplies in float16: for bfloat16 queries over an e4m3 cache,
+    whose values widen to float16 in one conversion a pair (to bfloat16 in several, which held decode attention
+    at 61% of copy bandwidth against 79% on an H100: docs/performance.md). `EMBER_FP8_KV_F16_DOT=0` turns it off
+    (an A/B switch)."""
+    return (cache.dtype == torch.float8_e4m3fn and query.dtype == torch.bfloat16
+            and os.environ.get("EMBER_FP8_KV_F16_DOT", "1") != "0")
 
 
 def check_kv_scales(kv_scales, cache: torch.Tensor, num_kv_heads: int):

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from ember.attention_backends.triton_common.tiles import LOG2E, cdiv, reduce_max, reduce_sum
+from ember.kernels.e4m3 import to_f16_saturated
 from ember.kernels.precompile import launch_always
 
 from .tiles import attend_ranges
@@ -95,7 +96,7 @@ def flash_decode_kernel(
     NUM_KV_HEADS: tl.constexpr, NUM_QUERIES_PER_KV: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, SPLIT: tl.constexpr,
     USE_TMA: tl.constexpr, OFFSET_64: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
-    USE_SINKS: tl.constexpr, IEEE: tl.constexpr, FP8_KV: tl.constexpr = 0,
+    USE_SINKS: tl.constexpr, IEEE: tl.constexpr, FP8_KV: tl.constexpr = 0, F16_DOT: tl.constexpr = False,
 ):
     """One work item (SPLIT) or one whole request (not SPLIT) of one KV head: the G query heads of that KV head
     are the tile's rows. FP8_KV (an e4m3 cache): as in the prefill kernel; partials carry the value scale too."""
@@ -137,6 +138,8 @@ def flash_decode_kernel(
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     if FP8_KV:
         qk_scale = qk_scale * tl.load(k_scale_ptr + kv_head)
+        if F16_DOT:     # bfloat16 queries over an e4m3 cache: products in float16 (`fp8_f16_products`)
+            q = to_f16_saturated(q)
     else:
         q = q.to(k_cache_ptr.dtype.element_ty)
     q_pos = rows * 0 + q_pos_s

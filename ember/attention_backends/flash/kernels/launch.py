@@ -9,7 +9,7 @@ import torch
 import triton
 
 from ember.attention_backends.triton_common.interpreted import kernel_for
-from ember.attention_backends.triton_common.kv_write import check_kv_scales, fp8_kv_mode
+from ember.attention_backends.triton_common.kv_write import check_kv_scales, fp8_f16_products, fp8_kv_mode
 
 from .decode import decode_combine_kernel, decode_plan_kernel, flash_decode_kernel
 from .prefill import flash_prefill_kernel
@@ -121,13 +121,14 @@ def flash_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
         USE_TMA=use_tma, OFFSET_64=offset_64, USE_WINDOW=sliding_window is not None, USE_SOFTCAP=bool(soft_cap),
         USE_SINKS=sinks is not None, WRITE_LSE=lse is not None, IEEE=query.dtype == torch.float32,
         WARP_SPECIALIZE=tiles.warp_specialize, num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages, **_fp8_flag(key_cache), **(dict(maxnreg=tiles.maxnreg) if tiles.maxnreg else {}))
+        num_stages=tiles.num_stages, **_fp8_flag(key_cache, query), **(dict(maxnreg=tiles.maxnreg) if tiles.maxnreg else {}))
 
 
-def _fp8_flag(cache: torch.Tensor) -> dict:
-    """FP8_KV for a launch: passed only when set, so the other caches' specializations keep their keys."""
+def _fp8_flag(cache: torch.Tensor, query: torch.Tensor) -> dict:
+    """FP8_KV (and F16_DOT) for a launch: passed only when set, so the other caches' specializations keep their
+    keys."""
     mode = fp8_kv_mode(cache)
-    return dict(FP8_KV=mode) if mode else {}
+    return dict(FP8_KV=mode, F16_DOT=fp8_f16_products(query, cache)) if mode else {}
 
 
 class DecodeWorkspace:
@@ -207,7 +208,7 @@ def flash_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
         BLOCK_SIZE=key_cache.shape[2], BLOCK_M=tiles.block_m, TILE_N=tiles.tile_n, SPLIT=split, USE_TMA=use_tma,
         OFFSET_64=offset_64, USE_WINDOW=sliding_window is not None, USE_SOFTCAP=bool(soft_cap),
         USE_SINKS=sinks is not None, IEEE=query.dtype == torch.float32,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **_fp8_flag(key_cache))
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **_fp8_flag(key_cache, query))
     if split:
         combine = kernel_for(query.device, decode_combine_kernel)
         combine[(num_rows, num_heads)](

@@ -18,6 +18,8 @@ import triton
 import triton.language as tl
 
 from ember.attention_backends.triton_common.tiles import LOG2E, kv_tile_bounds, query_block_rows
+from ember.kernels.e4m3 import to_f16_saturated
+
 from .tiles import attend_ranges
 
 
@@ -47,7 +49,7 @@ def flash_prefill_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
     SKIP_DECODES: tl.constexpr, USE_TMA: tl.constexpr, OFFSET_64: tl.constexpr, USE_WINDOW: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, USE_SINKS: tl.constexpr, WRITE_LSE: tl.constexpr, IEEE: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr, FP8_KV: tl.constexpr = 0,
+    WARP_SPECIALIZE: tl.constexpr, FP8_KV: tl.constexpr = 0, F16_DOT: tl.constexpr = False,
 ):
     # FP8_KV (an e4m3 cache): q stays in its dtype, the tiles widen to it; the KV head's key scale joins qk_scale
     # and its value scale multiplies the output
@@ -81,6 +83,8 @@ def flash_prefill_kernel(
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)                 # [BLOCK_M, HEAD_PAD]
     if FP8_KV:
         qk_scale = qk_scale * tl.load(k_scale_ptr + kv_head)
+        if F16_DOT:     # bfloat16 queries over an e4m3 cache: products in float16 (`fp8_f16_products`)
+            q = to_f16_saturated(q)
     else:
         q = q.to(k_cache_ptr.dtype.element_ty)
 

@@ -3,14 +3,13 @@ when called from a CUDA graph), never on device values, so a captured launch rep
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 
 from ember.attention_backends.triton_common.interpreted import kernel_for
-from ember.attention_backends.triton_common.kv_write import check_kv_scales, fp8_kv_mode
+from ember.attention_backends.triton_common.kv_write import check_kv_scales, fp8_f16_products, fp8_kv_mode
 from ember.kernels.pdl import pdl_options
 
 from .attention_core import MODE_ALL, MODE_DECODES, MODE_PREFILLS
@@ -110,13 +109,7 @@ def _common_args(query, key_cache, value_cache, block_table, query_start_loc, se
             dict(USE_WINDOW=sliding_window is not None, USE_SOFTCAP=bool(soft_cap), USE_SINKS=sinks is not None,
                  USE_ALIBI=alibi_slopes is not None, IEEE=query.dtype == torch.float32,
                  BLOCK_SIZE=key_cache.shape[2], NEW_KV=new_kv is not None, **rope_flags,
-                 **(dict(FP8_KV=fp8, F16_DOT=query.dtype == torch.bfloat16 and fp8_f16_dot()) if fp8 else {})))
-
-
-def fp8_f16_dot() -> bool:
-    """Whether attention of bfloat16 queries over an e4m3 cache multiplies in float16 (`EMBER_FP8_KV_F16_DOT=1`, an
-    A/B switch) rather than in bfloat16."""
-    return os.environ.get("EMBER_FP8_KV_F16_DOT", "0") == "1"
+                 **(dict(FP8_KV=fp8, F16_DOT=fp8_f16_products(query, key_cache)) if fp8 else {})))
 
 
 def unified_attention_2d(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, out: torch.Tensor,

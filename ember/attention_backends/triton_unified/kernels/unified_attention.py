@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from ember.attention_backends.triton_common.tiles import LOG2E, cdiv, kv_tile_bounds, query_block_rows
-from ember.kernels.e4m3 import scale_to_e4m3
+from ember.kernels.e4m3 import scale_to_e4m3, to_f16_saturated
 from ember.kernels.pdl import gdc_launch_dependents, gdc_wait
 
 from .attention_core import attend_new_key, attend_tiles, combine_segments, locate_query_block, norm_rope
@@ -151,10 +151,8 @@ def unified_attention_kernel(
     else:
         q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                     mask=row_ok[:, None] & d_ok[None, :], other=0.0)            # [BLOCK_M, HEAD_PAD]
-    if F16_DOT:
-        # an e4m3 cache widens to float16 in one conversion a pair of values (to bfloat16 in several); the queries
-        # join it in float16, whose 10 mantissa bits hold them at least as well as bfloat16 does within its range
-        q = q.to(tl.float16)
+    if F16_DOT:     # bfloat16 queries over an e4m3 cache: products in float16 (`fp8_f16_products`)
+        q = to_f16_saturated(q)
 
     block_table_row = block_table_ptr + seq.to(tl.int64) * stride_bt
     k_base = k_cache_ptr + kv_head.to(tl.int64) * stride_ch
