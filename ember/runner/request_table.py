@@ -162,7 +162,10 @@ class RequestTable:
         row = heapq.heappop(self._free)
         self.rows[new.req_id] = row
         self.version += 1
-        tokens = np.asarray(tuple(new.prompt_token_ids) + tuple(new.output_token_ids), dtype=np.int64)
+        # fromiter reads Python ints faster than asarray does, and no joined tuple is built first
+        tokens = np.fromiter(new.prompt_token_ids, dtype=np.int64, count=len(new.prompt_token_ids))
+        if new.output_token_ids:    # a preempted request's generated tokens follow its prompt
+            tokens = np.concatenate((tokens, np.fromiter(new.output_token_ids, dtype=np.int64)))
         token_index.append(row * self.width + np.arange(n, dtype=np.int64))
         token_values.append(tokens)
         self.num_tokens[row] = n
@@ -189,7 +192,7 @@ class RequestTable:
             raise ValueError(f"row {row} would hold {start + n} blocks in group {g}, more than {self.max_blocks}")
         base = (g * self.max_num_reqs + row) * self.max_blocks + start
         block_index.append(base + np.arange(n, dtype=np.int64))
-        block_values.append(np.asarray(blocks, dtype=np.int64))
+        block_values.append(np.fromiter(blocks, dtype=np.int64, count=n))
         self.num_blocks[g, row] = start + n
 
     def remove(self, req_id: str) -> bool:
