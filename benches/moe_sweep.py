@@ -2,7 +2,10 @@
 grouped GEMM's launch shapes measured at a range of token counts, and the token count up to which the decode path
 beats the grouped GEMM.
 
-    PYTHONPATH=. python benches/moe_sweep.py --configs qwen3-30b-a3b mixtral-8x7b [--write]
+    PYTHONPATH=. python benches/moe_sweep.py --configs qwen3-30b-a3b mixtral-8x7b [--tensor-parallel-size 1 2] [--write]
+
+Under tensor parallelism a rank's layer holds intermediate / N of every expert, and the table is looked up by that
+shape: `--tensor-parallel-size 2` sweeps the rank's shape (1, the default, the whole layer's).
 
 Each candidate is timed inside a CUDA graph of many calls, each on another token batch (its routing from random
 logits), so the experts a call reads come from HBM. gate_up and down are chosen apart for each BLOCK_M (they share
@@ -39,10 +42,14 @@ GROUPED_CANDIDATES = [dict(BLOCK_N=n, BLOCK_K=k, GROUP_M=8, num_warps=w, num_sta
                       for n, k, w, s in itertools.product((64, 128), (64, 128), (4, 8), (3, 4))]
 
 
-def _layer_shape(name: str) -> tuple[int, int, int, int]:
+def _layer_shape(name: str, tp: int = 1) -> tuple[int, int, int, int]:
+    """(experts, hidden, intermediate, top_k) of a rank's MoE layer at `tp` ranks."""
     cfg = bundled_config(name)
     intermediate = getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size
-    return num_experts_of(cfg), cfg.hidden_size, intermediate, cfg.num_experts_per_tok
+    if intermediate % tp:
+        raise SystemExit(f"{name}: the experts' intermediate size {intermediate} is not divisible by "
+                         f"--tensor-parallel-size {tp}")
+    return num_experts_of(cfg), cfg.hidden_size, intermediate // tp, cfg.num_experts_per_tok
 
 
 def _time(fns, calls: int) -> float | None:
@@ -117,8 +124,9 @@ def sweep_grouped(w13, w2, batches) -> tuple[dict, dict, float]:
     return choice
 
 
-def sweep(name: str) -> dict:
-    num_experts, hidden, intermediate, top_k = _layer_shape(name)
+def sweep(name: str, tp: int = 1) -> dict:
+    num_experts, hidden, intermediate, top_k = _layer_shape(name, tp)
+    name = name if tp == 1 else f"{name} (a rank of {tp})"
     g = torch.Generator(device="cuda").manual_seed(0)
     w13 = torch.randn(num_experts, 2 * intermediate, hidden, device="cuda", dtype=DTYPE, generator=g) * 0.02
     w2 = torch.randn(num_experts, hidden, intermediate, device="cuda", dtype=DTYPE, generator=g) * 0.02
@@ -149,10 +157,12 @@ def sweep(name: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--configs", nargs="+", default=["qwen3-30b-a3b"])
+    parser.add_argument("--tensor-parallel-size", type=int, nargs="+", default=[1],
+                        help="sweep a rank's shape at each of these tensor-parallel sizes (default: 1, the whole layer)")
     parser.add_argument("--write", action="store_true", help=f"merge the results into {TABLE_PATH}")
     args = parser.parse_args()
     props = torch.cuda.get_device_properties(0)
-    entries = [sweep(name) for name in args.configs]
+    entries = [sweep(name, tp) for name in args.configs for tp in args.tensor_parallel_size]
     print(json.dumps(entries, indent=1))
     if not args.write:
         return
@@ -163,7 +173,10 @@ def main() -> None:
             doc = {"shapes": []}
     keys = {(e["experts"], e["hidden"], e["intermediate"], e["top_k"]) for e in entries}
     kept = [e for e in doc["shapes"] if (e["experts"], e["hidden"], e["intermediate"], e["top_k"]) not in keys]
-    doc = {"command": "PYTHONPATH=. python benches/moe_sweep.py --configs " + " ".join(args.configs) + " --write",
+    sizes = "" if args.tensor_parallel_size == [1] else \
+        " --tensor-parallel-size " + " ".join(map(str, args.tensor_parallel_size))
+    doc = {"command": "PYTHONPATH=. python benches/moe_sweep.py --configs " + " ".join(args.configs) + sizes +
+                      " --write",
            "device": props.name, "num_sms": props.multi_processor_count, "element_size": 2,
            "shapes": kept + entries}
     TABLE_PATH.write_text(json.dumps(doc, indent=1) + "\n")

@@ -10,7 +10,8 @@
 #   bash benches/run_gpu.sh flash         # the flash backend's kernels, GPU tests and time to first token
 #   bash benches/run_gpu.sh fusion        # fusion passes on / off, batch-1 decode with a step profile
 #   [CONFIGS=..] [AB_OPTION=.. AB_VALUES=".."] bash benches/run_gpu.sh ab   # batch-1 A/B of a backend option
-#   bash benches/run_gpu.sh moe_sweep [CONFIG]  # the MoE kernels' launch table for CONFIG (default qwen3-30b-a3b)
+#   [TP=2] bash benches/run_gpu.sh moe_sweep [CONFIG]  # the MoE kernels' launch table for CONFIG (default
+#                                         # qwen3-30b-a3b); TP=N: a rank's shape at N ranks
 #   bash benches/run_gpu.sh moe           # MoE kernel tests, the MoE layer bench, Qwen3-30B-A3B batch-1 latency
 #   bash benches/run_gpu.sh moe_throughput   # the nano-vllm throughput workload, Qwen3-30B-A3B config
 #   bash benches/run_gpu.sh fp8           # fp8 weights and KV cache: batch-1 latency beside bf16, throughput, the
@@ -23,6 +24,7 @@
 #   bash benches/run_gpu.sh tp2_collectives   # 2 GPUs: the all-reduce bench (NCCL vs one-shot), the TP GPU tests
 #   bash benches/run_gpu.sh tp2           # 2 GPUs: Llama-3.1-8B batch 1 and nano-vllm throughput, TP=1 against TP=2
 #   bash benches/run_gpu.sh tp4           # 4 GPUs: Llama-3.1-70B TP=4 cold and warm start-up, batch 1, throughput
+#   bash benches/run_gpu.sh moe_tp2       # 2 GPUs: the sharded-experts GPU test, Mixtral-8x7B TP=2 batch 1, throughput
 # Each part's own switches are described above its function.
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -354,10 +356,31 @@ part_tp4() {
   done
 }
 
-# moe_sweep [CONFIG]: measures and writes ember/kernels/moe_configs.json (one config per call: ~5-8 minutes each).
+# moe_sweep [CONFIG]: measures and writes ember/kernels/moe_configs.json (one config per call: ~5-8 minutes each);
+# TP=N sweeps a rank's shape at N ranks (intermediate / N), the entry a rank's layer looks up.
 part_moe_sweep() {
-  run moe_sweep_"${1:-qwen3-30b-a3b}" 590 python3 benches/moe_sweep.py --configs "${1:-qwen3-30b-a3b}" --write
-  tail -3 "$OUT/moe_sweep_${1:-qwen3-30b-a3b}.log"
+  local name=moe_sweep_"${1:-qwen3-30b-a3b}"_tp"${TP:-1}"
+  run "$name" 590 python3 benches/moe_sweep.py --configs "${1:-qwen3-30b-a3b}" --tensor-parallel-size "${TP:-1}" \
+    --write
+  tail -3 "$OUT/$name.log"
+}
+
+# moe_tp2 (2 GPUs, at most 9 min): the sharded-experts GPU test (a Mixtral-shaped model, fp32 tokens of two ranks
+# against one under FULL graphs), then the Mixtral-8x7B config (random bf16 weights, about 47 GB a rank; one H100
+# cannot hold it whole) at TP=2: batch 1 and the nano-vllm throughput workload.
+part_moe_tp2() {
+  local f
+  timed moe_tp2_test 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_tensor_parallel_gpu.py \
+    -k sharded_experts
+  timed lat_mixtral_tp2 150 python3 -m ember bench latency --config mixtral-8x7b --tensor-parallel-size 2 \
+    --batch-size 1 --input-len 32 --output-len 256 --num-iters 3 --json "$OUT/lat_mixtral_tp2.json"
+  timed thr_mixtral_tp2 230 python3 -m ember bench throughput --config mixtral-8x7b --tensor-parallel-size 2 \
+    --json "$OUT/thr_mixtral_tp2.json"
+  echo "== summary"
+  grep -h "passed\|failed" "$OUT/moe_tp2_test.log" | tail -1
+  for f in lat_mixtral_tp2 thr_mixtral_tp2; do
+    echo "-- $f"; grep -h "decode \|TPOT\|output \|host \|start-up\|Error" "$OUT/$f.log" | head -6
+  done
 }
 
 # moe: the MoE kernel GPU tests (not the model parity tests: tests/gpu/run_parts.sh 5), the MoE layer alone against
@@ -465,7 +488,7 @@ part=${1:-}
 [ $# -gt 0 ] && shift
 case "$part" in
   decode|throughput|headline|serve|serve_dp|startup|flash|fusion|ab|moe|moe_sweep|moe_throughput|fp8|fp8_gemv|\
-  fallback|structured|tp2|tp2_collectives|tp4) mkdir -p "$OUT" ;;
+  fallback|structured|tp2|tp2_collectives|tp4|moe_tp2) mkdir -p "$OUT" ;;
 esac
 case "$part" in
   decode) part_decode ;;
@@ -487,8 +510,9 @@ case "$part" in
   tp2) part_tp2 ;;
   tp2_collectives) part_tp2_collectives ;;
   tp4) part_tp4 ;;
+  moe_tp2) part_moe_tp2 ;;
   *) echo "usage: bash benches/run_gpu.sh decode|throughput|headline|serve|serve_dp|startup [MODEL ...]|flash|fusion|ab|" \
           "moe|moe_sweep [CONFIG]|moe_throughput|fp8|fp8_gemv|fallback [qwen3|llama|pythia]|structured|" \
-          "tp2_collectives|tp2|tp4" >&2
+          "tp2_collectives|tp2|tp4|moe_tp2" >&2
      exit 2 ;;
 esac

@@ -4,7 +4,10 @@ bfloat16: teacher-forced logits of two ranks no further from transformers' float
 (times 1.25), and top-1 agreement with one rank on at least 98% of decided positions (bf16_check.py). float32 with
 TF32 off: greedy tokens equal under FULL and PIECEWISE CUDA graphs (the all-reduces and the LM head's all-gather
 captured in them), and with the engine core in a process of its own. The symmetric-memory one-shot all-reduce:
-greedy bf16 tokens equal NCCL's under FULL graphs, logits as close to one rank's as NCCL's are.
+greedy bf16 tokens equal NCCL's under FULL graphs, logits as close to one rank's as NCCL's are. A Mixtral-shaped
+model (8 experts of hidden 4096, each rank half of every expert's intermediate dimension): float32 greedy tokens of
+two ranks equal one rank's under FULL graphs (the MoE kernels' decode GEMVs and grouped GEMMs on the sharded experts,
+and the block's all-reduce, captured).
 
     PYTHONPATH=. python -m pytest -q -m gpu tests/gpu/test_tensor_parallel_gpu.py      (2 GPUs)
 """
@@ -144,3 +147,35 @@ def test_symmetric_memory_all_reduce_is_as_close_as_nccl(folder):
     rel = lambda a, b: ((a - b).norm() / b.norm()).item()
     print({"nccl_vs_one": rel(nccl, one), "symm_vs_one": rel(symm, one)})
     assert rel(symm, one) <= BF16_ERR_RATIO * max(rel(nccl, one), 1e-3)
+
+
+@pytest.fixture(scope="module")
+def mixtral_folder(tmp_path_factory):
+    """Mixtral-8x7B's config at 2 layers with experts of intermediate 4096 (2048 a rank at two ranks), random
+    float32 weights, saved with one tensor per expert and projection."""
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(0)
+    cfg = bundled_config("mixtral-8x7b", num_hidden_layers=2, intermediate_size=4096).to_transformers()
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    path = tmp_path_factory.mktemp("mixtral_tp")
+    model.save_pretrained(path)
+    del model
+    gc.collect()
+    return str(path)
+
+
+def test_float32_tokens_of_two_ranks_with_sharded_experts_under_full_graphs(mixtral_folder):
+    def greedy(llm):
+        experts = llm.engine.runner.model.model.layers[0].mlp.experts
+        return experts.w2.shape[2], _greedy(llm)
+
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        (one_i, one), (two_i, two) = (_run(mixtral_folder, tp, greedy, dtype="float32", cudagraph_mode="full")
+                                      for tp in (1, 2))
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved
+    assert (one_i, two_i) == (4096, 2048)
+    assert all(len(t) == 32 for t in two) and len({tuple(t) for t in one}) == len(one)
+    assert two == one
