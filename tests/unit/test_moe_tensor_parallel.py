@@ -1,8 +1,8 @@
 """Mixtures of experts under tensor parallelism (float32, CPU): each rank loads its share of every expert's
 intermediate dimension (per-expert and stacked checkpoints) and its partial outputs sum to the whole block's; an
 intermediate size the ranks cannot split is refused at start-up; the launch table is looked up by a rank's shape;
-the residual add stays after the all-reduce; and, over gloo in two processes, Qwen3-MoE (experts beside a dense
-layer) and Mixtral give one rank's greedy tokens and logits."""
+the bench's roofline counts a rank's share; the residual add stays after the all-reduce; and, over gloo in two
+processes, Qwen3-MoE (experts beside a dense layer) and Mixtral give one rank's greedy tokens and logits."""
 
 from __future__ import annotations
 
@@ -148,6 +148,16 @@ def test_the_launch_table_is_looked_up_by_a_ranks_shape(tmp_path, monkeypatch):
         assert launches[2] == MC.fallback_launch(rank_of_four) and launches[2].path == "grouped"
     finally:
         MC.moe_launch.cache_clear()
+
+
+def test_the_roofline_counts_a_ranks_share_of_the_chosen_experts():
+    from ember.bench.roofline import expert_bytes
+    from ember.models.bundled import bundled_config
+    cfg = bundled_config("mixtral-8x7b", num_hidden_layers=1)
+    whole, half = (expert_bytes(build_on_meta(cfg, torch.bfloat16, None, ShardSpec(0, tp)), 1) for tp in (1, 2))
+    expert = 3 * 4096 * 14336 * 2                             # one expert's gate, up and down in bf16
+    assert whole == [(8 * expert, 2 * expert)]                # top 2 of 8 at one token
+    assert half == [(4 * expert, expert)]                     # half of each, on each rank
 
 
 def test_the_residual_add_stays_after_the_all_reduce():
