@@ -219,7 +219,7 @@ class MultiprocExecutor:
 
 def _check_shardable(config: EngineConfig, model_path: str, hf_config) -> None:
     """Build rank 0's shard on the meta device (no memory): a model the ranks cannot split (heads, KV heads, MLP
-    width; fp8 layers, not split yet) is refused before any worker starts, with the reason."""
+    width, fp8 weight blocks a shard would cut) is refused before any worker starts, with the reason."""
     from ember.config import resolve_dtype
     from ember.distributed.shard import ShardSpec
     from ember.models.loader import build_on_meta, load_config

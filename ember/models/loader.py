@@ -110,14 +110,12 @@ def build_on_meta(config, dtype: torch.dtype, quant: QuantConfig | None = None,
                   shard: ShardSpec = ShardSpec(), model_impl: str = "auto") -> nn.Module:
     """Construct the config's model (the class `model_impl` picks: ember's own or the transformers fallback; or its
     tensor-parallel `shard`) with every parameter on the meta device in `dtype` (no memory, no init); with `quant`,
-    the linear layers it quantizes are fp8 layers (ember.models.layers.scaled_linear)."""
+    the linear layers it quantizes are fp8 layers (ember.models.layers.scaled_linear), sharded as the layers they
+    replace."""
     model_cls = resolve_model_class(config, model_impl)
     if shard.size > 1 and getattr(model_cls, "runs_transformers_code", False):
         raise ValueError(f"the transformers fallback does not split a model over tensor-parallel ranks "
                          f"(tensor_parallel_size {shard.size}); run it with tensor_parallel_size=1")
-    if quant is not None and shard.size > 1:
-        raise QuantConfigError(f"fp8 layers are not split over tensor-parallel ranks yet (tensor_parallel_size "
-                               f"{shard.size}); run an fp8 model with tensor_parallel_size=1")
     with torch.device("meta"), _default_dtype(dtype), building(shard):
         model = model_cls(config)
         if quant is not None:

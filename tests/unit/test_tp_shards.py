@@ -157,18 +157,17 @@ def test_shard_shapes_missing_from_the_gemv_tables_take_the_fallbacks(config):
         assert R.gemv_max_rows(n, k, False, table=()) == R.FALLBACK_MAX_ROWS      # no table: the constant
 
 
-def test_experts_split_and_fp8_layers_are_refused_on_a_shard():
+def test_experts_and_fp8_layers_split_on_a_shard():
     from ember.models.bundled import bundled_config
     from ember.models.loader import build_on_meta
-    from ember.quant import QuantConfig, QuantConfigError
+    from ember.quant import QuantConfig
     cfg = bundled_config("qwen3-30b-a3b", num_hidden_layers=1)
     experts = build_on_meta(cfg, torch.bfloat16, None, ShardSpec(1, 2)).model.layers[0].mlp.experts
     assert (experts.w13.shape, experts.w2.shape) == ((128, 768, 2048), (128, 2048, 384))     # 768 / 2 of each
     fp8 = QuantConfig(source="online", weight_strategy="channel", activation="dynamic")
-    with pytest.raises(QuantConfigError, match="fp8 layers are not split over tensor-parallel ranks yet"):
-        build_on_meta(tiny_config("llama"), torch.bfloat16, fp8, ShardSpec(1, 2))
-    assert build_on_meta(tiny_config("llama"), torch.bfloat16, fp8).model.layers[0].mlp.down_proj.weight.dtype == \
-        torch.float8_e4m3fn                                  # one rank: as before
+    mlp = build_on_meta(tiny_config("llama"), torch.bfloat16, fp8, ShardSpec(1, 2)).model.layers[0].mlp
+    assert mlp.down_proj.weight.dtype == torch.float8_e4m3fn and mlp.down_proj.weight.shape == (64, 48)
+    assert mlp.gate_up_proj.weight.shape == (96, 64) and mlp.gate_up_proj.scale.shape == (96,)
 
 
 def test_the_roofline_counts_one_ranks_bytes():

@@ -81,6 +81,7 @@ class RowParallelLinear(Linear):
         local = split(in_features, spec, f"the input size of a row-parallel projection ({out_features} outputs)")
         super().__init__(local, out_features, bias)
         self.tp_size = spec.size
+        self.input_range = (spec.rank * local, local, in_features)     # (first column, columns, of the whole's)
         if spec.size > 1:
             self.weight.checkpoint_slice = lambda shard_id: CheckpointSlice(1, spec.rank * local, local, in_features)
 

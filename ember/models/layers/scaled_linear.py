@@ -12,6 +12,17 @@ parameters load through the loader's per-parameter weight loaders, packed parts 
   would not have saturated in one of the parts;
 - online (`quantization="fp8"`): the checkpoint's float weight arrives at the weight's loader, which quantizes each
   row and fills the row scales itself.
+
+Under tensor parallelism a layer holds what its unquantized counterpart would, and its scales follow (each parameter
+carries its `checkpoint_slice`, so the loader reads only this rank's bytes):
+
+- column-parallel (q/k/v, gate/up): its rows of each part; per-channel scales and block rows with them, a part's
+  per-tensor scale whole;
+- row-parallel (o, down): its columns of the input; per-tensor and per-channel scales whole, block scales their
+  block columns. Each rank scales its partial product before the all-reduce, so the sum is of dequantized parts;
+- 128x128 blocks must not straddle a shard boundary: a split that is not whole blocks is refused at start-up;
+- online, each rank quantizes its slice: a column-parallel row is whole, so its scale is one rank's as much as the
+  whole model's; a row-parallel rank's scale is the amax of its part of the row (the whole row's is their maximum).
 """
 
 from __future__ import annotations
@@ -19,9 +30,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ember.distributed.ops import all_reduce
+from ember.distributed.parallel_state import TP_GROUP
+from ember.distributed.shard import CheckpointSlice, current_shard
 from ember.kernels.fp8 import FP8, dequantize, quantize_blocks, quantize_rows, round_activations
 from ember.kernels.scaled_linear_op import linear_fp8
-from ember.models.layers.linear import Linear, PackedLinear, QKVLinear, check_shape
+from ember.models.layers.linear import Linear, PackedLinear, QKVLinear, RowParallelLinear, check_shape
 from ember.models.layers.onednn import onednn_linear, takes_packed
 from ember.quant import QuantConfig, QuantConfigError
 
@@ -33,13 +47,23 @@ def _param(shape: tuple[int, ...], dtype: torch.dtype | None, loader) -> nn.Para
 
 
 class ScaledLinear(nn.Module):
-    """y = x (W x scales)^T (+ b), W [N, K] e4m3, stacked from `output_sizes` parts like `PackedLinear`."""
+    """y = x (W x scales)^T (+ b), W [N, K] e4m3, stacked from `output_sizes` parts like `PackedLinear`.
+
+    A tensor-parallel shard: `shard_ranges[i]` (first row, rows) of part i's `full_sizes[i]` rows (column-parallel),
+    or `input_range` (first column, columns, of the whole layer's) with its partial products all-reduced
+    (row-parallel). Without them, the whole layer."""
 
     def __init__(self, in_features: int, output_sizes: list[int], bias: bool, quant: QuantConfig,
-                 q_size: int | None = None, kv_size: int | None = None):
+                 q_size: int | None = None, kv_size: int | None = None,
+                 shard_ranges: list[tuple[int, int]] | None = None, full_sizes: list[int] | None = None,
+                 input_range: tuple[int, int, int] | None = None):
         super().__init__()
         self.in_features, self.output_sizes = in_features, list(output_sizes)
         self.out_features = n = sum(self.output_sizes)
+        self.shard_ranges = list(shard_ranges or [(0, size) for size in self.output_sizes])
+        self.full_sizes = list(full_sizes or self.output_sizes)
+        self.input_range = input_range or (0, in_features, in_features)
+        self.reduces = self.input_range[1] != self.input_range[2]      # row-parallel: all-reduce the partial sums
         self.q_size, self.kv_size = q_size, kv_size
         self.online = quant.online
         self.block = quant.weight_block if quant.block else None
@@ -58,18 +82,55 @@ class ScaledLinear(nn.Module):
         self.bias = _param((n,), None, self.load_bias) if bias else None
         self._input_scales: dict[int | None, float] = {}
         self.packed_weight: torch.Tensor | None = None    # oneDNN's copy on the CPU (ember.models.layers.onednn)
+        if self.shard_ranges != [(0, size) for size in self.full_sizes] or self.reduces:
+            self._slice_checkpoint_tensors(quant)
+
+    def _slice_checkpoint_tensors(self, quant: QuantConfig) -> None:
+        """Give each sharded parameter its `checkpoint_slice`: the rows (column-parallel) or columns (row-parallel)
+        of the checkpoint tensor this rank reads, in elements or, for block scales, in blocks. Per-tensor scales,
+        input scales, a row-parallel layer's per-channel scales and its bias are read whole."""
+        bn, bk = self.block or (1, 1)
+        if self.reduces:
+            start, length, full = self.input_range
+            self.weight.checkpoint_slice = lambda shard_id: CheckpointSlice(1, start, length, full)
+            if self.block is not None:
+                blocks = CheckpointSlice(1, start // bk, -(-length // bk), -(-full // bk))
+                self.scale.checkpoint_slice = lambda shard_id: blocks
+            return
+        self.weight.checkpoint_slice = self._rows_of_part(1)
+        if self.bias is not None:
+            self.bias.checkpoint_slice = self._rows_of_part(1)
+        if self.block is not None:
+            self.scale.checkpoint_slice = self._rows_of_part(bn)
+        elif self.strategy == "channel" and not self.online:
+            self.scale.checkpoint_slice = self._rows_of_part(1)
+
+    def _rows_of_part(self, unit: int):
+        """The rule for a column-parallel parameter: part `shard_id`'s rows this rank holds, in units of `unit` rows
+        (None, the whole tensor, for an already packed one)."""
+        def rule(shard_id: int | None) -> CheckpointSlice | None:
+            if shard_id is None or not 0 <= shard_id < len(self.full_sizes):
+                return None
+            (start, length), full = self.shard_ranges[shard_id], self.full_sizes[shard_id]
+            return CheckpointSlice(0, start // unit, -(-length // unit), -(-full // unit))
+        return rule
 
     @classmethod
-    def replacing(cls, linear: Linear, quant: QuantConfig) -> "ScaledLinear":
-        """The scaled layer of `linear`'s shape and packing (built where `linear` was: usually on meta)."""
+    def replacing(cls, linear: Linear, quant: QuantConfig, name: str = "a linear layer") -> "ScaledLinear":
+        """The scaled layer of `linear`'s shape, packing and tensor-parallel shard (built where `linear` was:
+        usually on meta); `name` is the module's, for the refusals."""
         sizes = linear.output_sizes if isinstance(linear, PackedLinear) else [linear.out_features]
         q = (linear.q_size, linear.kv_size) if isinstance(linear, QKVLinear) else (None, None)
-        if quant.block and len(sizes) > 1 and any(size % quant.weight_block[0] for size in sizes[:-1]):
-            raise QuantConfigError(f"packed parts of {sizes} rows do not start on whole {quant.weight_block[0]}-row "
-                                   f"weight blocks; ember cannot pack this block-quantized checkpoint")
+        ranges = linear.shard_ranges if isinstance(linear, PackedLinear) else None
+        full = linear.full_sizes if isinstance(linear, PackedLinear) else None
+        columns = linear.input_range if isinstance(linear, RowParallelLinear) and linear.tp_size > 1 else None
+        if quant.block:
+            size = linear.tp_size if isinstance(linear, RowParallelLinear) else current_shard().size
+            _check_blocks(name, quant.weight_block, ranges or [(0, n) for n in sizes], full or sizes, columns, size)
         device = linear.weight.device
         with torch.device(device):
-            return cls(linear.in_features, sizes, linear.bias is not None, quant, *q)
+            return cls(linear.in_features, sizes, linear.bias is not None, quant, *q, shard_ranges=ranges,
+                       full_sizes=full, input_range=columns)
 
     @property
     def scale(self) -> torch.Tensor:
@@ -164,11 +225,18 @@ class ScaledLinear(nn.Module):
         return self.dequantized_weight(torch.float32)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.reduces:
+            return self._project(x, self.bias)
+        # row-parallel: each rank's product is dequantized (scaled) before the sum, and the bias is added once
+        out = all_reduce(self._project(x, None), TP_GROUP)
+        return out if self.bias is None else out + self.bias
+
+    def _project(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if takes_packed(x, self.packed_weight):
             # the CPU: x rounded to e4m3 as the GPU's op rounds it, times the dequantized weight
             x = round_activations(x, self.input_scale, self.block[1] if self.block else None)
-            return onednn_linear(x, self.packed_weight, self.bias)
-        return linear_fp8(x, self.weight, self.scale, self.input_scale, self.bias, self.block)
+            return onednn_linear(x, self.packed_weight, bias)
+        return linear_fp8(x, self.weight, self.scale, self.input_scale, bias, self.block)
 
     def forward_split(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """As `QKVLinear.forward_split`: x [T, hidden] -> q, k, v."""
@@ -185,6 +253,31 @@ class ScaledLinear(nn.Module):
         scales = f"{self.block[0]}x{self.block[1]} blocks" if self.block else "per row"
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"fp8 e4m3, scales {scales}, input_scale={'static' if self.input_scale is not None else 'dynamic'}")
+
+
+def _check_blocks(name: str, block: tuple[int, int], ranges: list[tuple[int, int]], full_sizes: list[int],
+                  columns: tuple[int, int, int] | None, size: int) -> None:
+    """Refuse, naming the sizes, a layer whose weight blocks a packed part or this rank's shard would cut: each part
+    (and each rank's rows of it, or its columns of a row-parallel layer) must start on a block and hold whole blocks,
+    bar the tensor's last, partial one."""
+    bn, bk = block
+    for part, ((start, length), full) in enumerate(zip(ranges, full_sizes)):
+        if (length, full) != (full, full) and (start % bn or (length % bn and start + length != full)):
+            raise QuantConfigError(
+                f"{name}: the {bn}x{bk} weight blocks do not split over tensor_parallel_size {size}: this rank would "
+                f"hold rows [{start}, {start + length}) of packed part {part} ({full} rows), not whole {bn}-row "
+                f"blocks; choose a tensor_parallel_size that splits each projection into multiples of {bn} rows")
+    local = [length for _, length in ranges]
+    if len(local) > 1 and any(length % bn for length in local[:-1]):
+        raise QuantConfigError(f"{name}: packed parts of {local} rows do not start on whole {bn}-row weight blocks; "
+                               f"ember cannot pack this block-quantized checkpoint")
+    if columns is not None:
+        start, length, full = columns
+        if start % bk or (length % bk and start + length != full):
+            raise QuantConfigError(
+                f"{name}: the {bn}x{bk} weight blocks do not split over tensor_parallel_size {size}: this rank would "
+                f"hold input columns [{start}, {start + length}) of {full}, not whole {bk}-column blocks; choose a "
+                f"tensor_parallel_size that splits the input of each row-parallel projection into multiples of {bk}")
 
 
 def hf_names(module_name: str, packed_modules: dict[str, list[str]]) -> list[str]:
@@ -216,5 +309,5 @@ def quantize_linear_layers(model: nn.Module, quant: QuantConfig) -> int:
     for name in swaps:
         parent_name, _, leaf = name.rpartition(".")
         parent = model.get_submodule(parent_name)
-        setattr(parent, leaf, ScaledLinear.replacing(getattr(parent, leaf), quant))
+        setattr(parent, leaf, ScaledLinear.replacing(getattr(parent, leaf), quant, name))
     return len(swaps)
