@@ -25,6 +25,8 @@ def specialized_inputs(shape_env) -> list[tuple[str, int, str]]:
     found = []
     slocs = getattr(shape_env, "replacements_slocs", {})
     for symbol, sources in sorted(shape_env.var_to_sources.items(), key=lambda item: str(item[0])):
+        if not symbol.is_integer:
+            continue    # a float the trace kept symbolic (a norm's epsilon) and then fixed: not a size
         value = shape_env.replace(symbol)
         if not sources or not getattr(value, "is_number", False):
             continue

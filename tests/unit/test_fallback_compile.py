@@ -126,3 +126,26 @@ def test_a_trace_that_fixes_the_token_count_is_refused(monkeypatch, tmp_path):
                                                     r".* = 6 \(at "):
         compiled(torch.arange(6), torch.arange(6))
     assert not [p for p in tmp_path.rglob("*") if p.is_file()]
+
+
+def test_a_float_the_trace_fixed_is_not_a_token_count():
+    """dynamo may keep a float attribute (a norm's epsilon) symbolic and fix it later: not a size, not refused;
+    an integer size fixed the same way is."""
+    from torch._dynamo.source import AttrSource, LocalSource
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
+
+    from ember.graphs.specialization import check_not_specialized, specialized_inputs
+    env = ShapeEnv()
+    eps_source = AttrSource(LocalSource("norm"), "variance_epsilon")
+    eps = env.create_symfloatnode(env.create_unspecified_symbol(1e-5, eps_source, dynamic_dim=DimDynamic.DYNAMIC),
+                                  hint=1e-5, source=eps_source)
+    assert float(eps) == 1e-5                    # fixes the float symbol to its value
+    assert specialized_inputs(env) == []
+    check_not_specialized(env, "the trace")
+    size_source = LocalSource("num_tokens")
+    size = env.create_symintnode(env.create_unspecified_symbol(7, size_source, dynamic_dim=DimDynamic.DYNAMIC),
+                                 hint=7, source=size_source)
+    assert int(size) == 7
+    assert [(name, value) for name, value, _ in specialized_inputs(env)] == [("L['num_tokens']", 7)]
+    with pytest.raises(TokenCountSpecialized, match=r"L\['num_tokens'\] = 7"):
+        check_not_specialized(env, "the trace")
