@@ -48,7 +48,9 @@ def folders(tmp_path_factory):
     def of(family: str) -> dict[str, str]:
         if family not in made:
             source = root / family
-            random_hf_model(tiny_config(family, **SHAPE), seed=3).save_pretrained(source)
+            name, _, bias = family.partition("_")         # "llama_bias": every projection with a bias
+            config = tiny_config(name, **SHAPE, **(dict(attention_bias=True, mlp_bias=True) if bias else {}))
+            random_hf_model(config, seed=3).save_pretrained(source)
             specs = {"float": str(source), "online": f"{source}:fp8"}
             for layout in LAYOUTS:
                 specs[layout] = str(save_fp8_checkpoint(source, root / f"{family}-{layout}", layout))
@@ -115,10 +117,12 @@ def test_each_rank_reads_its_slices_of_weights_and_scales(folders, layout, monke
     assert len(sliced) == 2 * (2 + 2 * (7 + scales))
 
 
-@pytest.mark.parametrize("family", ["llama", pytest.param("qwen3", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("family", ["llama", pytest.param("qwen3", marks=pytest.mark.slow),
+                                    pytest.param("llama_bias", marks=pytest.mark.slow)])
 def test_two_ranks_give_one_ranks_logits_in_every_layout(folders, family, tmp_path):
-    """Online and the five checkpoint layouts: two ranks (two processes, gloo) against one. Qwen3 (per-head q/k
-    norms between the column-parallel q/k/v and attention) is slow: 17 s more."""
+    """Online and the five checkpoint layouts: two ranks (two processes, gloo) against one. Slow, 17-20 s each:
+    Qwen3 (per-head q/k norms between the column-parallel q/k/v and attention), and Llama with a bias on every
+    projection (a row-parallel layer adds its bias once, after the all-reduce)."""
     layouts = folders(family)
     specs = list(layouts.values())
     two = run_ranks(specs, tmp_path)
@@ -152,6 +156,23 @@ def test_two_ranks_give_one_ranks_logits_in_every_layout(folders, family, tmp_pa
             assert layout in PER_TOKEN
             assert 1e-3 < rms(b - a) <= fp8_change, layout              # another draw, no larger
             assert rms(b - unquantized) <= 1.1 * fp8_change, layout     # and no further from float
+
+
+def test_biases_split_with_their_rows_and_stay_whole_after_a_reduction(folders):
+    spec = folders("llama_bias")["ct-tensor"]
+    whole, shards = load(spec), [load(spec, ShardSpec(r, 2)) for r in range(2)]
+    for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
+        layer = whole.model.layers[1].get_submodule(name)
+        parts = [shard.model.layers[1].get_submodule(name) for shard in shards]
+        if name.endswith(("qkv_proj", "gate_up_proj")):
+            offsets = [sum(layer.full_sizes[:i]) for i in range(len(layer.full_sizes))]
+            for part in parts:
+                rows = torch.cat([torch.arange(o + start, o + start + n)
+                                  for o, (start, n) in zip(offsets, part.shard_ranges)])
+                assert torch.equal(part.bias, layer.bias[rows]), name
+        else:
+            assert parts[0].reduces and all(torch.equal(p.bias, layer.bias) for p in parts), name
+        assert layer.bias.abs().min() > 0
 
 
 def test_a_shard_that_cuts_weight_blocks_is_refused_at_start_up(tmp_path):
