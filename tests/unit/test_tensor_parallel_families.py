@@ -24,7 +24,7 @@ FAMILIES = {
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_every_family_gives_one_ranks_tokens_on_two(family, tmp_path):
     random_hf_model(tiny_config(family.split("_")[0], **FAMILIES[family])).save_pretrained(tmp_path)
-    (one, _, one_logits), (two, _, two_logits) = run_both(str(tmp_path), device="cpu")
+    (one, _, one_logits, _), (two, _, two_logits, _) = run_both(str(tmp_path), device="cpu")
     assert all(len(t) == 32 for t in two) and two == one
     assert (two_logits - one_logits).abs().max().item() <= LOGITS_ATOL
 
@@ -48,7 +48,7 @@ def test_four_ranks_replicate_two_kv_heads(tmp_path):
 def test_the_compiled_forward_on_two_ranks(tmp_path, monkeypatch):
     monkeypatch.setenv("EMBER_CACHE", str(tmp_path / "cache"))
     random_hf_model(tiny_config("qwen3", num_key_value_heads=2)).save_pretrained(tmp_path / "model")
-    (one, _, one_logits), (two, _, two_logits) = run_both(str(tmp_path / "model"), PROMPTS[:2], device="cpu",
+    (one, _, one_logits, _), (two, _, two_logits, _) = run_both(str(tmp_path / "model"), PROMPTS[:2], device="cpu",
                                                           compile_mode="default")
     assert two == one
     assert (two_logits - one_logits).abs().max().item() <= LOGITS_ATOL
@@ -82,7 +82,7 @@ def test_the_jit_warm_up_runs_on_every_rank(tmp_path):
     # the warm-up's steps (CUDA's default, asked for here on the CPU) run through each rank's own runner: a worker's
     # steps leave nothing to wait for on the host
     random_hf_model(tiny_config("llama")).save_pretrained(tmp_path)
-    (one, _, one_logits), (two, _, two_logits) = run_both(str(tmp_path), PROMPTS[:2], device="cpu", jit_warmup=True,
+    (one, _, one_logits, _), (two, _, two_logits, _) = run_both(str(tmp_path), PROMPTS[:2], device="cpu", jit_warmup=True,
                                                           max_num_seqs=4, max_num_batched_tokens=64)
     assert two == one
     assert (two_logits - one_logits).abs().max().item() <= LOGITS_ATOL
