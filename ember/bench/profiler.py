@@ -92,8 +92,8 @@ def profile_steps(engine, num_steps: int, top: int = 15) -> StepProfile:
     if cuda:
         torch.cuda.synchronize(device)
     steps = 0
-    # the profiler's first traced calls cost milliseconds (its own set-up, which torch's schedule keeps in a warm-up
-    # it discards): a warm-up of a few device ops, untimed, so that the first step (a prefill) is not charged
+    # torch's docs warn that the start of a trace costs more and skews it (its schedule's warm-up is there to be
+    # discarded): a few device ops are traced and dropped first, so that the first step (a prefill) is not charged
     traced = []
     with profile(activities=activities, schedule=schedule(wait=0, warmup=1, active=1, repeat=1),
                  on_trace_ready=lambda p: traced.extend(p.events())) as prof:
