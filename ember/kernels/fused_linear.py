@@ -9,6 +9,12 @@ Decode-sized batches on CUDA run one GEMV launch with every part inside (ember.k
 which it was measured faster for the weight's shape (ember.kernels.gemv_routing). Other batches run
 the parts as separate kernels: a Triton RMSNorm, cuBLAS (with the residual as its beta=1 accumulator where there is
 no bias and no activation), a Triton SiLU·mul. On a CPU the parts are the torch ops of the unfused model.
+
+`ember::fused_linear_into_residual` is the same op writing its result over `residual` instead of a new tensor, for
+a residual nothing reads afterwards (ember.graphs.plain_pieces puts it there). cuBLAS's beta=1 accumulator then is
+the residual itself: `torch.addmm(residual, ...)` first copies the residual into its new output (one device-to-device
+copy of [M, N] per call, two per decoder layer), `residual.addmm_(...)` runs the same GEMM without it. Same kernels,
+same numbers; the GEMV writes its output over the residual tile it has read.
 """
 
 from __future__ import annotations
@@ -65,6 +71,35 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return _composed(x, weight, bias, norm_weight, eps, gated, residual)
 
 
+@define("fused_linear_into_residual", mutates_args=("residual",))
+def fused_linear_into_residual(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                               norm_weight: torch.Tensor | None, eps: float, gated: bool,
+                               residual: torch.Tensor) -> None:
+    """`ember::fused_linear` with its result written over `residual` (contiguous [M, N] of x's dtype)."""
+    if residual.dtype != x.dtype or not residual.is_contiguous():
+        raise ValueError(f"fused_linear_into_residual writes a contiguous residual of x's dtype ({x.dtype}), got "
+                         f"{residual.dtype} with strides {residual.stride()}")
+    if x.device.type == "cpu":
+        residual.add_(fused_linear_reference(x, weight, bias, norm_weight, eps, gated, None))
+        return
+    same_dtype = norm_weight is None or norm_weight.dtype == x.dtype
+    if gemv_enabled() and same_dtype and gemv_applies(x, weight, bias) and gemv_pays(x, weight, gated):
+        gemv(x, weight, bias, residual, norm_weight=norm_weight, eps=eps, gated=gated, out=residual)
+        return
+    if norm_weight is not None:
+        x = rms_norm(x, norm_weight, eps)
+    if bias is None and not gated:
+        residual.addmm_(x, weight.t())
+        return
+    out = F.linear(x, weight, bias)
+    residual.add_(silu_mul(out) if gated else out)
+
+
 @register_fake("fused_linear")
 def _fused_linear_fake(x, weight, bias, norm_weight, eps, gated, residual):
     return x.new_empty(x.shape[0], weight.shape[0] // 2 if gated else weight.shape[0])
+
+
+@register_fake("fused_linear_into_residual")
+def _fused_linear_into_residual_fake(x, weight, bias, norm_weight, eps, gated, residual):
+    return None

@@ -371,7 +371,7 @@ def _kernel(kernel, device: torch.device):
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
          residual: torch.Tensor | None = None, config: dict | None = None, *,
          norm_weight: torch.Tensor | None = None, eps: float = 1e-6, gated: bool = False,
-         out_dtype: torch.dtype | None = None) -> torch.Tensor:
+         out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ weight[N, K]^T (+ bias [N]) (+ residual [M, N]) -> [M, N] in x's dtype, always with the Triton
     kernel (interpreted for CPU tensors). `config` overrides `gemv_config`'s choice. out_dtype float32: the same
     values (rounded to x's dtype) stored as float32, as `F.linear(x, weight).float()` gives them, without a second
@@ -379,18 +379,19 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 
     norm_weight [K]: x is first RMS-normed with it (Llama form, `eps`). gated: weight is [2N, K], gate rows then up
     rows (bias [2N]), and the output is silu(gate) * up [M, N], before the residual is added. e4m3 weights go
-    through `ember.kernels.gemv_fp8.gemv_fp8`."""
+    through `ember.kernels.gemv_fp8.gemv_fp8`. out: a contiguous [M, N] of x's dtype to write instead of a new
+    tensor; it may be the residual itself (each program reads its residual tile before it stores that tile)."""
     if x.dtype not in DTYPES or weight.dtype != x.dtype:
         raise ValueError(f"gemv supports bfloat16, float16 and float32 with x and weight of one dtype (e4m3 "
                          f"weights: ember.kernels.gemv_fp8); got x {x.dtype} and weight {weight.dtype}")
-    return launch_gemv(x, weight, bias, residual, config, norm_weight, eps, gated, out_dtype)
+    return launch_gemv(x, weight, bias, residual, config, norm_weight, eps, gated, out_dtype, out=out)
 
 
 def launch_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None,
                 config: dict | None, norm_weight: torch.Tensor | None, eps: float, gated: bool,
                 out_dtype: torch.dtype | None, weight_scale: torch.Tensor | None = None,
                 act_scale: torch.Tensor | None = None, max_block_k: int | None = None,
-                **fp8_constexprs) -> torch.Tensor:
+                out: torch.Tensor | None = None, **fp8_constexprs) -> torch.Tensor:
     """`gemv` after its dtype check; `weight_scale`, `act_scale` and the fp8 constexprs (W_SCALE, SCALE_BN,
     SCALE_BK, ACT_QUANT) come from `gemv_fp8`, which has checked them."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
@@ -408,6 +409,12 @@ def launch_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         raise ValueError(f"norm_weight must be [{K}], got {tuple(norm_weight.shape)}")
     if out_dtype not in (None, x.dtype, torch.float32):
         raise ValueError(f"out_dtype must be x's dtype ({x.dtype}) or torch.float32, got {out_dtype}")
+    if out is not None and (out.shape != (M, N) or out.dtype != x.dtype or not out.is_contiguous()
+                            or out_dtype not in (None, x.dtype)):
+        raise ValueError(f"out must be a contiguous [{M}, {N}] {x.dtype} tensor, got {tuple(out.shape)} {out.dtype}"
+                         f"{'' if out.is_contiguous() else ' (not contiguous)'}")
+    if out is not None and residual is not None and residual.stride(1) != 1:
+        raise ValueError("out cannot be given with a residual whose rows are not contiguous")
     forced = config is not None
     if config is None:
         config = cached_config(M, N, K, _num_sms(x.device), weight.element_size(), gated=gated,
@@ -426,12 +433,14 @@ def launch_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     if M == 1 and not forced and weight_scale is None:
         shape = tma_shape(weight.shape[0], K, gated, _num_sms(x.device), x.element_size())
         if shape is not None and tma_applies(x, weight, N, shape):
-            out = torch.empty(1, N, dtype=out_dtype or x.dtype, device=x.device)
+            if out is None:
+                out = torch.empty(1, N, dtype=out_dtype or x.dtype, device=x.device)
             return gemv_tma(x, weight, out, shape, bias=bias, residual=residual, norm_weight=norm_weight, eps=eps,
                             gated=gated, kernel=_kernel)
     split_k = config["SPLIT_K"]
     # the K split's reduce rounds to its output's dtype alone: it writes x's dtype, converted after
-    out = torch.empty(M, N, dtype=out_dtype if split_k == 1 and out_dtype else x.dtype, device=x.device)
+    if out is None:
+        out = torch.empty(M, N, dtype=out_dtype if split_k == 1 and out_dtype else x.dtype, device=x.device)
     partial_cols = 2 * N if gated else N
     partial = out if split_k == 1 else torch.empty(split_k, M, partial_cols, dtype=torch.float32, device=x.device)
     cpu = x.device.type == "cpu"
