@@ -9,7 +9,8 @@ API:
     compile_cache_key(model_config, dtype, *, device=None, settings=None) -> str     see ember.graphs.artifacts
     compile_model(model, compile_mode, *, cache_key=None, cache_root=None, graph_manager=None,
                   disabled_fusions=()) -> forward callable
-    CompiledModel(model, ..., disabled_fusions=(), dedupe=True)(input_ids [T], positions [T]) -> hidden [T, H]
+    CompiledModel(model, ..., disabled_fusions=(), dedupe=True, donate_residuals=True)(input_ids [T], positions [T])
+        -> hidden [T, H]   (donate_residuals=False: plain pieces' residual adds return new tensors, for A/B runs)
         (input_ids, positions, logits_indices [N]) -> hidden [N, H] for a model whose tail runs on those tokens
         .stats -> CompileStats;  .split_module -> the split torch.fx.GraphModule, traced or loaded (after 1st call)
         .fusion -> the fusion passes (ember.graphs.passes) Inductor runs on each distinct piece, with their match
@@ -93,7 +94,7 @@ class CompiledModel:
     def __init__(self, model: nn.Module, *, cache_key: str | None = None, cache_root: Path | str | None = None,
                  graph_manager: Any = None, disabled_fusions: tuple[str, ...] = (), dedupe: bool = True,
                  inductor_options: Mapping[str, Any] | None = None, use_artifacts: bool = True,
-                 plain_pieces: bool = True):
+                 plain_pieces: bool = True, donate_residuals: bool = True):
         from ember.graphs.passes.registry import PASSES, check_pass_names, passes_digest
         plain_pieces = plain_pieces and hooks.enabled("plain_pieces")
         self.model = model
@@ -103,7 +104,8 @@ class CompiledModel:
         self._inductor_options = dict(inductor_options or {})
         passes = passes_digest(n for n in PASSES if n not in self.disabled_fusions).hex()[:8]
         # plain pieces (ember.graphs.plain_pieces) change what a cold start saves: an entry of their own
-        key = f"{cache_key or _model_fingerprint(model)}-{passes}{'-plain' if plain_pieces else ''}"
+        key = (f"{cache_key or _model_fingerprint(model)}-{passes}{'-plain' if plain_pieces else ''}"
+               f"{'' if donate_residuals else '-kept'}")
         self.cache_dir = compile_cache_dir(key, cache_root)
         self.stats.cache_dir = str(self.cache_dir)
         self.graph_manager = graph_manager
@@ -112,7 +114,7 @@ class CompiledModel:
         self._arity: int | None = None          # how many inputs the first call had; every call must have as many
         self.backend = PiecewiseBackend(self.stats, graph_manager, dedupe=dedupe, inductor_options=None,
                                         store=self.store, describe_inputs=self._describe_inputs,
-                                        plain_pieces=plain_pieces)
+                                        plain_pieces=plain_pieces, donate_residuals=donate_residuals)
         self.stamp_layers = hooks.enabled("layer_stamp")
         self._compiled: Callable | None = None   # the dynamo frame, made when a trace is needed (not on a load)
         self.split_module: torch.fx.GraphModule | None = None

@@ -5,6 +5,7 @@ the artifact store. ember.graphs.compile drives it from the model's first call."
 from __future__ import annotations
 
 import logging
+import operator
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -119,9 +120,10 @@ class PiecewiseBackend:
     def __init__(self, stats: CompileStats, graph_manager: Any = None, *, dedupe: bool = True,
                  inductor_options: Mapping[str, Any] | None = None, store: ArtifactStore | None = None,
                  describe_inputs: Callable[[torch.fx.GraphModule, list], list[InputSpec] | str] | None = None,
-                 plain_pieces: bool = False):
+                 plain_pieces: bool = False, donate_residuals: bool = True):
         self.stats = stats
         self.plain_pieces = plain_pieces
+        self.donate_residuals = donate_residuals
         self.graph_manager = graph_manager
         self.dedupe = dedupe
         self.inductor_options = dict(inductor_options or {})
@@ -146,7 +148,8 @@ class PiecewiseBackend:
                      else a for i, a in enumerate(example_inputs)]
         # the token count must still be a symbol after the trace and after each piece (ember.graphs.specialization)
         check_not_specialized(fake_mode.shape_env, "dynamo's trace of the model")
-        compiler = _PieceCompiler(split, pieces, self.dedupe, self.inductor_options, self.plain_pieces)
+        compiler = _PieceCompiler(split, pieces, self.dedupe, self.inductor_options, self.plain_pieces,
+                                  self.donate_residuals)
         compiled = compiler.compile(fake_mode, fake_args)
         seconds = time.perf_counter() - start
         if self.store is not None:
@@ -194,8 +197,9 @@ class _PieceCompiler(torch.fx.Interpreter):
     pieces are most of its nodes, at about a millisecond a node)."""
 
     def __init__(self, split: torch.fx.GraphModule, pieces: Sequence[str], dedupe: bool,
-                 inductor_options: Mapping[str, Any], plain_pieces: bool = False):
+                 inductor_options: Mapping[str, Any], plain_pieces: bool = False, donate: bool = True):
         super().__init__(split)
+        self.donate = donate
         self.fake_mode = None
         self.pieces = set(pieces)
         self.dedupe = dedupe
@@ -206,8 +210,10 @@ class _PieceCompiler(torch.fx.Interpreter):
         self.groups: dict[str, int] = {}          # piece name -> group index
         self.artifacts: list[Any] = []            # group index -> compiled code
         self.single_output: list[bool] = []       # group index -> the piece returns one value, not a tuple
+        self.fresh: list[frozenset[int]] = []     # group index -> outputs a later piece may write over
         self._by_signature: dict[str, int] = {}
         self._outputs: list[Any] = []             # group index -> the fake outputs of its first piece
+        self._node: torch.fx.Node | None = None   # the split graph's node being run
 
     def compile(self, fake_mode, fake_args: list) -> dict[str, Callable]:
         self.fake_mode = fake_mode
@@ -215,16 +221,23 @@ class _PieceCompiler(torch.fx.Interpreter):
             self.run(*fake_args)
         return self.compiled
 
+    def run_node(self, n: torch.fx.Node) -> Any:
+        self._node = n
+        return super().run_node(n)
+
     def call_module(self, target, args, kwargs):
         if target not in self.pieces:
             return super().call_module(target, args, kwargs)
         piece = self.fetch_attr(target)
-        signature = piece_signature(piece, args) if self.dedupe else target
+        donated = self._donated(self._node) if self.plain_pieces and self.donate else frozenset()
+        signature = f"{piece_signature(piece, args)}:{sorted(donated)}" if self.dedupe else target
         group = self._by_signature.get(signature)
         if group is None:
             out = super().call_module(target, args, kwargs)
             group = self._by_signature[signature] = len(self.artifacts)
-            self.artifacts.append(self._compile(piece, list(args)))
+            artifact, fresh = self._compile(piece, list(args), donated)
+            self.artifacts.append(artifact)
+            self.fresh.append(fresh)
             check_not_specialized(getattr(self.fake_mode, "shape_env", None),
                                   f"compiling piece {target} ({_op_summary(piece)})")
             self.single_output.append(isinstance(piece.graph.output_node().args[0], torch.fx.Node))
@@ -233,14 +246,39 @@ class _PieceCompiler(torch.fx.Interpreter):
         self.compiled[target] = self.artifacts[group]
         return self._outputs[group]
 
-    def _compile(self, piece: torch.fx.GraphModule, args: list) -> Callable:
+    def _donated(self, node: torch.fx.Node) -> frozenset[int]:
+        """The inputs of the piece `node` calls that it may write over: outputs of an earlier plain piece that are
+        new tensors (ember.graphs.passes.donate_residual.fresh_outputs) and that nothing else in the split graph
+        reads."""
+        donated = set()
+        for i, arg in enumerate(node.args):
+            if not isinstance(arg, torch.fx.Node) or len(arg.users) != 1 or node.args.count(arg) != 1:
+                continue
+            if arg.op == "call_function" and arg.target is operator.getitem:
+                source, index = arg.args
+                if sum(1 for u in source.users if u.target is operator.getitem and u.args[1] == index) != 1:
+                    continue
+            else:
+                source, index = arg, None
+            group = self.groups.get(source.target) if source.op == "call_module" else None
+            if group is None or (index is None) != self.single_output[group]:
+                continue
+            if (index or 0) in self.fresh[group]:
+                donated.add(i)
+        return frozenset(donated)
+
+    def _compile(self, piece: torch.fx.GraphModule, args: list, donated: frozenset[int]
+                 ) -> tuple[Callable, frozenset[int]]:
         """The piece as a plain FX graph where nothing is left in it for Inductor (ember.graphs.plain_pieces), else
-        Inductor's code; the fusion passes' counts go to the pipeline either way."""
+        Inductor's code; with the outputs a later piece may write over (none for Inductor's). The fusion passes'
+        counts go to the pipeline either way."""
         fusion = self.inductor_options.get("post_grad_custom_post_pass")
         if self.plain_pieces:
+            from ember.graphs.passes.donate_residual import fresh_outputs
             from ember.graphs.plain_pieces import plain_piece
             try:
-                plain, counts = plain_piece(piece, args, getattr(fusion, "disabled", ()))
+                plain, counts = plain_piece(piece, args, getattr(fusion, "disabled", ()),
+                                            donated if self.donate else None)
             except Exception as exc:   # a piece the plain trace cannot take is Inductor's, as it always was
                 logger.info("a piece goes to Inductor: its plain trace failed (%s: %s)", type(exc).__name__, exc)
                 plain, counts = None, {}
@@ -248,8 +286,8 @@ class _PieceCompiler(torch.fx.Interpreter):
                 self.num_plain += 1
                 if fusion is not None:
                     fusion.record(counts)
-                return plain
-        return _compile_piece(piece, args, self.inductor_options)
+                return plain, fresh_outputs(plain.gm.graph, donated) if self.donate else frozenset()
+        return _compile_piece(piece, args, self.inductor_options), frozenset()
 
 
 def _op_summary(piece: torch.fx.GraphModule, limit: int = 12) -> str:

@@ -51,7 +51,8 @@ def plain_targets() -> frozenset:
     # ember::moe is registered by the MoE layers (a model that has them is built before it is traced); importing
     # its kernels for every model would cost a dense model's start-up ~0.1 s
     moe = [ember.moe.default] if hasattr(ember, "moe") else []
-    return frozenset(ops + list(_SYM) + moe + [ember.fused_linear.default, ember.qk_norm_rope.default,
+    return frozenset(ops + list(_SYM) + moe + [ember.fused_linear.default, ember.fused_linear_into_residual.default,
+                                               ember.qk_norm_rope.default,
                                                ember.linear.default, ember.rms_norm.default,
                                                ember.scaled_linear.default])
 
@@ -108,10 +109,11 @@ def fuse_final_rms_norm(graph: torch.fx.Graph) -> int:
     return count
 
 
-def plain_piece(piece: torch.fx.GraphModule, example_inputs: list, disabled_fusions: Iterable[str] = ()
-                ) -> tuple[PlainPiece | None, dict[str, int]]:
+def plain_piece(piece: torch.fx.GraphModule, example_inputs: list, disabled_fusions: Iterable[str] = (),
+                donated: frozenset[int] | None = frozenset()) -> tuple[PlainPiece | None, dict[str, int]]:
     """The piece as a plain FX graph, or None where something Inductor should compile is left in it; with the
-    fusion passes' match counts (empty for None)."""
+    fusion passes' match counts (empty for None). Its residual adds write over residuals nothing reads afterwards
+    (ember.graphs.passes.donate_residual), among them the inputs numbered in `donated`; None: none do."""
     from torch._guards import detect_fake_mode
     from torch._inductor.decomposition import select_decomp_table
     from torch._inductor.fx_passes.post_grad import remove_noop_ops
@@ -131,5 +133,8 @@ def plain_piece(piece: torch.fx.GraphModule, example_inputs: list, disabled_fusi
     left = [n for n in gm.graph.nodes if n.op == "call_function" and n.target not in allowed]
     if left or any(n.op in ("call_module", "call_method", "get_attr") for n in gm.graph.nodes):
         return None, {}
+    if donated is not None:
+        from ember.graphs.passes.donate_residual import donate_residuals
+        donate_residuals(gm.graph, donated)
     gm.recompile()
     return PlainPiece(gm), dict(fusion.counts)

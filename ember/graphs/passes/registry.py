@@ -12,8 +12,8 @@ from torch.fx import Graph
 import ember.kernels.fused_linear  # noqa: F401  (registers torch.ops.ember.fused_linear)
 import ember.kernels.scaled_linear_op  # noqa: F401  (registers torch.ops.ember.scaled_linear)
 import ember.kernels.qk_norm_rope  # noqa: F401  (registers torch.ops.ember.qk_norm_rope)
-from ember.graphs.passes import (gated_epilogue, match, norm_prologue, qk_norm_rope, residual_epilogue,
-                                 sibling_linears)
+from ember.graphs.passes import (donate_residual, gated_epilogue, match, norm_prologue, qk_norm_rope,
+                                 residual_epilogue, sibling_linears)
 
 # in the order they run: sibling projections merge first (as a native model packs them); the epilogue passes also
 # extend linears that an earlier pass already fused
@@ -24,7 +24,8 @@ PASSES: dict[str, Callable[[Graph], int]] = {
     residual_epilogue.NAME: residual_epilogue.fuse_residual_epilogue,
     qk_norm_rope.NAME: qk_norm_rope.fuse_qk_norm_rope,
 }
-_SOURCES = (match, sibling_linears, norm_prologue, gated_epilogue, residual_epilogue, qk_norm_rope,
+# (residual donation runs after them on plain pieces: its code changes what a cold start saves too)
+_SOURCES = (match, sibling_linears, norm_prologue, gated_epilogue, residual_epilogue, qk_norm_rope, donate_residual,
             ember.kernels.fused_linear, ember.kernels.scaled_linear_op, ember.kernels.qk_norm_rope)
 
 
