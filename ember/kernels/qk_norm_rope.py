@@ -103,7 +103,7 @@ def _qk_norm_rope_rows_kernel(q_ptr, k_ptr, q_weight_ptr, k_weight_ptr, cos_ptr,
         w_ptr = tl.where(is_q, q_weight_ptr, k_weight_ptr)
         w1 = tl.load(w_ptr + d).to(tl.float32)
         w2 = tl.load(w_ptr + HALF + d).to(tl.float32)
-        sum_sq = tl.sum(n1 * n1 + n2 * n2, axis=1)[:, None]                # [BT, 1]
+        sum_sq = tl.reduce(n1 * n1 + n2 * n2, 1, tl.standard._sum_combine)[:, None]     # [BT, 1]
         n1, n2 = _scale(n1, n2, w1, w2, tl.math.rsqrt(sum_sq / (2 * HALF) + eps), x1.dtype)
     out1, out2 = _rotate(n1, n2, cos, sin, x1.dtype)
     dst = tl.where(is_q, q_out_ptr + (t * HQ + h) * (2 * HALF), k_out_ptr + (t * HKV + h - HQ) * (2 * HALF))
