@@ -70,10 +70,11 @@ def _short_scores(llm):
     return _scores(llm, (16, 32, 48, 60))
 
 
-def test_bfloat16_logits_of_two_ranks(folder):
+def _two_ranks_against_one(folder, **kwargs) -> dict:
+    """bf16 teacher-forced scores of two ranks against one rank's and transformers' float32 logits."""
     path, hf = folder
-    one = _run(path, 1, _scores, dtype="bfloat16")
-    two = _run(path, 2, _scores, dtype="bfloat16")
+    one = _run(path, 1, _scores, dtype="bfloat16", **kwargs)
+    two = _run(path, 2, _scores, dtype="bfloat16", **kwargs)
     hf = hf.to("cuda").eval()
     with torch.no_grad():
         ref = torch.cat([hf(torch.tensor([t], device="cuda")).logits[0].float().cpu()
@@ -81,6 +82,11 @@ def test_bfloat16_logits_of_two_ranks(folder):
     hf.cpu()
     report = bf16_report(two, one, ref)
     print(report)
+    return report
+
+
+def test_bfloat16_logits_of_two_ranks(folder):
+    report = _two_ranks_against_one(folder)
     assert report["rel_err_vs_fp32"] <= BF16_ERR_RATIO * report["ref_rel_err_vs_fp32"]
     assert report["top1_decided"] >= TOP1_AGREEMENT and report["num_decided"] > 500
 
@@ -89,16 +95,7 @@ def test_fp8_logits_of_two_ranks(folder):
     # online fp8 weights (per channel, per-token activations), bf16 compute: a row-parallel rank rounds its part of
     # each token by that part's own scale, another e4m3 rounding of the same precision, so two ranks are held to
     # one rank's distance from float32 (times 1.15; 0.97-1.03 on the CPU's tiny models) rather than to its logits
-    path, hf = folder
-    one = _run(path, 1, _scores, dtype="bfloat16", quantization="fp8")
-    two = _run(path, 2, _scores, dtype="bfloat16", quantization="fp8")
-    hf = hf.to("cuda").eval()
-    with torch.no_grad():
-        ref = torch.cat([hf(torch.tensor([t], device="cuda")).logits[0].float().cpu()
-                         for t in _prompts((128, 160, 200, 256))])
-    hf.cpu()
-    report = bf16_report(two, one, ref)
-    print(report)
+    report = _two_ranks_against_one(folder, quantization="fp8")
     assert report["rel_err_vs_fp32"] <= 1.15 * report["ref_rel_err_vs_fp32"]
     assert report["top1_decided"] >= 0.97 and report["num_decided"] > 100
 
