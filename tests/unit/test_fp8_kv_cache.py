@@ -302,16 +302,9 @@ def test_a_backend_without_fp8_is_refused_at_start_up(folder, monkeypatch):
 
 # ---- compiled code (no GPU needed: Triton compiles for sm_90 on the CPU) ------------------------------------------
 
-def _sm90(fn, dtypes: dict, constexprs: dict, floats=("qk_scale", "softcap", "norm_eps", "softcap_log2")):
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    names = fn.fn.__code__.co_varnames[:fn.fn.__code__.co_argcount]
-    signature = {name: "constexpr" if name in constexprs else dtypes.get(name, "*bf16") if name.endswith("_ptr")
-                 or name.endswith("_desc") else "fp32" if name in floats else "i32" for name in names}
-    kernel = triton.runtime.jit.JITFunction(fn.fn)           # compiled even where TRITON_INTERPRET=1
-    return triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
-                          target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=3)).asm["ptx"]
+def _sm90(fn, dtypes: dict, constexprs: dict) -> str:
+    from tests.helpers.sm90 import compile_for_sm90
+    return compile_for_sm90(fn.fn, dtypes, constexprs).asm["ptx"]
 
 
 @pytest.mark.slow      # 10-30 s of Triton's compile on a 2-core CPU

@@ -186,11 +186,9 @@ def test_fused_write_compiles_for_sm90(segments, rope):
     """Compiled for an H100 on the CPU (the GPU path the interpreter does not check): both the key and the value
     store are in the code, guarded by the branch of the program that owns the new token; with rope, the norm's
     rsqrt is there too (for the queries and the new key)."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
     from ember.attention_backends.triton_unified.kernels import unified_attention as U
+    from tests.helpers.sm90 import compile_for_sm90
     fn = U.unified_attention_kernel.fn
-    names = fn.__code__.co_varnames[:fn.__code__.co_argcount]
     dtypes = {"part_out_ptr": "*fp32", "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32", "counter_ptr": "*i32",
               "block_table_ptr": "*i32", "query_start_loc_ptr": "*i32", "seq_lens_ptr": "*i32",
               "num_decodes_ptr": "*i32", "sinks_ptr": "*fp32", "alibi_ptr": "*fp32", "slot_mapping_ptr": "*i64",
@@ -199,11 +197,7 @@ def test_fused_write_compiles_for_sm90(segments, rope):
                       TILE_N=64, NUM_SEGMENTS=segments, MODE=K.MODE_DECODES, LIMIT_DECODES=False, USE_WINDOW=False,
                       USE_SOFTCAP=False, USE_SINKS=False, USE_ALIBI=False, IEEE=False, UNMASKED_MIDDLE=False,
                       FUSED_COMBINE=False, NEW_KV=True, PDL=False, ROPE=rope, QK_NORM=rope, FP8_KV=0)
-    signature = {name: "constexpr" if name in constexprs else dtypes.get(name, "*bf16") if name.endswith("_ptr")
-                 else "fp32" if name in ("qk_scale", "softcap", "norm_eps") else "i32" for name in names}
-    kernel = triton.runtime.jit.JITFunction(fn)   # compiled even where TRITON_INTERPRET=1
-    compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
-                              target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=3))
+    compiled = compile_for_sm90(fn, dtypes, constexprs)
     ttir = compiled.asm["ttir"]
     stores = [line for line in ttir.splitlines() if "tt.store" in line]
     # the output (2D, or a 3D request of at most single_tiles KV tiles), the three partials (3D), the new key and value

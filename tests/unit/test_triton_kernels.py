@@ -253,12 +253,9 @@ def test_unmasked_middle_loops_match_reference(shape):
 def test_sm90_code_of_the_fused_combine_counts_with_an_acq_rel_atomic():
     """Compiled for an H100 on the CPU: each 3D program releases its partials through a GPU-scope acq_rel atomic
     after a barrier, and the combining program reads partials past L1 (ld.global.cg)."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
     from ember.attention_backends.triton_unified.kernels import unified_attention as U
+    from tests.helpers.sm90 import compile_for_sm90
     fn = U.unified_attention_kernel.fn
-    names = fn.__code__.co_varnames[:fn.__code__.co_argcount]
-    floats = {"qk_scale", "softcap"}
     dtypes = {"part_out_ptr": "*fp32", "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32", "counter_ptr": "*i32",
               "block_table_ptr": "*i32", "query_start_loc_ptr": "*i32", "seq_lens_ptr": "*i32",
               "num_decodes_ptr": "*i32", "sinks_ptr": "*fp32", "alibi_ptr": "*fp32", "slot_mapping_ptr": "*i64"}
@@ -266,17 +263,7 @@ def test_sm90_code_of_the_fused_combine_counts_with_an_acq_rel_atomic():
                       TILE_N=64, NUM_SEGMENTS=16, MODE=K.MODE_DECODES, LIMIT_DECODES=False, USE_WINDOW=False,
                       USE_SOFTCAP=False, USE_SINKS=False, USE_ALIBI=False, IEEE=False, UNMASKED_MIDDLE=False,
                       FUSED_COMBINE=True, NEW_KV=False, PDL=False, ROPE=False, QK_NORM=False, FP8_KV=0)
-    signature = {}
-    for name in names:
-        if name in constexprs:
-            signature[name] = "constexpr"
-        elif name.endswith("_ptr"):
-            signature[name] = dtypes.get(name, "*bf16")
-        else:
-            signature[name] = "fp32" if name in floats else "i32"
-    kernel = triton.runtime.jit.JITFunction(fn)   # compiled even where TRITON_INTERPRET=1
-    compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
-                              target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=3))
+    compiled = compile_for_sm90(fn, dtypes, constexprs, floats=("qk_scale", "softcap"))
     ptx = compiled.asm["ptx"]
     atomic = [line for line in ptx.splitlines() if "atom." in line and ".add" in line]
     assert atomic and all(".acq_rel" in line and ".gpu" in line for line in atomic), atomic
