@@ -21,3 +21,18 @@ def post_grad_graph(fn, *args) -> torch.fx.GraphModule:
 def count_calls(gm: torch.fx.GraphModule, op) -> int:
     """How many nodes of `gm` call `op` (an OpOverload)."""
     return sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target is op)
+
+
+def fused_and_reference(model, ids, positions, context):
+    """(the fusion pipeline that ran, the fused graph, its output, the unfused graph's output) for one forward of
+    `model` under the forward `context`, traced into an aten graph."""
+    from ember.attention_backends.op import forward_context
+    from ember.graphs.passes.pipeline import FusionPipeline
+    with torch.inference_mode(), forward_context(context):
+        gm = post_grad_graph(model, ids, positions)
+        reference = gm(ids, positions)
+        pipeline = FusionPipeline()
+        pipeline(gm.graph)
+        gm.recompile()
+        out = gm(ids, positions)
+    return pipeline, gm, out, reference

@@ -17,6 +17,19 @@ PROMPTS = [[5, 17, 99, 3, 250, 41, 7, 8, 120, 33, 2, 64], [12, 300, 8, 77, 1, 19
 GREEDY_TOKENS = 24
 
 
+def record_slice_reads(monkeypatch) -> list[str]:
+    """The names of the checkpoint tensors the loader reads as slices from now on (appended as they are read)."""
+    from ember.models import loader
+    sliced = []
+    read_slice = loader._read_slice
+
+    def spy(f, name, piece):
+        sliced.append(name)
+        return read_slice(f, name, piece)
+    monkeypatch.setattr(loader, "_read_slice", spy)
+    return sliced
+
+
 def load(spec: str, shard=None):
     from ember.distributed.shard import ShardSpec
     from ember.models.loader import load_config, load_model

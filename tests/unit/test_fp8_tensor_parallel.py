@@ -24,12 +24,11 @@ import pytest
 import torch
 
 from ember.distributed.shard import ShardSpec
-from ember.models import loader
 from ember.models.layers.scaled_linear import ScaledLinear
 from ember.quant import QuantConfigError
 from tests.helpers.fp8_checkpoint import LAYOUTS, quantization_config, save_fp8_checkpoint
 from tests.helpers.model_harness import random_hf_model, tiny_config
-from tests.helpers.tp_ranks import load, rank_results, run_ranks
+from tests.helpers.tp_ranks import load, rank_results, record_slice_reads, run_ranks
 
 # q, k and v 256 rows a rank (two heads of 128, one KV head of 128), gate and up 256, o and down 256 input columns:
 # every shard whole 128x128 blocks
@@ -59,23 +58,12 @@ def folders(tmp_path_factory):
     return of
 
 
-def _read_slices(monkeypatch) -> list[str]:
-    sliced = []
-    read_slice = loader._read_slice
-
-    def spy(f, name, piece):
-        sliced.append(name)
-        return read_slice(f, name, piece)
-    monkeypatch.setattr(loader, "_read_slice", spy)
-    return sliced
-
-
 @pytest.mark.parametrize("layout", ("online",) + LAYOUTS)
 def test_each_rank_reads_its_slices_of_weights_and_scales(folders, layout, monkeypatch):
     """Without processes: rank r's fp8 weights and scales are rows (q/k/v, gate/up) or columns (o, down) of the whole
     model's, read as slices; per-tensor scales and a row-parallel layer's per-channel scales whole on each rank."""
     whole = load(folders("llama")[layout])
-    sliced = _read_slices(monkeypatch)
+    sliced = record_slice_reads(monkeypatch)
     shards = [load(folders("llama")[layout], ShardSpec(r, 2)) for r in range(2)]
     checked = 0
     for name, layer in whole.named_modules():

@@ -15,7 +15,7 @@ from ember.kernels.linear_op import linear
 from ember.models.layers.activation import SiluAndMul
 from ember.models.layers.norm import RMSNorm
 from tests.helpers.model_harness import tiny_model_step
-from tests.helpers.post_grad import count_calls, post_grad_graph
+from tests.helpers.post_grad import count_calls, fused_and_reference, post_grad_graph
 
 FUSED = torch.ops.ember.fused_linear.default
 QK = torch.ops.ember.qk_norm_rope.default
@@ -132,14 +132,7 @@ def test_fused_model_equals_unfused_model(family, dtype):
     """The whole forward of a tiny model as one aten graph: every projection fuses, the hidden states agree."""
     model, ids, positions, context = _model_graph(family, dtype)
     layers = model.config.num_hidden_layers
-    with torch.inference_mode(), forward_context(context):
-        gm = post_grad_graph(model, ids, positions)
-        reference = gm(ids, positions)
-        pipeline = FusionPipeline()
-        pipeline(gm.graph)
-        gm.recompile()
-    with torch.inference_mode(), forward_context(context):
-        out = gm(ids, positions)
+    pipeline, gm, out, reference = fused_and_reference(model, ids, positions, context)
     qk = layers if family == "qwen3" else 0
     assert pipeline.counts == {"sibling_linears": 0, "rms_norm_prologue": 2 * layers, "silu_mul_epilogue": layers,
                                "residual_epilogue": 2 * layers, "qk_norm_rope": qk}

@@ -199,12 +199,11 @@ def test_fusion_passes_on_a_moe_shard_keep_one_all_reduce_a_block(tmp_path):
     add folded into the MoE op or into a reduced projection; the output unchanged."""
     import torch.distributed as dist
 
-    from ember.attention_backends.op import ForwardContext, forward_context
+    from ember.attention_backends.op import ForwardContext
     from ember.distributed.parallel_state import init_tensor_parallel, leave_tensor_parallel
-    from ember.graphs.passes.pipeline import FusionPipeline
     from ember.models.loader import random_model
     from tests.helpers.model_harness import ModelHarness
-    from tests.helpers.post_grad import count_calls, post_grad_graph
+    from tests.helpers.post_grad import count_calls, fused_and_reference
     init_tensor_parallel(0, 1, 0, "cpu", dist.FileStore(str(tmp_path / "store"), 1), 60.0)
     try:
         model = random_model(tiny_config("qwen3_moe"), torch.float32, shard=ShardSpec(0, 2))
@@ -212,13 +211,7 @@ def test_fusion_passes_on_a_moe_shard_keep_one_all_reduce_a_block(tmp_path):
         common, positions = harness._metadata([(0, [1, 2, 3]), (1, [4, 5])])
         ids = torch.tensor([1, 2, 3, 4, 5])
         context = ForwardContext(layers=harness.layers, attn_metadata=(harness.builder.build(common),))
-        with torch.inference_mode(), forward_context(context):
-            gm = post_grad_graph(model, ids, positions)
-            reference = gm(ids, positions)
-            pipeline = FusionPipeline()
-            pipeline(gm.graph)
-            gm.recompile()
-            out = gm(ids, positions)
+        pipeline, gm, out, reference = fused_and_reference(model, ids, positions, context)
     finally:
         leave_tensor_parallel()
     layers = model.config.num_hidden_layers

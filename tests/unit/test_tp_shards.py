@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from ember.distributed.shard import CheckpointSlice, ShardSpec, kv_heads, split, vocab_range
-from ember.models import loader
 from ember.models.loader import load_model
 from tests.helpers.model_harness import random_hf_model, tiny_config
+from tests.helpers.tp_ranks import record_slice_reads
 
 
 def test_heads_split_evenly_and_kv_heads_replicate_below_the_rank_count():
@@ -48,13 +48,7 @@ def checkpoint(request, tmp_path_factory):
 
 def _shards(path, monkeypatch):
     """Both ranks' shards of the checkpoint, and the names of the tensors each read as slices."""
-    sliced = []
-    read_slice = loader._read_slice
-
-    def spy(f, name, piece):
-        sliced.append(name)
-        return read_slice(f, name, piece)
-    monkeypatch.setattr(loader, "_read_slice", spy)
+    sliced = record_slice_reads(monkeypatch)
     shards = [load_model(path, None, torch.float32, "cpu", progress=False, shard=ShardSpec(r, 2)) for r in range(2)]
     return shards, sliced
 
@@ -111,24 +105,17 @@ def group_of_one(tmp_path):
 def test_fusion_passes_on_a_shard_leave_the_reduced_projections_alone(family, group_of_one):
     """Rank 0's shard of two, traced whole: q/k/v and gate/up take their norm (and SiLU) fusions as on one rank; o
     and down, whose all-reduce comes before the residual add, take none; the output is unchanged."""
-    from ember.attention_backends.op import ForwardContext, forward_context
-    from ember.graphs.passes.pipeline import FusionPipeline
+    from ember.attention_backends.op import ForwardContext
     from ember.models.loader import random_model
     from tests.helpers.model_harness import ModelHarness
-    from tests.helpers.post_grad import count_calls, post_grad_graph
+    from tests.helpers.post_grad import count_calls, fused_and_reference
     model = random_model(tiny_config(family), torch.float32, shard=ShardSpec(0, 2))
     harness = ModelHarness(model, 2)
     common, positions = harness._metadata([(0, [1, 2, 3]), (1, [4, 5])])
     ids = torch.tensor([1, 2, 3, 4, 5])
     context = ForwardContext(layers=harness.layers, attn_metadata=(harness.builder.build(common),))
     layers = model.config.num_hidden_layers
-    with torch.inference_mode(), forward_context(context):
-        gm = post_grad_graph(model, ids, positions)
-        reference = gm(ids, positions)
-        pipeline = FusionPipeline()
-        pipeline(gm.graph)
-        gm.recompile()
-        out = gm(ids, positions)
+    pipeline, gm, out, reference = fused_and_reference(model, ids, positions, context)
     assert pipeline.counts["rms_norm_prologue"] == 2 * layers and pipeline.counts["silu_mul_epilogue"] == (
         layers if family == "llama" else 0)                    # Gemma's gelu-tanh is no SiLU
     assert pipeline.counts["residual_epilogue"] == 0
