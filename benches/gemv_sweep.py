@@ -5,6 +5,7 @@ CUDA graph (benches/bench_decode_linears.py), against the measured copy bandwidt
     PYTHONPATH=. python benches/gemv_sweep.py crossover --configs qwen3-0.6b llama-3.2-1b llama-3.1-8b --write
     PYTHONPATH=. python benches/gemv_sweep.py resident --configs qwen3-0.6b llama-3.2-1b llama-3.1-8b
     PYTHONPATH=. python benches/gemv_sweep.py shapes --configs qwen3-0.6b llama-3.2-1b llama-3.1-8b [--write]
+    PYTHONPATH=. python benches/gemv_sweep.py shapes --rows 2 4 5 8 --configs llama-3.1-8b qwen3-0.6b [--fp8] --write
 
 With `--tensor-parallel-sizes 1 2 4`, crossover, shapes and resident also measure each tensor-parallel rank's
 shard of every projection (the tables then hold rows for those shapes too; a shape missing from a table takes
@@ -21,7 +22,10 @@ weights every call); the difference bounds what prefetching weights into L2 coul
 launch's fixed cost.
 `shapes`: each projection alone at one row (weights from HBM) under every (programs per SM, W tile bytes), the
 current constants first, then on the TMA kernel (ember.kernels.gemv_tma) under each of TMA_CANDIDATES: which launch
-shape, and which kernel, each weight shape would pick on its own.
+shape, and which kernel, each weight shape would pick on its own. `shapes --rows M [M ...]` (default 1): at each
+row count above one, each projection under the constants and benches/gemv_row_shapes.py's candidates (CUDA cores:
+programs per SM, W tile bytes, warps; tensor cores: W tile bytes, stages, warps), stored as the document's
+`row_shapes` (--write; its one-row shapes are kept) for ember.kernels.gemv_routing.row_shape.
 `crossover`: each projection alone, ember's GEMV (with its fusions) against the same layer as separate kernels on
 cuBLAS, for 1..16 rows; the largest row count up to which the GEMV wins is what ember.kernels.gemv_routing stores
 (--write). `chain`: the whole step's projections at each row count, routed GEMV against torch's ops.
@@ -185,7 +189,64 @@ TMA_MARGIN = 0.02
 TMA_CANDIDATES = [(block_n, 256, stages) for block_n in (8, 16, 32) for stages in (3, 4, 6)]
 
 
-def shapes(configs, bw, rounds: int = 2, write: bool = False, tp_sizes=(1,), fp8: bool = False) -> None:
+def shapes(configs, bw, rounds: int = 2, write: bool = False, tp_sizes=(1,), fp8: bool = False, rows=(1,)
+           ) -> None:
+    """Launch shapes at each of `rows`: one row as `_one_row_shapes`, more as `_row_shapes`."""
+    if not all(1 <= m <= G.GEMV_MAX_M for m in rows):
+        raise SystemExit(f"--rows takes 1 to {G.GEMV_MAX_M}, got {list(rows)}")
+    if 1 in rows:
+        _one_row_shapes(configs, bw, rounds, write, tp_sizes, fp8)
+    if any(m > 1 for m in rows):
+        _row_shapes(configs, bw, [m for m in rows if m > 1], rounds, write, tp_sizes, fp8)
+
+
+def _row_shapes(configs, bw, rows, rounds: int, write: bool, tp_sizes, fp8: bool) -> None:
+    """Each projection at each row count (2..16) under the constants and each of benches/gemv_row_shapes.py's
+    candidates (CUDA cores and tensor cores), `rounds` interleaved passes. `write`: after each weight shape, store
+    the row counts whose best took at least ROWS_MARGIN less time than the constants as the document's
+    `row_shapes`, for ember.kernels.gemv_routing.row_shape (the document's one-row shapes are kept)."""
+    from benches import gemv_row_shapes as RS
+    from ember.kernels import gemv_routing
+    props = torch.cuda.get_device_properties(0)
+    sms, size = props.multi_processor_count, 1 if fp8 else 2
+    path = gemv_routing.FP8_SHAPES_PATH if fp8 else gemv_routing.SHAPES_PATH
+    command = ("PYTHONPATH=. python benches/gemv_sweep.py shapes --rows " + " ".join(map(str, rows)) + " --configs "
+               + " ".join(configs) + _tp_flag(tp_sizes) + (" --fp8" if fp8 else "") + " --write")
+    entries, measured = [], set()
+    for name, proj, op, weight in _projections(configs, tp_sizes):
+        if fp8 and op is None:          # the LM head stays in the model's dtype
+            continue
+        n_rows, k = weight.shape
+        gated = bool(op and op[0])
+        n = n_rows // 2 if gated else n_rows
+        floor = 1e6 * weight.numel() * size / bw
+        for m in rows:
+            grid = RS.candidates(m, n, k, gated, sms, size)
+            times = {c: [] for c in grid}
+            for _ in range(rounds):
+                for shape in grid:
+                    with RS.forced_row_shape(shape):
+                        times[shape].append(_projection_us(op, weight, m, props.L2_cache_size, True, fp8=fp8))
+            mean = {c: sum(t) / len(t) for c, t in times.items()}
+            for shape, us in mean.items():
+                print(f"rows {name} {proj} {tuple(weight.shape)} M={m} {RS.label(shape)}: "
+                      f"{' / '.join(f'{t:.2f}' for t in times[shape])} us ({100 * floor / us:.0f}% of copy "
+                      f"bandwidth)", flush=True)
+            won = RS.pick(mean)
+            best = min(mean, key=mean.get)
+            print(f"rows {name} {proj} M={m}: best {RS.label(best)} {mean[best]:.2f} against {mean[None]:.2f} us "
+                  f"({100 * (1 - mean[best] / mean[None]):.1f}%){', stored' if won else ''}", flush=True)
+            measured.add((n_rows, k, gated, m))
+            if won is not None:
+                entries.append(RS.row_entry(n_rows, k, gated, m, won, mean[won], mean[None]))
+        if write:       # after every weight shape: a run cut short keeps what it measured
+            RS.write_row_shapes(path, entries, measured, device=props.name, num_sms=sms, element_size=size,
+                                command=command)
+    if write:
+        print(f"wrote {len(entries)} row launch shapes to {path}", flush=True)
+
+
+def _one_row_shapes(configs, bw, rounds: int = 2, write: bool = False, tp_sizes=(1,), fp8: bool = False) -> None:
     """Each projection at one row under every (programs per SM, W tile bytes), `rounds` interleaved passes: its
     own best launch shape, against the constants (the first candidate), then each of TMA_CANDIDATES on the TMA
     kernel. `write`: store the shapes whose best took at least SHAPES_MARGIN less time for
@@ -238,6 +299,9 @@ def shapes(configs, bw, rounds: int = 2, write: bool = False, tp_sizes=(1,), fp8
                      device=props.name, num_sms=props.multi_processor_count, element_size=1 if fp8 else 2,
                      shapes=stored, tma_shapes=tma_stored)
         path = gemv_routing.FP8_SHAPES_PATH if fp8 else gemv_routing.SHAPES_PATH
+        previous = json.loads(path.read_text()) if path.exists() else {}
+        if (previous.get("num_sms"), previous.get("element_size")) == (table["num_sms"], table["element_size"]):
+            table.update({key: previous[key] for key in ("row_command", "row_shapes") if key in previous})
         path.write_text(json.dumps(table, indent=1) + "\n")
         print(f"wrote {len(stored)} launch shapes to {path}", flush=True)
 
@@ -307,11 +371,14 @@ def main() -> None:
     p.add_argument("--write", action="store_true",
                    help="crossover, shapes: store the table for ember.kernels.gemv_routing")
     p.add_argument("--configs", nargs="+", default=["qwen3-0.6b", "llama-3.2-1b"])
-    p.add_argument("--rows", type=int, nargs="+", default=list(range(1, G.GEMV_MAX_M + 1)))
+    p.add_argument("--rows", type=int, nargs="+", default=None, metavar="M",
+                   help="crossover, chain: row counts (default 1 to 16); shapes: row counts to find launch shapes "
+                        "for (default 1; above one, stored as the document's row_shapes)")
     p.add_argument("--tensor-parallel-sizes", type=int, nargs="+", default=[1], metavar="N",
                    help="crossover, shapes, resident: also each rank's shard of the projections at these sizes")
     p.add_argument("--fp8", action="store_true", help="crossover, shapes: e4m3 weights (ember::scaled_linear)")
     args = p.parse_args()
+    rows = args.rows or ([1] if args.what == "shapes" else list(range(1, G.GEMV_MAX_M + 1)))
     import ember.kernels.fused_linear  # noqa: F401  (registers ember::fused_linear)
     import ember.kernels.scaled_linear_op  # noqa: F401  (registers ember::scaled_linear)
     bw = copy_bandwidth()
@@ -319,13 +386,13 @@ def main() -> None:
     if args.what == "tiles":
         tiles(args.configs, bw)
     elif args.what == "shapes":
-        shapes(args.configs, bw, write=args.write, tp_sizes=args.tensor_parallel_sizes, fp8=args.fp8)
+        shapes(args.configs, bw, write=args.write, tp_sizes=args.tensor_parallel_sizes, fp8=args.fp8, rows=rows)
     elif args.what == "resident":
         resident(args.configs, bw, args.tensor_parallel_sizes)
     elif args.what == "chain":
-        chain(args.configs, bw, args.rows)
+        chain(args.configs, bw, rows)
     else:
-        crossover(args.configs, bw, args.rows, args.write, args.tensor_parallel_sizes, args.fp8)
+        crossover(args.configs, bw, rows, args.write, args.tensor_parallel_sizes, args.fp8)
 
 
 if __name__ == "__main__":

@@ -6,13 +6,21 @@ nothing is timed at run time, so the first call for a shape (before CUDA-graph c
 compiles, and every process picks the same kernels. At one row, a weight shape measured faster under another
 (programs per SM, W tile bytes) on a GPU of the same SM count takes that pair from a stored table
 (`gemv_routing.launch_shape`, gemv_shapes.json; e4m3 weights gemv_fp8_shapes.json); the others take the constants.
+At 2..16 rows, a weight shape whose row count was measured faster under another (programs per SM, W tile bytes, tensor
+or CUDA cores, the tensor-core kernel's stages and warps) takes those from the same documents' `row_shapes`
+(`gemv_routing.row_shape`: the nearest measured row count of the same power-of-two bucket), written on an H100 by
+
+    PYTHONPATH=. python benches/gemv_sweep.py shapes --rows 2 4 5 8 --configs llama-3.1-8b qwen3-0.6b --write
+    PYTHONPATH=. python benches/gemv_sweep.py shapes --rows 2 4 5 8 --configs llama-3.1-8b qwen3-0.6b --fp8 --write
+
+A shape and row count without an entry takes the constants, exactly as without the table.
 """
 
 from __future__ import annotations
 
 import functools
 
-from ember.kernels.gemv_routing import launch_shape
+from ember.kernels.gemv_routing import launch_shape, row_shape
 
 __all__ = ["CPU_SMS", "GEMV_MAX_M", "cached_config", "gemv_config"]
 
@@ -62,17 +70,23 @@ def gemv_config(M: int, N: int, K: int, num_sms: int, element_size: int = 2,
     K. K is split only when the column blocks alone leave SMs idle."""
     if not 1 <= M <= GEMV_MAX_M:
         return None
-    use_dot = M >= DOT_MIN_M if use_dot is None else use_dot
-    programs_per_sm, tile_bytes = _launch_shape(M, N, K, num_sms, element_size, gated)
+    # a stored shape of this many rows (never when the caller picks the path): its pair, path, stages and warps
+    row = row_shape(N * (2 if gated else 1), K, gated, num_sms, element_size, M) if M > 1 and use_dot is None else None
+    if row is not None:
+        programs_per_sm, tile_bytes, use_dot = row.programs_per_sm, row.w_tile_bytes, row.use_dot
+    else:
+        use_dot = M >= DOT_MIN_M if use_dot is None else use_dot
+        programs_per_sm, tile_bytes = _launch_shape(M, N, K, num_sms, element_size, gated)
     vec = 16 // element_size                       # elements of one 16-byte load
     tile = tile_bytes // element_size              # elements of W per program per K step
     min_block_k = max(vec, MIN_BLOCK_K_BYTES // element_size)
-    num_warps = NUM_WARPS
+    num_warps = (row.num_warps if row is not None else None) or NUM_WARPS
+    num_stages = ((row.num_stages if row is not None else None) or DOT_NUM_STAGES) if use_dot else 1
     if not use_dot and max_block_k is None and tile > PRODUCT_REGS * 32 * num_warps:
         # a tile of more values than 4 warps' products hold (a stored 16 KiB shape of 1-byte weights): 8 warps keep
         # its bytes, where cutting it would leave the 8 KiB tile that the shape was measured against (block scales
         # cap a step at one block column, far below)
-        num_warps = 2 * NUM_WARPS
+        num_warps *= 2
     threads = 32 * num_warps
     if use_dot:
         block_m, block_n = DOT_BLOCK, DOT_BLOCK
@@ -109,7 +123,7 @@ def gemv_config(M: int, N: int, K: int, num_sms: int, element_size: int = 2,
     split_k = -(-k_steps // steps_per_split)       # no empty split
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
                 K_PER_SPLIT=steps_per_split * block_k, USE_DOT=use_dot, ACC_3D=acc_3d, num_warps=num_warps,
-                num_stages=DOT_NUM_STAGES if use_dot else 1)
+                num_stages=num_stages)
 
 
 cached_config = functools.lru_cache(maxsize=None)(gemv_config)   # callers never mutate its dicts

@@ -16,9 +16,11 @@ import math
 import os
 import warnings
 from pathlib import Path
+from typing import NamedTuple
 
-__all__ = ["FP8_SHAPES_PATH", "FP8_TABLE_PATH", "SHAPES_PATH", "TABLE_PATH", "gemv_fp8_max_rows", "gemv_max_rows",
-           "launch_shape", "load_shapes", "load_table", "tma_shape"]
+__all__ = ["FP8_SHAPES_PATH", "FP8_TABLE_PATH", "SHAPES_PATH", "TABLE_PATH", "RowShape", "gemv_fp8_max_rows",
+           "gemv_max_rows", "launch_shape", "load_row_shapes", "load_shapes", "load_table", "row_bucket", "row_shape",
+           "tma_shape"]
 
 TABLE_PATH = Path(__file__).with_name("gemv_crossover.json")
 FP8_TABLE_PATH = Path(__file__).with_name("gemv_fp8_crossover.json")
@@ -141,3 +143,71 @@ def tma_shape(n: int, k: int, gated: bool, num_sms: int, element_size: int) -> t
     """The stored (BLOCK_N, BLOCK_K, stages) of the TMA kernel for one row of a weight of `n` rows (gate and up rows
     counted when `gated`) and `k` columns on a GPU of `num_sms` SMs, or None (the register-streaming kernel)."""
     return _tma_shapes().get((n, k, gated, num_sms, element_size))
+
+
+# ---- launch shapes of a few rows ----------------------------------------------------------------------------------
+# Launch shapes for 2..16 rows (a verify step's k + 1 tokens, a small batch) that beat the constants for a weight
+# shape at a row count, in the same documents' `row_shapes` (a document without them loads as before), written by
+#
+#     PYTHONPATH=. python benches/gemv_sweep.py shapes --rows 2 4 5 8 --configs llama-3.1-8b qwen3-0.6b --write
+#     PYTHONPATH=. python benches/gemv_sweep.py shapes --rows 2 4 5 8 --configs llama-3.1-8b qwen3-0.6b --fp8 --write
+#
+# An entry measured at `rows` serves the row counts of its bucket (`row_bucket`: the rows the CUDA-core kernel pads
+# to, the next power of two, so 5 to 8 rows run one compiled kernel whatever the entry), the nearest measured row
+# count within it (the lower on a tie); a row count whose bucket holds no entry takes the constants.
+
+class RowShape(NamedTuple):
+    """A stored launch shape of a few rows: `gemv_config`'s (programs per SM, W tile bytes), tensor cores or CUDA
+    cores, the tensor-core kernel's pipeline stages and either kernel's warps (None: the constants). More warps
+    raise the register budget that caps a CUDA-core tile at several rows."""
+    programs_per_sm: int
+    w_tile_bytes: int
+    use_dot: bool
+    num_stages: int | None = None
+    num_warps: int | None = None
+
+
+def row_bucket(m: int) -> int:
+    """The power of two at or above `m`: row counts of one bucket share a stored entry."""
+    return 1 << max(0, m - 1).bit_length()
+
+
+def load_row_shapes(path: Path = SHAPES_PATH) -> dict[tuple[int, int, bool, int, int, int], RowShape]:
+    """{(weight rows, K, gated, SMs, element size, rows): RowShape} from the document's `row_shapes`; {} when it has
+    none, is missing, or (with a warning) unreadable."""
+    def parse(doc):
+        sms, size = int(doc["num_sms"]), int(doc["element_size"])
+        table = {}
+        for e in doc.get("row_shapes", []):
+            rows = int(e["rows"])
+            if rows < 2:
+                raise ValueError(f"a row_shapes entry needs rows >= 2 (one row is `shapes`), got {rows}")
+            stages, warps = e.get("num_stages"), e.get("num_warps")
+            table[(int(e["n"]), int(e["k"]), bool(e["gated"]), sms, size, rows)] = RowShape(
+                int(e["programs_per_sm"]), int(e["w_tile_bytes"]), bool(e["use_dot"]),
+                None if stages is None else int(stages), None if warps is None else int(warps))
+        return table
+
+    return _read(path, parse, "launch-shape", "every row count above one takes the constants")
+
+
+@functools.cache
+def _row_shapes() -> dict[tuple[int, int, bool, int, int], dict[int, RowShape]]:
+    """{(weight rows, K, gated, SMs, element size): {rows: RowShape}} of both documents."""
+    if os.environ.get("EMBER_GEMV_SHAPES", "1") == "0":
+        return {}
+    found: dict = {}
+    for path in (SHAPES_PATH, FP8_SHAPES_PATH):
+        for (*key, rows), shape in load_row_shapes(path).items():
+            found.setdefault(tuple(key), {})[rows] = shape
+    return found
+
+
+def row_shape(n: int, k: int, gated: bool, num_sms: int, element_size: int, m: int) -> RowShape | None:
+    """The stored launch shape for `m` >= 2 rows of a weight of `n` rows (gate and up rows counted when `gated`)
+    and `k` columns on a GPU of `num_sms` SMs: the entry of the nearest measured row count in m's bucket, or None."""
+    by_rows = _row_shapes().get((n, k, gated, num_sms, element_size))
+    if not by_rows or m < 2:
+        return None
+    bucket = [rows for rows in by_rows if row_bucket(rows) == row_bucket(m)]
+    return by_rows[min(bucket, key=lambda rows: (abs(rows - m), rows))] if bucket else None
