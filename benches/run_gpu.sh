@@ -18,6 +18,9 @@
 #                                         # fp8 decode attention and GEMV benches, accuracy against bf16 (< 9 min)
 #   bash benches/run_gpu.sh fp8_gemv      # the fp8 GEMV's variants, its one-row launch shapes (written), Llama-3.1-8B
 #                                         # batch-1 latency in bf16, fp8, fp8 rounding inside the GEMV (< 9 min)
+#   bash benches/run_gpu.sh gemv_rows     # the GEMV's launch shapes at 2, 4, 5, 8 rows, bf16 and e4m3, and the
+#                                         # crossover after them (written), then Llama-3.1-8B speculative decoding
+#                                         # (k 4) and batch-4 latency (< 9 min)
 #   bash benches/run_gpu.sh fallback [qwen3|llama|pythia]   # native vs the transformers fallback, throughput + batch 1
 #   [TOKENIZER=folder] bash benches/run_gpu.sh structured   # structured output: GPU tests, host grammar work, throughput
 #                                         # unconstrained / one JSON schema / 64 schemas, bitmask in and after the graph
@@ -430,6 +433,33 @@ part_fp8_gemv() {
   grep -h "formats\|decode \|TPOT" "$OUT"/fp8g_*.log
 }
 
+# gemv_rows, one call of under 9 minutes (the steps' limits add up to 530 s): the GEMV's launch shapes at 2, 4, 5
+# and 8 rows for the Llama-3.1-8B and Qwen3-0.6B projections, bf16 then e4m3 weights (benches/gemv_row_shapes.py
+# estimates about 3 and 2 minutes), written as the row_shapes of ember/kernels/gemv_shapes.json and
+# gemv_fp8_shapes.json (each rewritten after every weight shape, so a sweep cut short keeps what it measured); then
+# the GEMV/cuBLAS crossover again over the configs of the stored table (it sends the 8B's projections above one or
+# two rows to cuBLAS, measured with the constants: with the new shapes the GEMV may keep more rows), written to
+# gemv_crossover.json; the three tables are copied to $OUT (copy them to ember/kernels/ to keep them). Then, routed
+# by them, Llama-3.1-8B speculative decoding (verify steps of 5 tokens) and batch-4 decode.
+part_gemv_rows() {
+  local sweep="python3 benches/gemv_sweep.py shapes --rows 2 4 5 8 --configs llama-3.1-8b qwen3-0.6b --write"
+  run gemv_rows_bf16 200 $sweep
+  run gemv_rows_fp8 110 $sweep --fp8
+  run gemv_rows_crossover 75 python3 benches/gemv_sweep.py crossover --configs qwen3-0.6b llama-3.2-1b llama-3.1-8b \
+    --write
+  cp ember/kernels/gemv_shapes.json ember/kernels/gemv_fp8_shapes.json ember/kernels/gemv_crossover.json "$OUT/" \
+    2>/dev/null
+  run gemv_rows_spec 90 python3 benches/spec_decode.py --model llama-3.1-8b --batch-sizes 1 -k 4 \
+    --acceptance-length 3.0 --prompt-len 256 --output-len 128
+  run gemv_rows_latency_b4 55 python3 -m ember bench latency --config llama-3.1-8b --batch-size 4 --input-len 32 \
+    --output-len 128 --num-iters 2
+  echo "== summary"
+  grep -h "best\|wrote" "$OUT/gemv_rows_bf16.log" "$OUT/gemv_rows_fp8.log"
+  grep -h "GEMV up to\|wrote" "$OUT/gemv_rows_crossover.log"
+  tail -n 15 "$OUT/gemv_rows_spec.log"
+  grep -h "decode \|TPOT" "$OUT/gemv_rows_latency_b4.log"
+}
+
 part_fp8() {
   local lat="--batch-size 1 --input-len 32 --output-len 128 --num-iters 2"
   run latency_llama8b_bf16 70 python3 -m ember bench latency --config llama-3.1-8b $lat \
@@ -488,7 +518,7 @@ part=${1:-}
 [ $# -gt 0 ] && shift
 case "$part" in
   decode|throughput|headline|serve|serve_dp|startup|flash|fusion|ab|moe|moe_sweep|moe_throughput|fp8|fp8_gemv|\
-  fallback|structured|tp2|tp2_collectives|tp4|moe_tp2) mkdir -p "$OUT" ;;
+  gemv_rows|fallback|structured|tp2|tp2_collectives|tp4|moe_tp2) mkdir -p "$OUT" ;;
 esac
 case "$part" in
   decode) part_decode ;;
@@ -505,6 +535,7 @@ case "$part" in
   moe_throughput) part_moe_throughput ;;
   fp8) part_fp8 ;;
   fp8_gemv) part_fp8_gemv ;;
+  gemv_rows) part_gemv_rows ;;
   fallback) part_fallback "$@" ;;
   structured) part_structured ;;
   tp2) part_tp2 ;;
@@ -512,7 +543,7 @@ case "$part" in
   tp4) part_tp4 ;;
   moe_tp2) part_moe_tp2 ;;
   *) echo "usage: bash benches/run_gpu.sh decode|throughput|headline|serve|serve_dp|startup [MODEL ...]|flash|fusion|ab|" \
-          "moe|moe_sweep [CONFIG]|moe_throughput|fp8|fp8_gemv|fallback [qwen3|llama|pythia]|structured|" \
+          "moe|moe_sweep [CONFIG]|moe_throughput|fp8|fp8_gemv|gemv_rows|fallback [qwen3|llama|pythia]|structured|" \
           "tp2_collectives|tp2|tp4|moe_tp2" >&2
      exit 2 ;;
 esac

@@ -154,7 +154,9 @@ def tma_shape(n: int, k: int, gated: bool, num_sms: int, element_size: int) -> t
 #
 # An entry measured at `rows` serves the row counts of its bucket (`row_bucket`: the rows the CUDA-core kernel pads
 # to, the next power of two, so 5 to 8 rows run one compiled kernel whatever the entry), the nearest measured row
-# count within it (the lower on a tie); a row count whose bucket holds no entry takes the constants.
+# count within it (the lower on a tie); a row count whose bucket holds no entry takes the constants. The crossover
+# above decides whether the engine gives those rows to the GEMV at all: measure it again (`crossover --write`) after
+# new row shapes.
 
 class RowShape(NamedTuple):
     """A stored launch shape of a few rows: `gemv_config`'s (programs per SM, W tile bytes), tensor cores or CUDA
