@@ -19,6 +19,7 @@ import datetime
 import logging
 import os
 import socket
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -109,6 +110,7 @@ class TensorParallelInfo:
 
 
 _joined: TensorParallelInfo | None = None
+TEARDOWN_S = 20.0          # how long leaving the group may take before its teardown is left to the exit
 
 
 def tensor_parallel() -> TensorParallelInfo:
@@ -135,8 +137,8 @@ def init_tensor_parallel(rank: int, size: int, local_rank: int, device_type: str
     import torch.distributed as dist
     from ember.distributed import ops
     if _joined is not None or dist.is_initialized():
-        raise RuntimeError(f"this process already belongs to a process group; ember's tensor-parallel rank {rank} "
-                           f"must start in a process of its own")
+        raise RuntimeError(f"this process already belongs to a process group (another engine's, or one whose "
+                           f"teardown did not finish); ember's tensor-parallel rank {rank} cannot join another")
     if not 0 <= rank < size:
         raise ValueError(f"rank {rank} is outside a group of {size}")
     kwargs = {}
@@ -168,20 +170,36 @@ def agree(values: list[int], op: str) -> list[int]:
     return tensor.tolist()
 
 
-def leave_tensor_parallel() -> None:
-    """Leave the group (at shutdown, after a failure too: no collective teardown); a later `tensor_parallel()`
-    says rank 0 of 1."""
+def leave_tensor_parallel(wait_s: float = TEARDOWN_S) -> bool:
+    """Leave the group (at shutdown, after a failure too): ember's ops forget it at once, and the communicators are
+    torn down in a thread given `wait_s`. NCCL's teardown of a communicator can wait for its peers' teardown, so at
+    shutdown every rank starts its own at about the same time (rank 0 as soon as it has told the workers to stop,
+    not after they exit); one that does not finish in time (a peer gone mid-teardown) is left to the process's
+    exit with a warning, and this process cannot join another group. Whether the teardown finished."""
     global _joined
     import torch.distributed as dist
     from ember.distributed import ops
     ops.unregister_group(TP_GROUP)
     _joined = None
-    try:
-        if dist.is_initialized() and "nccl" in str(dist.get_backend_config()):
-            # NCCL's orderly teardown waits on peers that may be leaving or gone (two H100 ranks hung at exit after
-            # their last step); aborting the communicators waits for nobody
-            dist.distributed_c10d._abort_process_group()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    except Exception as e:      # noqa: BLE001 - a group whose peers are gone: nothing is left to release with them
-        logger.warning("leaving the tensor-parallel group: %s", e)
+    if not dist.is_initialized():
+        return True
+    done = threading.Event()
+
+    def teardown() -> None:
+        try:
+            if "nccl" in str(dist.get_backend_config()):
+                dist.distributed_c10d._abort_process_group()    # no flush: every rank has finished its steps
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception as e:      # noqa: BLE001 - a group whose peers are gone: nothing is left to release
+            logger.warning("leaving the tensor-parallel group: %s", e)
+        finally:
+            done.set()
+
+    threading.Thread(target=teardown, name="ember-tp-teardown", daemon=True).start()
+    if done.wait(wait_s):
+        return True
+    logger.warning("leaving the tensor-parallel group: its teardown did not finish in %.0f s (a peer left before "
+                   "its own); the communicators stay until this process exits, and it cannot join another group",
+                   wait_s)
+    return False

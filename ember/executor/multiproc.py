@@ -332,11 +332,15 @@ def _shutdown(shared: _Shared) -> None:
         if shared.stopping:
             return
         shared.stopping = True
+    told = False
     if shared.ring is not None and shared.failure is None:
         try:
             shared.ring.send(pickle.dumps(("shutdown", None)), _give_up_after(JOIN_S))
+            told = True
         except Exception:       # noqa: BLE001 - the workers are killed below
             pass
+    if told:
+        leave_tensor_parallel()     # with the workers, which leave on the message: NCCL's teardown waits for peers'
     deadline = time.monotonic() + JOIN_S
     for worker in shared.workers:
         try:
@@ -355,7 +359,8 @@ def _shutdown(shared: _Shared) -> None:
     if shared.ring is not None:
         shared.ring.close()
         shared.ring = None
-    leave_tensor_parallel()
+    if not told:
+        leave_tensor_parallel()     # after the workers' exit or kill: a group some rank left in a failure
 
 
 def _give_up_after(seconds: float):

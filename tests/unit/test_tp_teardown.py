@@ -1,0 +1,87 @@
+"""Leaving a tensor-parallel group never hangs the process: the communicators' teardown runs in a thread given a
+bounded time, and at shutdown rank 0 starts its teardown together with the workers' (NCCL's waits for peers), not
+after they exit. The NCCL calls are stood in for: what is checked is ember's order and its bound."""
+
+import logging
+import threading
+import time
+
+import torch.distributed as dist
+
+from ember.distributed import parallel_state
+from ember.executor import multiproc
+
+
+def test_a_teardown_that_never_returns_is_left_to_the_exit(monkeypatch, caplog):
+    release = threading.Event()
+    calls = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_backend_config", lambda: "cpu:gloo,cuda:nccl")
+    monkeypatch.setattr(dist.distributed_c10d, "_abort_process_group", lambda: (calls.append("abort"), release.wait()))
+    monkeypatch.setattr(dist, "destroy_process_group", lambda: calls.append("destroy"))
+    start = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="ember"):
+        finished = parallel_state.leave_tensor_parallel(wait_s=0.3)
+    took = time.monotonic() - start
+    release.set()
+    assert finished is False and 0.3 <= took < 5.0
+    assert calls[0] == "abort"
+    assert "did not finish" in caplog.text
+    assert parallel_state.tensor_parallel().size == 1      # ember's side is gone whatever NCCL does
+
+
+def test_a_teardown_that_returns_reports_it(monkeypatch):
+    calls = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: not calls or calls[-1] != "destroy")
+    monkeypatch.setattr(dist, "get_backend_config", lambda: "gloo")
+    monkeypatch.setattr(dist, "destroy_process_group", lambda: calls.append("destroy"))
+    assert parallel_state.leave_tensor_parallel(wait_s=5.0) is True
+    assert calls == ["destroy"]                             # gloo: no abort, the group destroyed
+
+
+class _Process:
+    def __init__(self, events):
+        self.events = events
+
+    def wait(self, timeout=None):
+        self.events.append("worker exit awaited")
+        return 0
+
+    def kill(self):
+        self.events.append("worker killed")
+
+
+class _Ring:
+    def __init__(self, events, fail=False):
+        self.events, self.fail = events, fail
+
+    def send(self, data, check):
+        if self.fail:
+            raise OSError("the ring is closed")
+        self.events.append("shutdown sent")
+
+    def close(self):
+        pass
+
+
+class _Status:
+    def close(self):
+        pass
+
+
+def _shutdown_order(monkeypatch, ring_fails: bool) -> list[str]:
+    events: list[str] = []
+    monkeypatch.setattr(multiproc, "leave_tensor_parallel", lambda: events.append("group left"))
+    worker = multiproc._Worker(rank=1, process=_Process(events), status=_Status())
+    shared = multiproc._Shared(workers=[worker], ring=_Ring(events, ring_fails), timeout_s=1.0)
+    multiproc._shutdown(shared)
+    multiproc._shutdown(shared)                             # idempotent
+    return events
+
+
+def test_rank_zero_leaves_with_the_workers_at_shutdown(monkeypatch):
+    assert _shutdown_order(monkeypatch, ring_fails=False) == ["shutdown sent", "group left", "worker exit awaited"]
+
+
+def test_rank_zero_leaves_after_the_workers_when_they_cannot_be_told(monkeypatch):
+    assert _shutdown_order(monkeypatch, ring_fails=True) == ["worker exit awaited", "group left"]
