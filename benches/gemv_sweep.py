@@ -9,7 +9,8 @@ CUDA graph (benches/bench_decode_linears.py), against the measured copy bandwidt
 
 With `--tensor-parallel-sizes 1 2 4`, crossover, shapes and resident also measure each tensor-parallel rank's
 shard of every projection (the tables then hold rows for those shapes too; a shape missing from a table takes
-the nearest entry's crossover and the launch constants):
+the nearest entry's crossover and the launch constants; --write merges into the stored tables, replacing the
+shapes measured):
 
     PYTHONPATH=. python benches/gemv_sweep.py crossover --configs qwen3-0.6b llama-3.2-1b llama-3.1-8b \
         llama-3.1-70b --tensor-parallel-sizes 1 2 4 --write
@@ -251,13 +252,22 @@ def _one_row_shapes(configs, bw, rounds: int = 2, write: bool = False, tp_sizes=
     own best launch shape, against the constants (the first candidate), then each of TMA_CANDIDATES on the TMA
     kernel. `write`: store the shapes whose best took at least SHAPES_MARGIN less time for
     ember.kernels.gemv_routing.launch_shape, and the TMA shapes that took at least TMA_MARGIN less than what the
-    register kernel keeps for ember.kernels.gemv_routing.tma_shape. fp8: e4m3 weights, the register kernel only."""
+    register kernel keeps for ember.kernels.gemv_routing.tma_shape, after every weight shape (a run cut short keeps
+    what it measured); the stored entries of shapes this run did not measure stay (a table measured on the same
+    number of SMs), those it measured are replaced. fp8: e4m3 weights, the register kernel only."""
     from ember.kernels import gemv_routing
     props = torch.cuda.get_device_properties(0)
     l2 = props.L2_cache_size
     default = (GC.PROGRAMS_PER_SM, GC.W_TILE_BYTES)
     grid = [default] + [c for c in itertools.product((2, 4, 8), (8192, 16384)) if c != default]
-    stored, tma_stored, table_lookup, tma_lookup = [], [], GC.launch_shape, G.tma_shape
+    stored, tma_stored, table_lookup, tma_lookup = {}, {}, GC.launch_shape, G.tma_shape
+    path = gemv_routing.FP8_SHAPES_PATH if fp8 else gemv_routing.SHAPES_PATH
+    previous = json.loads(path.read_text()) if write and path.exists() else {}
+    if (previous.get("num_sms"), previous.get("element_size")) == (props.multi_processor_count, 1 if fp8 else 2):
+        stored = {(e["n"], e["k"], e["gated"]): e for e in previous.get("shapes", [])}
+        tma_stored = {(e["n"], e["k"], e["gated"]): e for e in previous.get("tma_shapes", [])}
+    else:
+        previous = {}
     GC.launch_shape = lambda *args: None      # every candidate as the constants give it, not the stored table's
     G.tma_shape = lambda *args: None
     try:
@@ -279,31 +289,39 @@ def _one_row_shapes(configs, bw, rounds: int = 2, write: bool = False, tp_sizes=
             print(f"shapes {name} {proj}: best programs/SM {best[0]} tile {best[1]}, {mean[best]:.2f} against "
                   f"{mean[default]:.2f} us ({100 * (1 - mean[best] / mean[default]):.1f}%)", flush=True)
             gated = bool(op and op[0])
+            key = (weight.shape[0], weight.shape[1], gated)
             won = mean[best] <= (1 - SHAPES_MARGIN) * mean[default]
             kept = mean[best] if won else mean[default]      # what the register kernel takes for this shape
+            stored.pop(key, None)
+            tma_stored.pop(key, None)
             if won:
-                stored.append(dict(n=weight.shape[0], k=weight.shape[1], gated=gated, programs_per_sm=best[0],
-                                   w_tile_bytes=best[1], us=round(mean[best], 2), constants_us=round(mean[default], 2)))
+                stored[key] = dict(n=key[0], k=key[1], gated=gated, programs_per_sm=best[0], w_tile_bytes=best[1],
+                                   us=round(mean[best], 2), constants_us=round(mean[default], 2))
             tma = None if fp8 else _tma_candidates(op, weight, l2, floor, f"{name} {proj} {tuple(weight.shape)}")
             if tma and tma[0] <= (1 - TMA_MARGIN) * kept:
                 block_n, block_k, stages = tma[1]
-                tma_stored.append(dict(n=weight.shape[0], k=weight.shape[1], gated=gated, block_n=block_n,
-                                       block_k=block_k, stages=stages, us=round(tma[0], 2), gemv_us=round(kept, 2)))
+                tma_stored[key] = dict(n=key[0], k=key[1], gated=gated, block_n=block_n, block_k=block_k,
+                                       stages=stages, us=round(tma[0], 2), gemv_us=round(kept, 2))
                 print(f"shapes {name} {proj}: TMA {tma[1]} {tma[0]:.2f} against {kept:.2f} us", flush=True)
+            if write:
+                _write_one_row_shapes(path, previous, stored, tma_stored, configs, tp_sizes, fp8, props)
     finally:
         _set(PROGRAMS_PER_SM=default[0], W_TILE_BYTES=default[1])
         GC.launch_shape, G.tma_shape = table_lookup, tma_lookup
     if write:
-        table = dict(command="PYTHONPATH=. python benches/gemv_sweep.py shapes --configs "
-                             + " ".join(configs) + _tp_flag(tp_sizes) + (" --fp8" if fp8 else "") + " --write",
-                     device=props.name, num_sms=props.multi_processor_count, element_size=1 if fp8 else 2,
-                     shapes=stored, tma_shapes=tma_stored)
-        path = gemv_routing.FP8_SHAPES_PATH if fp8 else gemv_routing.SHAPES_PATH
-        previous = json.loads(path.read_text()) if path.exists() else {}
-        if (previous.get("num_sms"), previous.get("element_size")) == (table["num_sms"], table["element_size"]):
-            table.update({key: previous[key] for key in ("row_command", "row_shapes") if key in previous})
-        path.write_text(json.dumps(table, indent=1) + "\n")
-        print(f"wrote {len(stored)} launch shapes to {path}", flush=True)
+        print(f"wrote {len(stored)} launch shapes and {len(tma_stored)} TMA shapes to {path}", flush=True)
+
+
+def _write_one_row_shapes(path, previous: dict, stored: dict, tma_stored: dict, configs, tp_sizes, fp8: bool,
+                          props) -> None:
+    """The one-row table (the document's row_shapes kept) with the entries in `stored` and `tma_stored`."""
+    table = dict(command="PYTHONPATH=. python benches/gemv_sweep.py shapes --configs "
+                         + " ".join(configs) + _tp_flag(tp_sizes) + (" --fp8" if fp8 else "") + " --write",
+                 device=props.name, num_sms=props.multi_processor_count, element_size=1 if fp8 else 2,
+                 shapes=sorted(stored.values(), key=lambda e: (e["n"], e["k"], e["gated"])),
+                 tma_shapes=sorted(tma_stored.values(), key=lambda e: (e["n"], e["k"], e["gated"])))
+    table.update({key: previous[key] for key in ("row_command", "row_shapes") if key in previous})
+    path.write_text(json.dumps(table, indent=1) + "\n")
 
 
 def _tma_candidates(op, weight, l2: int, floor: float, label: str) -> tuple[float, tuple[int, int, int]] | None:
@@ -355,12 +373,15 @@ def crossover(configs, bw, rows, write: bool, tp_sizes=(1,), fp8: bool = False) 
                 break
         found[(weight.shape[0], weight.shape[1], bool(op and op[0]))] = best
         print(f"crossover {name} {proj}: GEMV up to {best} rows")
-    if write:
+    if write:       # merged: the stored shapes this run did not measure stay (measured on the same device)
+        path = gemv_routing.FP8_TABLE_PATH if fp8 else gemv_routing.TABLE_PATH
+        previous = json.loads(path.read_text()) if path.exists() else {}
+        if previous.get("device") == torch.cuda.get_device_name(0):
+            found = {**{(e["n"], e["k"], e["gated"]): e["max_rows"] for e in previous.get("shapes", [])}, **found}
         table = dict(command="PYTHONPATH=. python benches/gemv_sweep.py crossover --configs " + " ".join(configs)
                      + _tp_flag(tp_sizes) + (" --fp8" if fp8 else "") + " --write",
                      device=torch.cuda.get_device_name(0), torch=torch.__version__,
                      shapes=[dict(n=n, k=k, gated=g, max_rows=r) for (n, k, g), r in sorted(found.items())])
-        path = gemv_routing.FP8_TABLE_PATH if fp8 else gemv_routing.TABLE_PATH
         path.write_text(json.dumps(table, indent=1) + "\n")
         print(f"wrote {path}")
 

@@ -21,6 +21,8 @@
 #   bash benches/run_gpu.sh gemv_rows     # the GEMV's launch shapes at 2, 4, 5, 8 rows, bf16 and e4m3, and the
 #                                         # crossover after them (written), then Llama-3.1-8B speculative decoding
 #                                         # (k 4) and batch-4 latency (< 9 min)
+#   bash benches/run_gpu.sh gemv_tp       # the GEMV's launch shapes and crossover for tensor-parallel shards of
+#                                         # Llama-3.1-8B and -70B (written; one GPU, < 9 min)
 #   bash benches/run_gpu.sh fallback [qwen3|llama|pythia]   # native vs the transformers fallback, throughput + batch 1
 #   [TOKENIZER=folder] bash benches/run_gpu.sh structured   # structured output: GPU tests, host grammar work, throughput
 #                                         # unconstrained / one JSON schema / 64 schemas, bitmask in and after the graph
@@ -460,6 +462,20 @@ part_gemv_rows() {
   grep -h "decode \|TPOT" "$OUT/gemv_rows_latency_b4.log"
 }
 
+# gemv_tp (one GPU, at most 9 min): the GEMV's one-row launch shapes and the GEMV/cuBLAS crossover for each
+# tensor-parallel rank's shard of Llama-3.1-8B (TP 2, 4) and Llama-3.1-70B (TP 4, 8: a rank's shapes, on one GPU),
+# merged into the stored tables (written after every shape), which land in $OUT.
+part_gemv_tp() {
+  run gemv_tp_shapes 330 python3 benches/gemv_sweep.py shapes --configs llama-3.1-8b llama-3.1-70b \
+    --tensor-parallel-sizes 2 4 8 --write
+  run gemv_tp_crossover 180 python3 benches/gemv_sweep.py crossover --configs llama-3.1-8b llama-3.1-70b \
+    --tensor-parallel-sizes 2 4 8 --write
+  cp ember/kernels/gemv_shapes.json ember/kernels/gemv_crossover.json "$OUT/" 2>/dev/null
+  echo "== summary"
+  grep -h "best\|TMA (\|wrote" "$OUT/gemv_tp_shapes.log" | cut -c1-160
+  grep -h "GEMV up to\|wrote" "$OUT/gemv_tp_crossover.log"
+}
+
 part_fp8() {
   local lat="--batch-size 1 --input-len 32 --output-len 128 --num-iters 2"
   run latency_llama8b_bf16 70 python3 -m ember bench latency --config llama-3.1-8b $lat \
@@ -518,7 +534,7 @@ part=${1:-}
 [ $# -gt 0 ] && shift
 case "$part" in
   decode|throughput|headline|serve|serve_dp|startup|flash|fusion|ab|moe|moe_sweep|moe_throughput|fp8|fp8_gemv|\
-  gemv_rows|fallback|structured|tp2|tp2_collectives|tp4|moe_tp2) mkdir -p "$OUT" ;;
+  gemv_rows|gemv_tp|fallback|structured|tp2|tp2_collectives|tp4|moe_tp2) mkdir -p "$OUT" ;;
 esac
 case "$part" in
   decode) part_decode ;;
@@ -536,6 +552,7 @@ case "$part" in
   fp8) part_fp8 ;;
   fp8_gemv) part_fp8_gemv ;;
   gemv_rows) part_gemv_rows ;;
+  gemv_tp) part_gemv_tp ;;
   fallback) part_fallback "$@" ;;
   structured) part_structured ;;
   tp2) part_tp2 ;;
