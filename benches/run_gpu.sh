@@ -317,6 +317,7 @@ timed() {
 part_tp2_collectives() {
   timed all_reduce 120 python3 benches/all_reduce_graph.py --ranks 2
   cat "$OUT/all_reduce.log" | filter | grep -v "^\[W\|Warning" | tail -20
+  run tp_sampling 120 python3 benches/tp_sampling.py --ranks 2
   timed tp_gpu_tests 280 python3 -m pytest -q -m gpu -p no:cacheprovider -rA tests/gpu/test_tensor_parallel_gpu.py
   grep -h "passed\|failed\|Error\|assert\|{'" "$OUT/tp_gpu_tests.log" | tail -20
 }
