@@ -1,5 +1,7 @@
 """`ember::all_reduce` and `ember::all_gather`: the model's collectives as custom ops, so that dynamo traces them
-into the compiled pieces (no graph break) and FULL and PIECEWISE CUDA graphs capture them like any kernel.
+into the compiled pieces (no graph break) and FULL and PIECEWISE CUDA graphs capture them like any kernel; and
+`ember::vocab_shard_embedding`, a vocab-parallel embedding's local rows, so that a rank's first piece holds ember
+ops only (ember.graphs.plain_pieces) as one GPU's does.
 
 Each op names its group by a string (`parallel_state.TP_GROUP`), looked up here, so a compiled graph saved by one
 process loads in another. The ops are out of place, as traced code wants: the all-reduce copies its input and
@@ -16,7 +18,8 @@ import torch
 
 from ember.kernels.library import define, register_fake
 
-__all__ = ["all_gather", "all_reduce", "group_size", "register_group", "unregister_group"]
+__all__ = ["all_gather", "all_reduce", "group_size", "register_group", "unregister_group",
+           "vocab_shard_embedding"]
 
 
 @dataclass
@@ -103,6 +106,25 @@ def _gather_into(output: torch.Tensor, local: torch.Tensor, group) -> None:
 @register_fake("all_gather")
 def _all_gather_fake(x, group):
     return x.new_empty(x.shape[0], _group(group).size * x.shape[1])
+
+
+@define("vocab_shard_embedding")
+def _vocab_shard_embedding_op(ids: torch.Tensor, weight: torch.Tensor, start: int) -> torch.Tensor:
+    """The rows of `weight` [R, H] (the vocabulary ids start .. start + R - 1) for `ids` [T], zeros for ids outside
+    that range: [T, H]."""
+    local = ids - start
+    outside = (local < 0) | (local >= weight.shape[0])
+    return torch.nn.functional.embedding(local.masked_fill(outside, 0), weight).masked_fill_(outside[:, None], 0)
+
+
+@register_fake("vocab_shard_embedding")
+def _vocab_shard_embedding_fake(ids, weight, start):
+    return weight.new_empty(ids.shape[0], weight.shape[1])
+
+
+def vocab_shard_embedding(ids: torch.Tensor, weight: torch.Tensor, start: int) -> torch.Tensor:
+    """`ember::vocab_shard_embedding`: this rank's embedding rows of `ids`, zeros where another rank holds the id."""
+    return torch.ops.ember.vocab_shard_embedding(ids, weight, start)
 
 
 def all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:

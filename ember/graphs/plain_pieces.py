@@ -51,7 +51,11 @@ def plain_targets() -> frozenset:
     # ember::moe is registered by the MoE layers (a model that has them is built before it is traced); importing
     # its kernels for every model would cost a dense model's start-up ~0.1 s
     moe = [ember.moe.default] if hasattr(ember, "moe") else []
-    return frozenset(ops + list(_SYM) + moe + [ember.fused_linear.default, ember.fused_linear_into_residual.default,
+    # tensor parallelism's collectives and the vocab-parallel embedding (registered by ember.distributed.ops)
+    from ember.distributed import ops as _collective_ops  # noqa: F401
+    collectives = [ember.all_reduce.default, ember.all_gather.default, ember.vocab_shard_embedding.default]
+    return frozenset(ops + list(_SYM) + moe + collectives + [ember.fused_linear.default,
+                                                             ember.fused_linear_into_residual.default,
                                                ember.qk_norm_rope.default,
                                                ember.linear.default, ember.rms_norm.default,
                                                ember.scaled_linear.default])
@@ -83,6 +87,7 @@ class PlainPiece:
         import ember.kernels.qk_norm_rope  # noqa: F401
         import ember.kernels.scaled_linear_op  # noqa: F401
         import ember.kernels.rms_norm  # noqa: F401
+        from ember.distributed import ops as _collective_ops  # noqa: F401
         with open(path, "rb") as f:
             gm = pickle.load(f)
         if not isinstance(gm, torch.fx.GraphModule):

@@ -29,7 +29,7 @@ def test_fused_model_equals_unfused_on_gpu(family, tmp_path):
     fused = _run(family, (), tmp_path)
     unfused = _run(family, ("all",), tmp_path)
     assert fused[2] == {"sibling_linears": 0, "rms_norm_prologue": 4, "silu_mul_epilogue": 2, "residual_epilogue": 4,
-                        "qk_norm_rope": 2 if family == "qwen3" else 0}
+                        "residual_all_reduce": 0, "qk_norm_rope": 2 if family == "qwen3" else 0}
     for got, ref in zip(fused[:2], unfused[:2]):
         scale = ref.float().abs().max().item()
         err = (got.float() - ref.float()).abs().max().item()

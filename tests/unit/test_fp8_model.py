@@ -46,7 +46,8 @@ def test_fusion_passes_extend_the_scaled_linear(family, strategy):
         gm.recompile()
         out = gm(ids, positions)
     assert pipeline.counts == {"sibling_linears": 0, "rms_norm_prologue": 2 * layers, "silu_mul_epilogue": layers,
-                               "residual_epilogue": 2 * layers, "qk_norm_rope": layers if family == "qwen3" else 0}
+                               "residual_epilogue": 2 * layers, "residual_all_reduce": 0,
+                               "qk_norm_rope": layers if family == "qwen3" else 0}
     assert count_calls(gm, SCALED) == 4 * layers
     assert count_calls(gm, torch.ops.ember.fused_linear.default) == 0
     assert count_calls(gm, torch.ops.ember.linear.default) == 0

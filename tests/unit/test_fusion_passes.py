@@ -55,7 +55,7 @@ def _assert_close(out, ref, dtype):
 
 
 EXPECTED = {"sibling_linears": 0, "rms_norm_prologue": 1, "silu_mul_epilogue": 1, "residual_epilogue": 2,
-            "qk_norm_rope": 0}
+            "residual_all_reduce": 0, "qk_norm_rope": 0}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -95,7 +95,7 @@ def test_summary_lists_matches_and_disabled_passes():
     pipeline.counts["rms_norm_prologue"] = 4
     pipeline.num_graphs = 3
     assert pipeline.summary(26) == ("fusion passes over 3 compiled graphs, 26 more from the cache: "
-                                    "sibling_linears 0, rms_norm_prologue 4, residual_epilogue 0, qk_norm_rope 0; "
+                                    "sibling_linears 0, rms_norm_prologue 4, residual_epilogue 0, residual_all_reduce 0, qk_norm_rope 0; "
                                     "off: silu_mul_epilogue")
 
 
@@ -135,7 +135,7 @@ def test_fused_model_equals_unfused_model(family, dtype):
     pipeline, gm, out, reference = fused_and_reference(model, ids, positions, context)
     qk = layers if family == "qwen3" else 0
     assert pipeline.counts == {"sibling_linears": 0, "rms_norm_prologue": 2 * layers, "silu_mul_epilogue": layers,
-                               "residual_epilogue": 2 * layers, "qk_norm_rope": qk}
+                               "residual_epilogue": 2 * layers, "residual_all_reduce": 0, "qk_norm_rope": qk}
     assert count_calls(gm, LINEAR) == 0 and count_calls(gm, FUSED) == 4 * layers
     assert count_calls(gm, QK) == qk and count_calls(gm, torch.ops.aten.rsqrt.default) == 1   # the final norm
     _assert_close(out, reference, dtype)
@@ -155,7 +155,7 @@ def test_compiled_model_runs_the_passes(tmp_path):
         counts.append(dict(compiled.fusion.counts))
     layers = 2
     assert counts == [{"sibling_linears": 0, "rms_norm_prologue": 2 * layers, "silu_mul_epilogue": layers,
-                       "residual_epilogue": 2 * layers, "qk_norm_rope": layers}, {}]
+                       "residual_epilogue": 2 * layers, "residual_all_reduce": 0, "qk_norm_rope": layers}, {}]
     # Inductor's C++ kernels round the unfused norm and residual adds their own way: one bf16 ulp of the largest
     # output (at most 2**-6 of the scale) apart
     scale = outputs[1].float().abs().max().item()

@@ -195,8 +195,9 @@ def test_two_ranks_give_one_ranks_tokens_and_logits(family, tmp_path):
 @pytest.mark.slow      # ~10 s: a trace of the whole shard
 def test_fusion_passes_on_a_moe_shard_keep_one_all_reduce_a_block(tmp_path):
     """Rank 0's Qwen3-MoE shard of two, traced whole, through the fusion pipeline: one all-reduce after each
-    attention and each MLP (experts or dense) and one for the embedding, none folded away or doubled; no residual
-    add folded into the MoE op or into a reduced projection; the output unchanged."""
+    attention and each MLP (experts or dense) and one for the embedding, none folded away or doubled; rank 0's
+    residual adds go into the reduces (the MoE op and each reduced projection take the residual, the reduce's
+    output is the new residual stream); the output unchanged."""
     import torch.distributed as dist
 
     from ember.attention_backends.op import ForwardContext
@@ -215,9 +216,11 @@ def test_fusion_passes_on_a_moe_shard_keep_one_all_reduce_a_block(tmp_path):
     finally:
         leave_tensor_parallel()
     layers = model.config.num_hidden_layers
-    assert pipeline.counts["residual_epilogue"] == 0
+    assert pipeline.counts["residual_epilogue"] == 0 and pipeline.counts["residual_all_reduce"] == 2 * layers
     assert count_calls(gm, torch.ops.ember.all_reduce.default) == 1 + 2 * layers
+    reduces = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.ops.ember.all_reduce.default]
+    assert not [u for n in reduces for u in n.users if u.target is torch.ops.aten.add.Tensor]   # no add after one
     moe_calls = [n for n in gm.graph.nodes if n.op == "call_function" and str(n.target) == "ember.moe.default"]
-    assert len(moe_calls) == 2 and all(len(n.args) < 7 or n.args[6] is None for n in moe_calls)
+    assert len(moe_calls) == 2 and all(len(n.args) == 7 and n.args[6] is not None for n in moe_calls)
     assert [str(u.target) for n in moe_calls for u in n.users] == ["ember.all_reduce.default"] * 2
     assert (out - reference).abs().max().item() <= 1e-6 * reference.abs().max().item()

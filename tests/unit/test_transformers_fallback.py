@@ -315,7 +315,7 @@ def test_the_fallback_graph_fuses_like_the_native_one(tmp_path):
     native, fallback = graphs["ember"], graphs["transformers"]
     assert fallback[0] == {**native[0], "sibling_linears": 4} == {"sibling_linears": 4, "rms_norm_prologue": 4,
                                                                   "silu_mul_epilogue": 2, "residual_epilogue": 4,
-                                                                  "qk_norm_rope": 0}
+                                                                  "residual_all_reduce": 0, "qk_norm_rope": 0}
     assert fallback[1] == native[1] == (0, 8)       # per layer: qkv, o, gate_up, down, all fused
 
 

@@ -42,7 +42,7 @@ def fuse_residual_epilogue(graph: Graph) -> int:
     return count
 
 
-def _is_moe(node) -> bool:
+def is_moe(node) -> bool:
     """An `ember::moe` call without a residual (matched by name: the op exists only where a model has MoE)."""
     return (getattr(node, "op", None) == "call_function" and str(node.target) == "ember.moe.default"
             and not node.kwargs and len(node.args) in (6, 7) and (len(node.args) == 6 or node.args[6] is None))
@@ -51,7 +51,7 @@ def _is_moe(node) -> bool:
 def _fuse_moe_residual(graph: Graph, add: Node, moe: Node, residual) -> bool:
     """Rewrite `add` = moe + residual into the MoE op with the residual when the add is the op's one user and the
     shapes and dtypes agree; whether it did."""
-    if not _is_moe(moe) or sole_user(moe)[0] is not add:
+    if not is_moe(moe) or sole_user(moe)[0] is not add:
         return False
     out_val, residual_val, sum_val = value(moe), value(residual), value(add)
     if out_val is None or residual_val is None or sum_val is None:

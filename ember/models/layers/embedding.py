@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ember.distributed.ops import all_gather, all_reduce
+from ember.distributed.ops import all_gather, all_reduce, vocab_shard_embedding
 from ember.distributed.parallel_state import TP_GROUP
 from ember.distributed.shard import CheckpointSlice, current_shard, vocab_range
 from ember.kernels.linear_op import logits
@@ -58,10 +58,9 @@ class VocabEmbedding(nn.Module):
         if self.tp_size == 1:
             hidden = F.embedding(input_ids, self.weight)
         else:
-            local = input_ids - self.vocab_start
-            outside = (local < 0) | (local >= self.vocab_held)                        # [T]
-            hidden = F.embedding(local.masked_fill(outside, 0), self.weight)        # [T, hidden]
-            hidden = all_reduce(hidden.masked_fill(outside[:, None], 0), TP_GROUP)
+            # this rank's rows of the ids it holds, zeros for the others' (`self.vocab_held` rows), summed
+            hidden = all_reduce(vocab_shard_embedding(input_ids, self.weight[:self.vocab_held], self.vocab_start),
+                                TP_GROUP)
         if self.scale is not None:
             hidden = hidden * self.scale
         return hidden

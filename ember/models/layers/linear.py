@@ -73,14 +73,14 @@ class Linear(nn.Module):
 
 class RowParallelLinear(Linear):
     """y = x W^T (+ b) with W's input columns split over the tensor-parallel ranks: each rank multiplies its columns
-    of x (the output of a column-parallel layer) by its columns of W, the partial products are all-reduced and the
-    bias added once, after. `in_features` is the whole layer's; built whole, it is a plain `Linear`."""
+    of x (the output of a column-parallel layer) by its columns of W, and the partial products, rank 0's with the
+    bias, are all-reduced. `in_features` is the whole layer's; built whole, it is a plain `Linear`."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         spec = current_shard()
         local = split(in_features, spec, f"the input size of a row-parallel projection ({out_features} outputs)")
         super().__init__(local, out_features, bias)
-        self.tp_size = spec.size
+        self.tp_size, self.tp_rank = spec.size, spec.rank
         self.input_range = (spec.rank * local, local, in_features)     # (first column, columns, of the whole's)
         if spec.size > 1:
             self.weight.checkpoint_slice = lambda shard_id: CheckpointSlice(1, spec.rank * local, local, in_features)
@@ -88,8 +88,8 @@ class RowParallelLinear(Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
             return self._project(x, self.bias)
-        out = all_reduce(self._project(x, None), TP_GROUP)
-        return out if self.bias is None else out + self.bias
+        # the bias joins rank 0's part of the sum, so that it is added once and the reduce's output is the layer's
+        return all_reduce(self._project(x, self.bias if self.tp_rank == 0 else None), TP_GROUP)
 
 
 class PackedLinear(Linear):
