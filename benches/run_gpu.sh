@@ -26,7 +26,8 @@
 #   bash benches/run_gpu.sh fallback [qwen3|llama|pythia]   # native vs the transformers fallback, throughput + batch 1
 #   [TOKENIZER=folder] bash benches/run_gpu.sh structured   # structured output: GPU tests, host grammar work, throughput
 #                                         # unconstrained / one JSON schema / 64 schemas, bitmask in and after the graph
-#   bash benches/run_gpu.sh tp2_collectives   # 2 GPUs: the all-reduce bench (NCCL vs one-shot), the TP GPU tests
+#   bash benches/run_gpu.sh tp2_collectives   # 2 GPUs: the all-reduce bench (NCCL vs one-shot), ranks' sampling
+#   bash benches/run_gpu.sh tp2_tests     # 2 GPUs: the TP GPU tests, cold and warm start-up at TP=1 and TP=2
 #   bash benches/run_gpu.sh tp2           # 2 GPUs: Llama-3.1-8B batch 1 and nano-vllm throughput, TP=1 against TP=2
 #   bash benches/run_gpu.sh tp4           # 4 GPUs: Llama-3.1-70B TP=4 cold and warm start-up, batch 1, throughput
 #   bash benches/run_gpu.sh moe_tp2       # 2 GPUs: the sharded-experts GPU test, Mixtral-8x7B TP=2 batch 1, throughput
@@ -312,14 +313,32 @@ timed() {
   if [ -n "$left" ]; then echo "   $name LEFT WORKERS: $left"; kill -9 $left 2>/dev/null; fi
 }
 
-# tp2_collectives (at most 7 min): the all-reduce sweep, 8 KiB to 8 MiB, eagerly and in graphs, then the two-GPU
-# tests.
+# tp2_collectives (at most 4 min): the all-reduce sweep, 8 KiB to 8 MiB, eagerly and in graphs, then the three ways
+# ranks can agree on sampled tokens (benches/tp_sampling.py).
 part_tp2_collectives() {
   timed all_reduce 120 python3 benches/all_reduce_graph.py --ranks 2
   cat "$OUT/all_reduce.log" | filter | grep -v "^\[W\|Warning" | tail -20
   run tp_sampling 120 python3 benches/tp_sampling.py --ranks 2
-  timed tp_gpu_tests 280 python3 -m pytest -q -m gpu -p no:cacheprovider -rA tests/gpu/test_tensor_parallel_gpu.py
-  grep -h "passed\|failed\|Error\|assert\|{'" "$OUT/tp_gpu_tests.log" | tail -20
+}
+
+# tp2_tests (at most 9 min): the two-GPU tests (verbose, with each test's time; a test still running after 300 s
+# prints every thread's stack), then Llama-3.1-8B started cold and warm at TP=1 and at TP=2 (fresh caches, phases).
+part_tp2_tests() {
+  local cache tp
+  timed tp_gpu_tests 330 python3 -m pytest -v -m gpu -p no:cacheprovider --durations=0 -o faulthandler_timeout=300 \
+    tests/gpu/test_tensor_parallel_gpu.py
+  grep -h "PASSED\|FAILED\|ERROR\|passed\|failed\|Error\|assert\|{'\|s call" "$OUT/tp_gpu_tests.log" | tail -30
+  for tp in 1 2; do
+    cache=$(mktemp -d)
+    export EMBER_CACHE=$cache/ember TRITON_CACHE_DIR=$cache/triton
+    timed startup_tp${tp}_cold 70 python3 benches/startup.py --model llama-3.1-8b --tensor-parallel-size $tp \
+      --label cold --num-prompts 4
+    timed startup_tp${tp}_warm 45 python3 benches/startup.py --model llama-3.1-8b --tensor-parallel-size $tp \
+      --label warm --num-prompts 4
+    unset EMBER_CACHE TRITON_CACHE_DIR
+    rm -rf "$cache"
+  done
+  grep -h "start-up\|STARTUP" "$OUT"/startup_tp*_*.log | cut -c1-400
 }
 
 # tp2 (at most 7 min): Llama-3.1-8B config, batch 1 (input 32, output 256) and the nano-vllm throughput workload,
@@ -535,7 +554,7 @@ part=${1:-}
 [ $# -gt 0 ] && shift
 case "$part" in
   decode|throughput|headline|serve|serve_dp|startup|flash|fusion|ab|moe|moe_sweep|moe_throughput|fp8|fp8_gemv|\
-  gemv_rows|gemv_tp|fallback|structured|tp2|tp2_collectives|tp4|moe_tp2) mkdir -p "$OUT" ;;
+  gemv_rows|gemv_tp|fallback|structured|tp2|tp2_collectives|tp2_tests|tp4|moe_tp2) mkdir -p "$OUT" ;;
 esac
 case "$part" in
   decode) part_decode ;;
@@ -558,6 +577,7 @@ case "$part" in
   structured) part_structured ;;
   tp2) part_tp2 ;;
   tp2_collectives) part_tp2_collectives ;;
+  tp2_tests) part_tp2_tests ;;
   tp4) part_tp4 ;;
   moe_tp2) part_moe_tp2 ;;
   *) echo "usage: bash benches/run_gpu.sh decode|throughput|headline|serve|serve_dp|startup [MODEL ...]|flash|fusion|ab|" \
