@@ -376,14 +376,21 @@ def crossover(configs, bw, rows, write: bool, tp_sizes=(1,), fp8: bool = False) 
     if write:       # merged: the stored shapes this run did not measure stay (measured on the same device)
         path = gemv_routing.FP8_TABLE_PATH if fp8 else gemv_routing.TABLE_PATH
         previous = json.loads(path.read_text()) if path.exists() else {}
-        if previous.get("device") == torch.cuda.get_device_name(0):
-            found = {**{(e["n"], e["k"], e["gated"]): e["max_rows"] for e in previous.get("shapes", [])}, **found}
-        table = dict(command="PYTHONPATH=. python benches/gemv_sweep.py crossover --configs " + " ".join(configs)
-                     + _tp_flag(tp_sizes) + (" --fp8" if fp8 else "") + " --write",
-                     device=torch.cuda.get_device_name(0), torch=torch.__version__,
-                     shapes=[dict(n=n, k=k, gated=g, max_rows=r) for (n, k, g), r in sorted(found.items())])
+        command = ("PYTHONPATH=. python benches/gemv_sweep.py crossover --configs " + " ".join(configs)
+                   + _tp_flag(tp_sizes) + (" --fp8" if fp8 else "") + " --write")
+        table = merged_crossover(previous, found, command, torch.cuda.get_device_name(0), torch.__version__)
         path.write_text(json.dumps(table, indent=1) + "\n")
         print(f"wrote {path}")
+
+
+def merged_crossover(previous: dict, found: dict[tuple[int, int, bool], int], command: str, device: str,
+                     torch_version: str) -> dict:
+    """The crossover table: `found` {(n, k, gated): max rows} over the `previous` table's entries when that table
+    was measured on the same device (its other shapes stay), else `found` alone."""
+    if previous.get("device") == device:
+        found = {**{(e["n"], e["k"], e["gated"]): e["max_rows"] for e in previous.get("shapes", [])}, **found}
+    return dict(command=command, device=device, torch=torch_version,
+                shapes=[dict(n=n, k=k, gated=g, max_rows=r) for (n, k, g), r in sorted(found.items())])
 
 
 def main() -> None:
