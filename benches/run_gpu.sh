@@ -27,7 +27,8 @@
 #   [TOKENIZER=folder] bash benches/run_gpu.sh structured   # structured output: GPU tests, host grammar work, throughput
 #                                         # unconstrained / one JSON schema / 64 schemas, bitmask in and after the graph
 #   bash benches/run_gpu.sh tp2_collectives   # 2 GPUs: the all-reduce bench (NCCL vs one-shot), ranks' sampling
-#   bash benches/run_gpu.sh tp2_tests     # 2 GPUs: the TP GPU tests, cold and warm start-up at TP=1 and TP=2
+#   bash benches/run_gpu.sh tp2_tests     # 2 GPUs: the TP GPU tests
+#   bash benches/run_gpu.sh tp2_startup   # 2 GPUs: cold and warm start-up at TP=1 and TP=2
 #   bash benches/run_gpu.sh tp2           # 2 GPUs: Llama-3.1-8B batch 1 and nano-vllm throughput, TP=1 against TP=2
 #   bash benches/run_gpu.sh tp4           # 4 GPUs: Llama-3.1-70B TP=4 cold and warm start-up, batch 1, throughput
 #   bash benches/run_gpu.sh moe_tp2       # 2 GPUs: the sharded-experts GPU test, Mixtral-8x7B TP=2 batch 1, throughput
@@ -321,13 +322,17 @@ part_tp2_collectives() {
   run tp_sampling 120 python3 benches/tp_sampling.py --ranks 2
 }
 
-# tp2_tests (at most 9 min): the two-GPU tests (verbose, with each test's time; a test still running after 300 s
-# prints every thread's stack), then Llama-3.1-8B started cold and warm at TP=1 and at TP=2 (fresh caches, phases).
+# tp2_tests (at most 8 min): the two-GPU tests, verbose, with each test's time (a test still running after 300 s
+# prints every thread's stack).
 part_tp2_tests() {
-  local cache tp
-  timed tp_gpu_tests 330 python3 -m pytest -v -m gpu -p no:cacheprovider --durations=0 -o faulthandler_timeout=300 \
+  timed tp_gpu_tests 470 python3 -m pytest -v -m gpu -p no:cacheprovider --durations=0 -o faulthandler_timeout=300 \
     tests/gpu/test_tensor_parallel_gpu.py
   grep -h "PASSED\|FAILED\|ERROR\|passed\|failed\|Error\|assert\|{'\|s call" "$OUT/tp_gpu_tests.log" | tail -30
+}
+
+# tp2_startup (at most 4 min): Llama-3.1-8B started cold, then warm, at TP=1 and at TP=2 (fresh caches; phases).
+part_tp2_startup() {
+  local cache tp
   for tp in 1 2; do
     cache=$(mktemp -d)
     export EMBER_CACHE=$cache/ember TRITON_CACHE_DIR=$cache/triton
@@ -554,7 +559,7 @@ part=${1:-}
 [ $# -gt 0 ] && shift
 case "$part" in
   decode|throughput|headline|serve|serve_dp|startup|flash|fusion|ab|moe|moe_sweep|moe_throughput|fp8|fp8_gemv|\
-  gemv_rows|gemv_tp|fallback|structured|tp2|tp2_collectives|tp2_tests|tp4|moe_tp2) mkdir -p "$OUT" ;;
+  gemv_rows|gemv_tp|fallback|structured|tp2|tp2_collectives|tp2_tests|tp2_startup|tp4|moe_tp2) mkdir -p "$OUT" ;;
 esac
 case "$part" in
   decode) part_decode ;;
@@ -578,6 +583,7 @@ case "$part" in
   tp2) part_tp2 ;;
   tp2_collectives) part_tp2_collectives ;;
   tp2_tests) part_tp2_tests ;;
+  tp2_startup) part_tp2_startup ;;
   tp4) part_tp4 ;;
   moe_tp2) part_moe_tp2 ;;
   *) echo "usage: bash benches/run_gpu.sh decode|throughput|headline|serve|serve_dp|startup [MODEL ...]|flash|fusion|ab|" \
