@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 
 import torch
+
+from benches.ranks import captured, median_us_per_call, spawn_ranks
 
 SIZES = [8192, 16384, 32768, 65536, 131072, 262144, 524288, 1048576, 2097152, 4194304, 8388608]
 BUFFERS = 4         # distinct inputs a round cycles through
@@ -46,22 +47,6 @@ def _check(got: list[torch.Tensor], sums: list[torch.Tensor], what: str) -> list
     return errors
 
 
-def _time(run, reps: int, calls: int) -> float:
-    """Median microseconds per all-reduce of `run()` (one round of `calls`), the ranks lined up before each."""
-    import torch.distributed as dist
-    times = []
-    for _ in range(reps):
-        dist.barrier()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        end.synchronize()
-        times.append(1e3 * start.elapsed_time(end) / calls)
-    return statistics.median(times)
-
-
 def _measure(size: int, rank: int, ranks: int, calls: int, reps: int) -> dict[str, float]:
     from ember.distributed import ops
     from ember.distributed.parallel_state import TP_GROUP
@@ -71,16 +56,9 @@ def _measure(size: int, rank: int, ranks: int, calls: int, reps: int) -> dict[st
     def round_():
         return [ops.all_reduce(inputs[i % BUFFERS], TP_GROUP) for i in range(calls)][-BUFFERS:]
     errors += _check(round_(), sums, "eager")
-    result["eager"] = _time(round_, reps, calls)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        round_()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outputs = round_()              # the last BUFFERS results, one a buffer (calls is a multiple of BUFFERS)
-    result["graph"] = _time(graph.replay, reps, calls)
+    result["eager"] = median_us_per_call(round_, calls, reps, torch.device("cuda"))
+    graph, outputs = captured(round_)   # the last BUFFERS results, one a buffer (calls is a multiple of BUFFERS)
+    result["graph"] = median_us_per_call(graph.replay, calls, reps, torch.device("cuda"))
     fresh, fresh_sums = _inputs(size, rank, ranks, seed=size + 1)
     for static, new in zip(inputs, fresh):
         static.copy_(new)
@@ -138,32 +116,7 @@ def main() -> None:
     args = p.parse_args()
     if args.calls % BUFFERS:
         p.error(f"--calls {args.calls} must be a multiple of {BUFFERS}")
-    import multiprocessing as mp
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, args.ranks, port, args.sizes, args.calls, args.reps, out))
-             for r in range(args.ranks)]
-    for proc in procs:
-        proc.start()
-    import queue
-    while True:
-        try:
-            results = out.get(timeout=5.0)
-            break
-        except queue.Empty:
-            if any(proc.exitcode not in (None, 0) for proc in procs):
-                for proc in procs:
-                    proc.kill()
-                raise SystemExit(f"a rank failed: exit codes {[proc.exitcode for proc in procs]}")
-    for proc in procs:
-        proc.join(30)
-        if proc.is_alive():
-            print(f"rank process {proc.pid} did not exit within 30 s of its results; killing it")
-            proc.kill()
+    results = spawn_ranks(_rank, args.ranks, args.sizes, args.calls, args.reps)
     print(f"{torch.cuda.get_device_name(0)}, {args.ranks} ranks, {args.calls} all-reduces a round, median of "
           f"{args.reps} rounds (us per all-reduce; each result checked against the sum over the ranks)")
     print(f"{'bytes':>9} {'NCCL eager':>11} {'one-shot eager':>15} {'NCCL graph':>11} {'one-shot graph':>15}")

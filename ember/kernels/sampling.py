@@ -22,7 +22,8 @@ from triton.language.extra import libdevice
 from ember.kernels.interpret import interpreter_on
 from ember.kernels.launcher import launcher
 
-__all__ = ["random_bits_triton", "gumbel_noise_triton", "sample_triton", "apply_token_bitmask_triton"]
+__all__ = ["random_bits_triton", "gumbel_noise_triton", "sample_triton", "sample_partials", "reduce_partials",
+           "apply_token_bitmask_triton"]
 
 # splitmix64 constants as unsigned literals: Triton types an int in [2**63, 2**64) as uint64
 _GOLDEN = tl.constexpr(0x9E3779B97F4A7C15)
@@ -142,13 +143,15 @@ def _perturb(x, cols, temperature_ptr, row_key, row, HAS_TEMPERATURE: tl.constex
 @triton.jit(do_not_specialize=["num_splits"])
 def _sample_partial_kernel(logits_ptr, stride_row, temperature_ptr, seed_ptr, counter_ptr, greedy_ptr,
                            bitmask_ptr, mask_stride, mask_index_ptr,
-                           partial_ptr, vocab_size, cols_per_split, num_splits,
+                           partial_ptr, vocab_size, first_id, cols_per_split, num_splits,
                            HAS_TEMPERATURE: tl.constexpr, HAS_GREEDY_MASK: tl.constexpr, ALL_GREEDY: tl.constexpr,
                            HAS_MASK: tl.constexpr, ACCURATE_LOG: tl.constexpr, BLOCK: tl.constexpr):
-    """One program per (row, split): the best (score, index) over cols_per_split columns (a multiple of BLOCK).
-    With HAS_MASK, a row whose mask index is positive takes only the tokens its grammar bitmask row allows.
+    """One program per (row, split): the best (score, token id) over cols_per_split columns (a multiple of BLOCK),
+    column c holding token first_id + c (a vocabulary-parallel shard's; 0 for a whole row): its noise, its bitmask
+    bit and the id stored are the token's. With HAS_MASK, a row whose mask index is positive takes only the tokens
+    its grammar bitmask row allows.
 
-    partial_ptr: [N, 2, num_splits] float32, the scores then the indices (int32 bits), one allocation for both.
+    partial_ptr: [N, 2, num_splits] float32, the scores then the ids (int32 bits), one allocation for both.
     """
     row = tl.program_id(0)
     split = tl.program_id(1)
@@ -164,25 +167,26 @@ def _sample_partial_kernel(logits_ptr, stride_row, temperature_ptr, seed_ptr, co
 
     # per lane: its best so far; starting at the lane's first column keeps all -inf rows at the lowest index
     best_value = tl.full((BLOCK,), float("-inf"), tl.float32)
-    best_index = start + tl.arange(0, BLOCK)
+    best_index = first_id + start + tl.arange(0, BLOCK)
     for offset in range(start, end, BLOCK):
         cols = offset + tl.arange(0, BLOCK)
         mask = cols < vocab_size
+        ids = first_id + cols
         x = tl.load(row_ptr + cols, mask=mask, other=float("-inf")).to(tl.float32)
         if HAS_MASK:
             if mask_row >= 0:
-                x = tl.where(_allowed(bitmask_ptr, mask_stride, mask_row, cols, mask), x, float("-inf"))
+                x = tl.where(_allowed(bitmask_ptr, mask_stride, mask_row, ids, mask), x, float("-inf"))
         if not ALL_GREEDY:
             if HAS_GREEDY_MASK:
                 if random_row:
-                    x = _perturb(x, cols, temperature_ptr, row_key, row, HAS_TEMPERATURE, ACCURATE_LOG)
+                    x = _perturb(x, ids, temperature_ptr, row_key, row, HAS_TEMPERATURE, ACCURATE_LOG)
             else:
-                x = _perturb(x, cols, temperature_ptr, row_key, row, HAS_TEMPERATURE, ACCURATE_LOG)
+                x = _perturb(x, ids, temperature_ptr, row_key, row, HAS_TEMPERATURE, ACCURATE_LOG)
             x = tl.where(mask, x, float("-inf"))
         # later columns of a lane win only when strictly better (or the first NaN), so ties keep the lower index
         take = (x > best_value) | ((x != x) & (best_value == best_value))
         best_value = tl.where(take, x, best_value)
-        best_index = tl.where(take, cols, best_index)
+        best_index = tl.where(take, ids, best_index)
 
     value, index = _block_argmax(best_value, best_index)
     tl.store(partial_ptr + (2 * row) * num_splits + split, value)
@@ -284,6 +288,20 @@ def sample_triton(logits: torch.Tensor, temperature: torch.Tensor | None, seeds:
     [K, ceil(V / 32)] int32 with mask_index [N] int64 (row + 1, 0 for none): tokens a row's grammar forbids are out.
     No host sync; ties go to the lower id, NaN wins like in torch.argmax.
     """
+    partial = sample_partials(logits, temperature, seeds, counters, greedy_mask, all_greedy, bitmask, mask_index)
+    # the tile holds the splits of a one-row batch, the most any batch has, so one compiled kernel serves every
+    # batch size (a tile per power of two would compile mid-run as the batch size moves)
+    return reduce_partials(partial, split_plan(1, logits.shape[1], _num_programs_target(logits.device))[1])
+
+
+def sample_partials(logits: torch.Tensor, temperature: torch.Tensor | None, seeds: torch.Tensor,
+                    counters: torch.Tensor, greedy_mask: torch.Tensor | None, all_greedy: bool,
+                    bitmask: torch.Tensor | None = None, mask_index: torch.Tensor | None = None,
+                    first_id: int = 0) -> torch.Tensor:
+    """`sample_triton`'s first pass: [N, 2, splits] float32, per split of each row its best score and that token's
+    id (int32 bits). With `first_id`, logits [N, C] are the columns of tokens first_id .. first_id + C - 1 (a
+    vocabulary-parallel shard): each token is scored as in the whole row, so the partials of every shard, side by
+    side along the last dim, reduce (`reduce_partials`) to the whole row's tokens."""
     if logits.dim() != 2 or logits.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"logits must be [N, V] float32, bfloat16 or float16, got {tuple(logits.shape)} "
                          f"{logits.dtype}")
@@ -303,23 +321,28 @@ def sample_triton(logits: torch.Tensor, temperature: torch.Tensor | None, seeds:
 
     has_mask = bitmask is not None
     if has_mask:
-        _check_bitmask(bitmask, mask_index, num_rows, vocab_size)
+        _check_bitmask(bitmask, mask_index, num_rows, first_id + vocab_size)
 
     cols_per_split, num_splits = split_plan(num_rows, vocab_size, _num_programs_target(device))
-    partial = torch.empty(num_rows, 2, num_splits, dtype=torch.float32, device=device)   # [N, (score, index), splits]
-    out = torch.empty(num_rows, dtype=torch.int64, device=device)                        # [N]
+    partial = torch.empty(num_rows, 2, num_splits, dtype=torch.float32, device=device)   # [N, (score, id), splits]
     _kernel("_sample_partial_kernel", device)[(num_rows, num_splits)](
         logits, logits.stride(0), temperature if has_temperature else logits,
         seeds if not all_greedy else logits, counters if not all_greedy else logits,
         greedy_bytes if has_greedy_mask else logits,
         bitmask if has_mask else logits, bitmask.stride(0) if has_mask else 0, mask_index if has_mask else logits,
-        partial, vocab_size, cols_per_split, num_splits,
+        partial, vocab_size, first_id, cols_per_split, num_splits,
         HAS_TEMPERATURE=has_temperature, HAS_GREEDY_MASK=has_greedy_mask, ALL_GREEDY=all_greedy,
         HAS_MASK=has_mask, ACCURATE_LOG=_accurate_log(device), BLOCK=BLOCK_SIZE, num_warps=NUM_WARPS)
-    # the tile holds the splits of a one-row batch, the most any batch has, so one compiled kernel serves every
-    # batch size (a tile per power of two would compile mid-run as the batch size moves)
-    max_splits = split_plan(1, vocab_size, _num_programs_target(device))[1]
-    _kernel("_sample_reduce_kernel", device)[(num_rows,)](
+    return partial
+
+
+def reduce_partials(partial: torch.Tensor, max_splits: int = 1) -> torch.Tensor:
+    """[N] int64: each row's best token over `sample_partials`' [N, 2, splits] (ties to the lower id). The
+    reduce's tile covers max(max_splits, splits), rounded up to a power of two."""
+    num_rows, _, num_splits = partial.shape
+    partial = partial.contiguous()
+    out = torch.empty(num_rows, dtype=torch.int64, device=partial.device)               # [N]
+    _kernel("_sample_reduce_kernel", partial.device)[(num_rows,)](
         partial, out, num_splits, BLOCK_SPLITS=triton.next_power_of_2(max(max_splits, num_splits)))
     return out
 

@@ -49,17 +49,16 @@ def fuse_residual_into_all_reduce(graph: Graph) -> int:
             if not same_rows(reduce_val, residual_val) or not same_rows(reduce_val, sum_val) or \
                     not residual_val.dtype == reduce_val.dtype == sum_val.dtype:
                 continue
+            found = _projection_of(reduce, residual)     # decided alike on every rank, from the graph alone
+            if found is None:
+                continue
             if rank == 0:
-                projection = _with_residual(graph, reduce, residual, before=node)
-                if projection is None:
-                    continue
+                projection = _with_residual(graph, found, residual, before=node)
                 replace_with(graph, node, all_reduce, (projection, TP_GROUP),
                              lambda: torch.empty_like(value(projection)))
                 graph.erase_node(node)
                 _erase_unused(graph, end, stop=unit_view_source(reduce.args[0]))
             else:
-                if _projection_of(reduce) is None:      # the same matches on every rank
-                    continue
                 node.replace_all_uses_with(with_rank(graph, end, sum_val.dim(), before=node))
                 graph.erase_node(node)
             count += 1
@@ -67,36 +66,32 @@ def fuse_residual_into_all_reduce(graph: Graph) -> int:
     return count
 
 
-def _projection_of(reduce: Node):
+def _projection_of(reduce: Node, residual: Node):
     """(node, its `LinearCall` or None for a MoE op) of the linear or MoE op whose only use is `reduce`, without a
-    residual of its own; None otherwise."""
+    residual of its own and of a shape its epilogue can add `residual` to; None otherwise."""
     source = unit_view_source(reduce.args[0])
     end = unit_view_end(source)
     if len(end.users) != 1 or next(iter(end.users)) is not reduce:
         return None
+    out_val, residual_val = value(source), value(residual)
+    if out_val is None:
+        return None
     call = LinearCall.of(source)
     if call is not None:
-        out_val = value(source)
-        return (source, call) if call.residual is None and out_val is not None and out_val.dim() == 2 else None
-    return (source, None) if is_moe(source) else None
+        fits = call.residual is None and out_val.dim() == 2 and same_rows(out_val, residual_val)
+        return (source, call) if fits else None
+    return (source, None) if is_moe(source) and same_shape(out_val, residual_val) else None
 
 
-def _with_residual(graph: Graph, reduce: Node, residual: Node, before: Node) -> Node | None:
-    """A new node: the projection under `reduce` with `residual` added in its epilogue (None if there is none)."""
-    found = _projection_of(reduce)
-    if found is None:
-        return None
+def _with_residual(graph: Graph, found: tuple, residual: Node, before: Node) -> Node:
+    """A new node: the projection `found` (`_projection_of`) with `residual` added in its epilogue."""
     source, call = found
     if call is not None:
-        if not same_rows(value(source), value(residual)):
-            return None
         call.residual = with_rank(graph, residual, 2, before=before)
         with graph.inserting_before(before):
             new = graph.call_function(call.target, call.args())
         new.meta["val"] = call.fake()
         return new
-    if not same_shape(value(source), value(residual)):
-        return None
     with graph.inserting_before(before):
         new = graph.call_function(source.target, tuple(source.args[:6]) + (residual,))
     new.meta["val"] = torch.empty_like(value(source))
