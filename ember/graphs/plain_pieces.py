@@ -54,11 +54,9 @@ def plain_targets() -> frozenset:
     # tensor parallelism's collectives and the vocab-parallel embedding (registered by ember.distributed.ops)
     from ember.distributed import ops as _collective_ops  # noqa: F401
     collectives = [ember.all_reduce.default, ember.all_gather.default, ember.vocab_shard_embedding.default]
-    return frozenset(ops + list(_SYM) + moe + collectives + [ember.fused_linear.default,
-                                                             ember.fused_linear_into_residual.default,
-                                               ember.qk_norm_rope.default,
-                                               ember.linear.default, ember.rms_norm.default,
-                                               ember.scaled_linear.default])
+    own = [ember.fused_linear.default, ember.fused_linear_into_residual.default, ember.qk_norm_rope.default,
+           ember.linear.default, ember.rms_norm.default, ember.scaled_linear.default]
+    return frozenset(ops + list(_SYM) + moe + collectives + own)
 
 
 class PlainPiece:
