@@ -25,6 +25,7 @@ import sys
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 
@@ -80,6 +81,7 @@ class _Shared:
     stopping: bool = False
     wake: tuple | None = None       # a pipe that wakes the monitor at shutdown
     monitor: threading.Thread | None = None
+    release_graphs: Callable[[], int] | None = None    # rank 0's runner's, once it is built
 
 
 class MultiprocExecutor:
@@ -112,6 +114,7 @@ class MultiprocExecutor:
             self._wait_for("joining")
             init_tensor_parallel(0, size, 0, device_type, store, timeout, config.parallel.symm_mem_all_reduce)
             self.runner = ModelRunner(config, model_path, hf_config=hf_config, load_format=load_format)
+            shared.release_graphs = self.runner.release_graphs
             self._wait_for("ready")
         except BaseException as e:
             failure = self._failure_after(e)
@@ -340,6 +343,8 @@ def _shutdown(shared: _Shared) -> None:
         except Exception:       # noqa: BLE001 - the workers are killed below
             pass
     if told:
+        if shared.release_graphs is not None:
+            shared.release_graphs()     # as the workers do: NCCL's teardown waits for graphs that hold its work
         leave_tensor_parallel()     # with the workers, which leave on the message: NCCL's teardown waits for peers'
     deadline = time.monotonic() + JOIN_S
     for worker in shared.workers:

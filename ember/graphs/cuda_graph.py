@@ -6,6 +6,7 @@ API:
     manager.wrap_full(forward) -> CUDAGraphWrapper     the whole forward, attention included
     manager.capture_all(run_step, captures, num_warmups=1, warmup_each=False) -> CaptureReport   eager capture
     manager.graphs_captured[mode] / manager.num_descriptors(mode)           counters
+    manager.release()                                   every captured graph dropped (before leaving a NCCL group)
     wrapper.entries (descriptor -> captured graph), wrapper.num_replays
 
 A wrapper reads the forward context (`ember.attention_backends.op`): when its runtime mode equals the context's
@@ -88,6 +89,7 @@ class CUDAGraphWrapper:
         self.entries: dict[BatchDescriptor, _Entry] = {}
         self.warmed: set[BatchDescriptor] = set()     # lazy capture: descriptors run once without a graph
         self.num_replays = 0
+        manager._wrappers.append(self)
 
     def __call__(self, *args):
         try:
@@ -165,6 +167,24 @@ class CUDAGraphManager:
         self._descriptors: dict[CUDAGraphMode, set[BatchDescriptor]] = {}
         self._pool = None
         self._stream: torch.cuda.Stream | None = None
+        self._wrappers: list[CUDAGraphWrapper] = []
+
+    def release(self) -> int:
+        """Wait for the device, then drop every captured graph (the next step of a descriptor captures again) and
+        return how many were dropped. A graph that holds NCCL work keeps its communicator busy: NCCL's teardown of
+        that communicator waits for the graph's destruction, so a rank releases its graphs before leaving its
+        tensor-parallel group."""
+        if any(w.entries for w in self._wrappers) and torch.cuda.is_available():
+            torch.cuda.synchronize(self.device)
+        dropped = 0
+        for wrapper in self._wrappers:
+            for entry in wrapper.entries.values():
+                entry.graph.reset()
+                dropped += 1
+            wrapper.entries.clear()
+            wrapper.warmed.clear()
+        self._descriptors.clear()
+        return dropped
 
     @property
     def pool(self):

@@ -164,6 +164,10 @@ class ModelRunner:
     def shutdown(self) -> None:
         """Nothing to stop: one process (the multi-process executor's counterpart stops its workers)."""
 
+    def release_graphs(self) -> int:
+        """Drop the captured CUDA graphs (a rank does before it leaves its group); how many."""
+        return self.graphs.release() if self.graphs is not None else 0
+
     def model_max_len(self) -> int:
         return int(getattr(self.hf_config, "max_position_embeddings", 0) or 1 << 20)
 

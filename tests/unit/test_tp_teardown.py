@@ -10,6 +10,8 @@ import torch.distributed as dist
 
 from ember.distributed import parallel_state
 from ember.executor import multiproc
+from ember.graphs.cuda_graph import CUDAGraphManager, _Entry
+from ember.graphs.modes import BatchDescriptor
 
 
 def test_a_teardown_that_never_returns_is_left_to_the_exit(monkeypatch, caplog):
@@ -73,15 +75,39 @@ def _shutdown_order(monkeypatch, ring_fails: bool) -> list[str]:
     events: list[str] = []
     monkeypatch.setattr(multiproc, "leave_tensor_parallel", lambda: events.append("group left"))
     worker = multiproc._Worker(rank=1, process=_Process(events), status=_Status())
-    shared = multiproc._Shared(workers=[worker], ring=_Ring(events, ring_fails), timeout_s=1.0)
+    shared = multiproc._Shared(workers=[worker], ring=_Ring(events, ring_fails), timeout_s=1.0,
+                               release_graphs=lambda: events.append("graphs released"))
     multiproc._shutdown(shared)
     multiproc._shutdown(shared)                             # idempotent
     return events
 
 
 def test_rank_zero_leaves_with_the_workers_at_shutdown(monkeypatch):
-    assert _shutdown_order(monkeypatch, ring_fails=False) == ["shutdown sent", "group left", "worker exit awaited"]
+    assert _shutdown_order(monkeypatch, ring_fails=False) == ["shutdown sent", "graphs released", "group left",
+                                                                     "worker exit awaited"]
 
 
 def test_rank_zero_leaves_after_the_workers_when_they_cannot_be_told(monkeypatch):
+    # no wait on the device: a graph's collective may be stuck on a rank that is gone
     assert _shutdown_order(monkeypatch, ring_fails=True) == ["worker exit awaited", "group left"]
+
+
+class _Graph:
+    def __init__(self):
+        self.resets = 0
+
+    def reset(self):
+        self.resets += 1
+
+
+def test_releasing_graphs_resets_each_one_and_forgets_its_descriptor():
+    manager = CUDAGraphManager("cpu")
+    full, piece = manager.wrap_full(lambda x: x), manager.wrap_piece(lambda x: x, "piece_0")
+    graphs = [_Graph() for _ in range(3)]
+    full.entries[BatchDescriptor(8, uniform_decode=True)] = _Entry(graphs[0], None, None)
+    piece.entries[BatchDescriptor(8, uniform_decode=True)] = _Entry(graphs[1], None, None)
+    piece.entries[BatchDescriptor(16, uniform_decode=False)] = _Entry(graphs[2], None, None)
+    assert manager.release() == 3
+    assert [g.resets for g in graphs] == [1, 1, 1]
+    assert not full.entries and not piece.entries
+    assert manager.release() == 0
