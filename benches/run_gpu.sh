@@ -377,7 +377,7 @@ part_tp4() {
   timed startup_70b_warm 100 python3 benches/startup.py --model llama-3.1-70b --tensor-parallel-size 4 \
     --label warm --num-prompts 16 --step-times
   timed lat_70b_tp4 100 python3 -m ember bench latency --config llama-3.1-70b --tensor-parallel-size 4 \
-    --batch-size 1 --input-len 32 --output-len 128 --num-iters 2 --json "$OUT/lat_70b_tp4.json"
+    --batch-size 1 --input-len 32 --output-len 128 --num-iters 2 --profile 20 --json "$OUT/lat_70b_tp4.json"
   timed thr_70b_tp4 160 python3 -m ember bench throughput --config llama-3.1-70b --tensor-parallel-size 4 \
     --json "$OUT/thr_70b_tp4.json"
   unset EMBER_CACHE TRITON_CACHE_DIR
