@@ -284,7 +284,7 @@ class EngineCore:
 
     def _update(self, out: SchedulerOutput, result: ModelRunnerOutput) -> None:
         sampled, spec = result.sampled_token_ids, result.spec_token_ids
-        updated = self.scheduler.update(out, sampled, spec)
+        updated = self.scheduler.update(out, sampled, spec, result.num_proposed)
         buf = self._out
         batch_ids = out.step.req_ids
         if spec is None and len(updated) == len(batch_ids):
@@ -347,6 +347,8 @@ class EngineCore:
             if status is not None:
                 self.scheduler.finish(req, status)
                 self._out.finished[req.request_id] = reason
+                # a verify row emits up to k + 1 tokens whatever is left to generate: those past the end are dropped
+                self.stats.num_generated_tokens -= len(run) - 1 - j
                 return
 
     def _record_logprobs(self, req: Request, result: ModelRunnerOutput, slot: int) -> None:

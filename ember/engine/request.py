@@ -33,6 +33,8 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0          # tokens whose KV is written or being written by a step in flight
     num_pending: int = 0                  # tokens sampled by a step in flight, not yet in output_token_ids
+    # async speculation: how many more tokens than `num_pending` the steps in flight may emit (their proposals)
+    num_spec_slack: int = 0
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0
     num_cached_prompt_tokens: int = 0     # prefix-cache hits at the last admission

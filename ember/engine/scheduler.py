@@ -22,15 +22,18 @@ class ScheduledRequest:
     """One request's share of a step: tokens [num_computed_tokens, num_computed_tokens + num_new_tokens).
     `samples`: whether the step reaches the end of the request's tokens (a token still in flight counts), so that
     its logits give the next token; fixed when the step is scheduled."""
-    __slots__ = ("request", "num_computed_tokens", "num_new_tokens", "samples", "spec_token_ids")
+    __slots__ = ("request", "num_computed_tokens", "num_new_tokens", "samples", "spec_token_ids", "device_drafts")
 
     def __init__(self, request: Request, num_computed_tokens: int, num_new_tokens: int, samples: bool,
-                 spec_token_ids: tuple[int, ...] = ()):
+                 spec_token_ids: tuple[int, ...] = (), device_drafts: int | None = None):
         self.request = request
         self.num_computed_tokens = num_computed_tokens
         self.num_new_tokens = num_new_tokens
         self.samples = samples
         self.spec_token_ids = spec_token_ids     # proposals after the last token (its query's other tokens)
+        # a position row (async speculation): its query starts at its last token wherever the device has it
+        # (num_computed_tokens is the latest that can be), with this many proposals made on the device; else None
+        self.device_drafts = device_drafts
 
     def __repr__(self) -> str:
         return (f"ScheduledRequest({self.request.request_id!r}, {self.num_computed_tokens}, {self.num_new_tokens}, "
@@ -85,7 +88,11 @@ class Scheduler:
         self.speculative = speculative
         # a proposer with `propose_batch` (a draft model) answers for the step's requests at once, before the
         # loop below; the n-gram proposer answers per request inside it
-        if proposer is None and speculative is not None:
+        # with async scheduling, n-gram proposals are made on the device (`spec_decode/device_verify.py`): the
+        # scheduler gives each decoding request a query of k + 1 tokens and reserves KV for the most it may need
+        self.device_drafts = (speculative.num_speculative_tokens if speculative is not None and proposer is None
+                              and config.async_scheduling else 0)
+        if proposer is None and speculative is not None and not self.device_drafts:
             proposer = NgramProposer(speculative)
         self.proposer = proposer
         self.kv = kv
@@ -128,18 +135,31 @@ class Scheduler:
         # a request whose blocks already hold the step's tokens needs no allocator call: the common decode step
         # costs a compare (sliding windows release what they slid past at the next allocator call)
         capacity = kv.req_capacity
-        propose = self.proposer is not None and len(self.running) <= self.speculative.disable_by_batch_size
+        propose = ((self.proposer is not None or self.device_drafts)
+                   and len(self.running) <= self.speculative.disable_by_batch_size)
         drafted = self._propose_batch() if propose and hasattr(self.proposer, "propose_batch") else None
+        positions: list[int] = []       # of `scheduled`: position rows (device_drafts)
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             pending, num_out = req.num_pending, len(req.output_token_ids)
             num_tokens = len(req.prompt_token_ids) + num_out
-            if pending and (num_out + pending >= req.max_tokens or num_tokens + pending >= max_len):
-                i += 1       # its token in flight is its last: it finishes when that token arrives
+            slack = req.num_spec_slack
+            if pending and (num_out + pending + slack >= req.max_tokens or num_tokens + pending + slack >= max_len):
+                i += 1       # its tokens in flight may be its last: it finishes, or goes on, when they arrive
                 continue
             computed = req.num_computed_tokens
             end = num_tokens + pending
+            if self.device_drafts and end - computed == 1:
+                s = self._schedule_position_row(req, propose, budget, preempted, running_reqs)
+                if s is None:
+                    break   # req preempted itself: nothing after it is left in running
+                positions.append(len(scheduled))
+                scheduled.append(s)
+                (decodes if s.num_new_tokens == 1 else prefills).append(s)
+                budget -= s.num_new_tokens
+                i += 1
+                continue
             num_new = min(end - computed, budget)
             drafts = ()
             if propose and end - computed == 1 and not pending and budget > 1:
@@ -212,13 +232,50 @@ class Scheduler:
         self.stats.num_steps += 1
         grammar_rows = (tuple([i for i, s in enumerate(ordered) if s.samples and s.request.grammar is not None])
                         if self.num_constrained else ())
+        position_rows = (tuple([i for i, s in enumerate(ordered) if s.device_drafts is not None])
+                         if positions else ())
         # list comprehensions, not generators: a third of the time at 256 requests
         step = StepInput(tuple(new_reqs), tuple(running_reqs), self.take_finished_ids(),
                          tuple([s.request.request_id for s in ordered]), tuple([s.num_new_tokens for s in ordered]),
                          len(decodes), tuple([s.num_computed_tokens for s in ordered]),
                          tuple([s.spec_token_ids for s in ordered]) if any(s.spec_token_ids for s in ordered) else (),
-                         grammar_rows)
+                         grammar_rows, position_rows, self.device_drafts)
         return SchedulerOutput(ordered, len(decodes), tuple(preempted), step)
+
+    def _schedule_position_row(self, req: Request, propose: bool, budget: int, preempted: list[str],
+                               running_reqs: list[RunningRequest]) -> ScheduledRequest | None:
+        """A decoding request's row under async speculation: its last token, and k proposals the device makes when
+        it may speculate (a query of k + 1 tokens). The step in flight may have emitted up to k + 1 tokens the host
+        has not seen, so KV is reserved for the most this row can reach; the computed count advances by one (the
+        least), and `update` adds what was accepted. None: the request preempted itself."""
+        k, max_len = self.device_drafts, self.max_model_len
+        pending, slack = req.num_pending, req.num_spec_slack
+        num_out = len(req.output_token_ids) + pending      # at least
+        end = req.num_tokens + pending                     # the device's token count: at least this,
+        latest = end + slack                               # at most this
+        width = 1
+        if (propose and budget > k and latest + k + 1 <= max_len
+                and proposal_limit(req.sampling_params, num_out, req.max_tokens, k) > 0):
+            width = k + 1
+        kv = self.kv
+        while latest - 1 + width > kv.req_capacity.get(req.request_id, 0):
+            if kv.try_allocate(req, latest - 1 + width):
+                new_blocks = self._new_blocks(req, kv.block_ids(req))
+                if new_blocks is not self._no_new_blocks:
+                    running_reqs.append(RunningRequest(req.request_id, new_blocks))
+                break
+            if width > 1:       # proposals never cost another request its place: drop them first
+                width = 1
+                continue
+            victim = self.running.pop()     # the newest running request
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+            if victim is req:
+                return None
+        req.num_computed_tokens = end
+        req.num_pending = pending + 1
+        req.num_spec_slack = slack + width - 1
+        return ScheduledRequest(req, latest - 1, width, True, (), width - 1)
 
     def _propose_batch(self) -> dict[str, tuple[int, ...]]:
         """The batch proposer's proposals for every running request that decodes its last token this step, each
@@ -289,17 +346,20 @@ class Scheduler:
         self.kv.free(req)
         req.num_computed_tokens = 0
         req.num_pending = 0      # a token in flight is dropped; recomputation samples it again (same seed, counter)
+        req.num_spec_slack = 0
         req.num_preemptions += 1
         req.status = RequestStatus.PREEMPTED
         self.stats.num_preemptions += 1
         self.waiting.appendleft(req)
 
     def update(self, output: SchedulerOutput, sampled: Sequence[int],
-               spec_token_ids: Sequence[Sequence[int]] | None = None) -> list[tuple[Request, int]]:
+               spec_token_ids: Sequence[Sequence[int]] | None = None,
+               num_proposed: Sequence[int] | None = None) -> list[tuple[Request, int]]:
         """Append a step's sampled tokens (`sampled[i]` is batch row i's; rows that do not sample are ignored) and
         publish its full blocks; returns (request, batch row) of the requests that received a token. A verify
         step's rows emit `spec_token_ids[i]` after `sampled[i]`: a request's KV then holds its last token and the
-        accepted proposals, and its computed count drops back to that (the rest is overwritten later)."""
+        accepted proposals, and its computed count drops back to that (the rest is overwritten later). A position
+        row's computed count advances by the accepted proposals; `num_proposed[i]`: its real proposals."""
         got_token = []
         running, kv = RequestStatus.RUNNING, self.kv
         # every token before this step's end is known on the host now: blocks it filled can be hashed
@@ -314,6 +374,7 @@ class Scheduler:
                 req.num_pending -= 1
                 req.output_token_ids.append(sampled[row])
                 got_token.append((req, row))
+                more = ()
                 if spec_token_ids is not None:
                     more = spec_token_ids[row]
                     req.output_token_ids.extend(more)
@@ -321,6 +382,15 @@ class Scheduler:
                     if s.spec_token_ids:
                         end = req.num_computed_tokens = s.num_computed_tokens + 1 + len(more)
                         self.stats.num_draft_tokens += len(s.spec_token_ids)
+                        self.stats.num_accepted_tokens += len(more)
+                        self.stats.num_verified_requests += 1
+                if s.device_drafts is not None:
+                    # the row wrote KV from the last token the host now knows through the accepted proposals
+                    req.num_computed_tokens += len(more)
+                    req.num_spec_slack -= s.device_drafts
+                    end = req.num_tokens - 1
+                    if num_proposed is not None and num_proposed[row]:
+                        self.stats.num_draft_tokens += num_proposed[row]
                         self.stats.num_accepted_tokens += len(more)
                         self.stats.num_verified_requests += 1
                 self.stats.num_generated_tokens += 1

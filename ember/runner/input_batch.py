@@ -14,7 +14,7 @@ from ember.kernels.prepare import prepare_inputs
 from ember.runner.request_table import RequestTable
 from ember.runner.upload import PackedUpload
 
-ROW_INFO = 5     # rows of InputBatch.row_info
+ROW_INFO = 6     # rows of InputBatch.row_info
 
 
 @dataclass(frozen=True)
@@ -61,6 +61,7 @@ class _Views:
     qlens: torch.Tensor
     sample_index: torch.Tensor
     mask_index: torch.Tensor
+    position: torch.Tensor
     idx_live: torch.Tensor
     query_start_loc: torch.Tensor
     seq_lens: torch.Tensor
@@ -87,8 +88,9 @@ class InputBatch:
         self.seq_lens = torch.zeros(max_num_reqs, dtype=torch.int32, device=device)                   # [R]
         self.logits_indices = torch.zeros(max_num_reqs, dtype=torch.int64, device=device)             # [R]
         # per batch row: table row, chunk start, query length, sampled token's flat index, grammar bitmask row + 1
-        # (0: none); copied out of the step's upload so that a CUDA graph finds them at one address
-        self.row_info = torch.zeros(ROW_INFO, max_num_reqs, dtype=torch.int64, device=device)        # [5, R]
+        # (0: none), 1 where the start is the device's (a position row of async speculation); copied out of the
+        # step's upload so that a CUDA graph finds them at one address
+        self.row_info = torch.zeros(ROW_INFO, max_num_reqs, dtype=torch.int64, device=device)        # [6, R]
         self.block_tables = torch.zeros(num_groups, max_num_reqs, max_blocks_per_req, dtype=torch.int32,
                                         device=device)                                                # [G, R, B]
         # one query per request for a prefill-skipping tail: query_start_loc 0, 1, ..., slots never written
@@ -98,10 +100,12 @@ class InputBatch:
         self._view_cache: dict[tuple[int, int, int], _Views] = {}
 
     def stage(self, layout: BatchLayout, num_reqs_padded: int, upload: PackedUpload, spare_index: int,
-              sample_index: np.ndarray | None = None, grammar_rows: tuple[int, ...] = ()) -> tuple:
-        """Put the batch's rows, starts, query lengths, sampled-token indices and grammar bitmask rows in the upload
-        (padding rows: row 0, start 0, length 0, index `spare_index`, no bitmask; without `sample_index` every row's
-        token goes to `spare_index`). `grammar_rows[j]` samples under bitmask row j."""
+              sample_index: np.ndarray | None = None, grammar_rows: tuple[int, ...] = (),
+              position_rows: tuple[int, ...] = ()) -> tuple:
+        """Put the batch's rows, starts, query lengths, sampled-token indices, grammar bitmask rows and position
+        flags in the upload (padding rows: row 0, start 0, length 0, index `spare_index`, no bitmask, no flag;
+        without `sample_index` every row's token goes to `spare_index`). `grammar_rows[j]` samples under bitmask
+        row j; `position_rows` take their start from the device (`InputBatch.prepare`'s `before_inputs`)."""
         if num_reqs_padded > self.max_num_reqs:
             raise ValueError(f"batch of {num_reqs_padded} requests exceeds the buffers ({self.max_num_reqs})")
         per_row = np.zeros((ROW_INFO, num_reqs_padded), dtype=np.int64)
@@ -112,19 +116,25 @@ class InputBatch:
             per_row[3, :n] = sample_index
         if grammar_rows:
             per_row[4, list(grammar_rows)] = np.arange(1, len(grammar_rows) + 1)
+        if position_rows:
+            per_row[5, list(position_rows)] = 1
         return upload.put(per_row)
 
     def prepare(self, table: RequestTable, layout: BatchLayout, seg: tuple[int, int], buf: torch.Tensor,
                 num_tokens_padded: int, num_reqs_padded: int, uniform_decode: bool | None = None,
-                max_seq_len_bound: int | None = None) -> PreparedBatch:
+                max_seq_len_bound: int | None = None, before_inputs=None) -> PreparedBatch:
         """Fill the buffers on the device from the table and the flushed upload `buf`. `uniform_decode` and
-        `max_seq_len_bound` (a graph's, or None) go into the attention metadata as given."""
+        `max_seq_len_bound` (a graph's, or None) go into the attention metadata as given. `before_inputs(row_info)`
+        may rewrite the rows' starts and sampled-token indices [6, R] on the device before the inputs are read;
+        on the CPU the host's sequence lengths are then the device's."""
         num_tokens, num_reqs = layout.num_tokens, layout.num_reqs
         if num_tokens_padded > self.max_num_tokens:
             raise ValueError(f"batch of {num_tokens_padded} tokens exceeds the buffers ({self.max_num_tokens})")
         R, T = num_reqs_padded, num_tokens_padded
         v = self._views(R, T, num_reqs, table.num_groups)
         v.info.copy_(PackedUpload.segment(buf, seg).view(ROW_INFO, R))
+        if before_inputs is not None:
+            before_inputs(v.info)
         prepare_inputs(v.idx, v.starts, v.qlens, table.token_ids, table.block_tables, table.block_size, num_tokens,
                        v.query_start_loc, v.seq_lens, v.logits_indices_padded, v.input_ids, v.positions,
                        v.slot_mappings, max_num_rows=self.max_num_reqs)
@@ -139,6 +149,10 @@ class InputBatch:
         np.cumsum(layout.query_lens, out=qsl_np[1:num_reqs + 1])
         qsl_np[num_reqs + 1:] = num_tokens
         seq_lens_np = np.zeros(R, dtype=np.int32)
+        if before_inputs is not None and not v.seq_lens.is_cuda:
+            # the device's starts are in host memory: backends that plan on the host read the true lengths (on
+            # CUDA `ends` are upper bounds, and only backends that read the device's lengths are allowed)
+            ends = (v.starts[:num_reqs] + v.qlens[:num_reqs]).numpy()
         seq_lens_np[:num_reqs] = ends
         common = CommonAttentionMetadata(
             query_start_loc=v.query_start_loc, seq_lens=v.seq_lens,
@@ -164,7 +178,8 @@ class InputBatch:
             info = self.row_info[:, :R]
             slots = self.slot_mappings[:, :T]
             views = _Views(info=info, idx=info[0], starts=info[1], qlens=info[2], sample_index=info[3],
-                           mask_index=info[4], idx_live=info[0, :num_reqs], query_start_loc=self.query_start_loc[:R + 1],
+                           mask_index=info[4], position=info[5], idx_live=info[0, :num_reqs],
+                           query_start_loc=self.query_start_loc[:R + 1],
                            seq_lens=self.seq_lens[:R], logits_indices=self.logits_indices[:num_reqs],
                            logits_indices_padded=self.logits_indices[:R], input_ids=self.input_ids[:T],
                            positions=self.positions[:T], slot_mappings=slots,

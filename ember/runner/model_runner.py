@@ -44,7 +44,7 @@ from ember.runner.upload import PackedUpload
 from ember.runner.warmup import collect_start_up_garbage, cycle_collector_paused, precompile, profile_run, run_warmup
 from ember.sampling_params import SamplingParams
 from ember.profiling import section
-from ember.spec_decode.verify import Verifier
+from ember.spec_decode.verify import make_verifier
 from ember.quant import resolve_quant_config
 
 logger = logging.getLogger("ember")
@@ -127,7 +127,7 @@ class ModelRunner:
         self.graphs = (CUDAGraphManager(self.device, lazy=config.compile.cudagraph_capture == "lazy")
                        if self.modes.cudagraph_mode != CUDAGraphMode.NONE else None)
         self.forward_fn = self._build_forward()
-        self.verifier = Verifier(self) if config.speculative is not None else None
+        self.verifier = make_verifier(self, config)
 
         # a full-size step against a two-block cache compiles the model and measures the activation peak
         tail_offset = len(self.builders) if self.tail_builders else 0   # where KV-sharing layers read metadata
@@ -299,7 +299,7 @@ class ModelRunner:
         while this one is still in flight. A step with proposals runs as a verify step (ember.spec_decode); a step
         with grammar rows runs as its three parts instead, with its bitmask put in between
         (`ember.engine.structured_output`)."""
-        if step.spec_token_ids:
+        if step.spec_token_ids or (self.verifier is not None and self.verifier.every_step):
             return self.verifier.execute_async(step)
         prepared = self.prepare_step(step)
         return self.sample_step(prepared, *self.forward(prepared))

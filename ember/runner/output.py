@@ -20,6 +20,7 @@ class ModelRunnerOutput:
     # proposals, then the resampled or bonus token); logprobs are then per slot, row i's slot j at i * stride + j
     spec_token_ids: list[list[int]] | None = None
     logprob_stride: int = 1
+    num_proposed: list[int] | None = None    # per row, the real proposals of a step whose proposer ran on the device
 
 
 @dataclass

@@ -41,6 +41,7 @@ class _Writes:
     param_rows: tuple[int, int] | None = None
     params_f: tuple[int, int] | None = None        # [n, 7] float (as float64 bits)
     params_i: tuple[int, int] | None = None        # [n, 3] int
+    num_tokens: tuple[int, int] | None = None      # [n] the new rows' token counts
 
 
 class RequestTable:
@@ -59,6 +60,9 @@ class RequestTable:
                                         device=device)                                             # [G, R, B]
         self.params_f = torch.ones(max_num_reqs, 7, dtype=torch.float32, device=device)             # [R, 7]
         self.params_i = torch.zeros(max_num_reqs, 3, dtype=torch.int64, device=device)              # [R, 3]
+        # tokens each row holds as the device counts them, set when a row arrives; only async speculation, whose
+        # accepted counts stay on the device, advances it (`ember.spec_decode.device_verify`)
+        self.device_num_tokens = torch.zeros(max_num_reqs, dtype=torch.int64, device=device)        # [R]
         # host mirrors
         self.params_f_np = np.ones((max_num_reqs, 7), dtype=np.float32)
         self.params_i_np = np.zeros((max_num_reqs, 3), dtype=np.int64)
@@ -121,6 +125,7 @@ class RequestTable:
             w.param_rows = upload.put(rows)
             w.params_f = upload.put(self.params_f_np[rows])
             w.params_i = upload.put(self.params_i_np[rows])
+            w.num_tokens = upload.put(self.num_tokens[rows])
         self._writes = w
 
     def _send_pieces(self, upload: PackedUpload, index: list, values: list, target: torch.Tensor
@@ -234,6 +239,7 @@ class RequestTable:
             rows = seg(buf, w.param_rows)
             self.params_f.index_copy_(0, rows, seg(buf, w.params_f, torch.float32).view(-1, 7))
             self.params_i.index_copy_(0, rows, seg(buf, w.params_i).view(-1, 3))
+            self.device_num_tokens.index_copy_(0, rows, seg(buf, w.num_tokens))
         self._writes = _Writes()
 
     def write_sampled(self, sample_index: torch.Tensor, sampled: torch.Tensor) -> None:

@@ -61,6 +61,12 @@ class StepInput:
     spec_token_ids: tuple[tuple[int, ...], ...] = ()
     # batch rows that sample under a grammar: the step's token bitmask has one row for each, in this order
     grammar_rows: tuple[int, ...] = ()
+    # batch rows whose query starts at the request's last token wherever the device has it (async speculation: the
+    # host learns a step's accepted count one step late); their `num_computed_tokens` is then an upper bound
+    position_rows: tuple[int, ...] = ()
+    # each position row with `device_drafts` + 1 query tokens runs its last token and as many proposals the device
+    # makes (ember.spec_decode.device_verify)
+    device_drafts: int = 0
 
     def __post_init__(self):
         if len(self.req_ids) != len(self.num_scheduled_tokens):

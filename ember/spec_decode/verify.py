@@ -22,8 +22,22 @@ from ember.runner.step_input import StepInput
 from ember.spec_decode.rejection import verify
 
 
+def make_verifier(runner, config):
+    """The runner's verifier: none without speculation; with async scheduling (n-gram proposals made on the
+    device) a `DeviceVerifier`, which runs every step; else a `Verifier`, for the steps that carry proposals."""
+    spec = config.speculative
+    if spec is None:
+        return None
+    if config.scheduler.async_scheduling:
+        from ember.spec_decode.device_verify import DeviceVerifier
+        return DeviceVerifier(runner, spec)
+    return Verifier(runner)
+
+
 class Verifier:
     """Runs the steps that carry proposals on a `ModelRunner` (its table, buffers, forward and graphs)."""
+
+    every_step = False      # it runs the steps that carry proposals; the others are the runner's own
 
     def __init__(self, runner):
         if runner.skip_prefill:
@@ -88,11 +102,15 @@ def expand(meta: SamplingMetadata, num_slots: int, counters: torch.Tensor) -> Sa
 
 class VerifyOutput:
     """A verify step's emitted tokens on their way to the host (one copy); `result()` waits, and advances the
-    host's token count of each request that had proposals by the tokens it emitted."""
+    host's token count of each request that had proposals by the tokens it emitted. `proposed` [R]: how many of
+    each row's proposals were real (proposals made on the device), reported in `num_proposed`."""
 
-    def __init__(self, tokens, num_accepted, logprobs, device, table, rows, d):
+    def __init__(self, tokens, num_accepted, logprobs, device, table, rows, d, proposed=None):
         R, S = tokens.shape
         parts = [tokens.double(), num_accepted[:, None].double()]
+        self._proposed = proposed is not None
+        if self._proposed:
+            parts.append(proposed[:, None].double())
         self._k = None
         if logprobs is not None:
             ids, lps, ranks = logprobs
@@ -119,10 +137,13 @@ class VerifyOutput:
         self._table.num_tokens[self._rows[spec]] += accepted[spec] + 1
         first = tokens[:, 0].tolist()
         extra = [tokens[i, 1:a + 1].tolist() for i, a in enumerate(accepted.tolist())]
-        if k is None:
-            return ModelRunnerOutput(first, spec_token_ids=extra, logprob_stride=S)
         o = S + 1
+        proposed = None
+        if self._proposed:
+            proposed, o = p[:, o].astype(np.int64).tolist(), o + 1
+        if k is None:
+            return ModelRunnerOutput(first, spec_token_ids=extra, logprob_stride=S, num_proposed=proposed)
         ids = p[:, o:o + S * k].reshape(-1, k).astype(np.int64).tolist()
         lps = p[:, o + S * k:o + 2 * S * k].reshape(-1, k).tolist()
         ranks = p[:, o + 2 * S * k:].reshape(-1).astype(np.int64).tolist()
-        return ModelRunnerOutput(first, ids, lps, ranks, spec_token_ids=extra, logprob_stride=S)
+        return ModelRunnerOutput(first, ids, lps, ranks, spec_token_ids=extra, logprob_stride=S, num_proposed=proposed)

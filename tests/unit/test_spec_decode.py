@@ -172,9 +172,6 @@ def test_bad_config_is_refused_naming_the_value(spec, message):
         SpeculativeConfig.from_dict(spec)
 
 
-def test_async_scheduling_is_refused(path):
-    with pytest.raises(ValueError, match="synchronous scheduling"):
-        LLM(path, device="cpu", speculative_config=NGRAM, async_scheduling=True)
 
 
 def test_logprobs_are_the_targets(path, spec):
