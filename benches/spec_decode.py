@@ -15,7 +15,10 @@ Per batch size: plain decoding with async scheduling (the engine's default on CU
 (what speculation gives up), and speculation, with the graphs a verify step and a decode step replay.
 
     PYTHONPATH=. python benches/spec_decode.py --model llama-3.1-8b --batch-sizes 1 8 32 -k 4 --acceptance-length 3.0 \
-        [--verify-buckets on off] [--profile 20]
+        [--verify-buckets on off] [--profile 20] [--async-spec]
+
+`--async-spec` also times speculation under async scheduling (the engine's default on CUDA for n-gram proposals),
+whose proposals are made on the device: `DeviceReplay` proposes the peaked chain there, corrupted the same way.
 
 `--draft CONFIG` runs a draft model (a bundled config, random weights) instead of the replayed proposals and
 reports the cost of a draft call (catch-up and k greedy tokens) and of a verify step; both models are peaked to
@@ -165,6 +168,8 @@ def main() -> None:
     ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
                     help="then profile STEPS steps of synchronous plain decoding and of speculation at the first "
                          "batch size (host phases, device kernels and their share of the critical path)")
+    ap.add_argument("--async-spec", action="store_true",
+                    help="also time speculation under async scheduling, its proposals replayed on the device")
     args = ap.parse_args()
     if args.draft is not None:
         with tempfile.TemporaryDirectory() as folder, tempfile.TemporaryDirectory() as draft_folder:
@@ -176,14 +181,16 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         run(model_path(args.model, args.num_layers, folder), args.batch_sizes, args.num_speculative_tokens,
             args.acceptance_length, args.prompt_len, args.output_len, args.profile,
-            tuple(v == "on" for v in args.verify_buckets), device=args.device, dtype=args.dtype)
+            tuple(v == "on" for v in args.verify_buckets), args.async_spec, device=args.device, dtype=args.dtype)
 
 
 def run(model: str, batch_sizes: list[int], k: int, acceptance_length: float, prompt_len: int, output_len: int,
-        profile: int = 0, verify_buckets: tuple[bool, ...] = (False,), **engine_kwargs) -> list[dict]:
+        profile: int = 0, verify_buckets: tuple[bool, ...] = (False,), async_spec: bool = False,
+        **engine_kwargs) -> list[dict]:
     """Plain decoding (async, then synchronous) and speculation at `acceptance_length` per batch size, on `model`
     with peaked random weights; prints each batch size's figures as a JSON line and returns them. A speculative
-    engine for each of `verify_buckets` (FULL graphs of verify steps by request count on / off). `profile` > 0:
+    engine for each of `verify_buckets` (FULL graphs of verify steps by request count on / off), and with
+    `async_spec` one under async scheduling (proposals made on the device, `DeviceReplay`). `profile` > 0:
     then that many steps of each of the two synchronous runs at the first batch size under the profiler."""
     if not 1 <= acceptance_length <= k + 1:
         raise ValueError(f"acceptance length {acceptance_length} is outside 1..k+1={k + 1}; a verify step emits "
@@ -214,7 +221,8 @@ def run(model: str, batch_sizes: list[int], k: int, acceptance_length: float, pr
     default_buckets = dispatcher_module.VERIFY_BUCKETS
     for buckets in verify_buckets:
         dispatcher_module.VERIFY_BUCKETS = buckets
-        spec = LLM(model, **engine_kwargs,
+        # synchronous: the replayed proposals are made on the host (`async_spec_runs` times the async path)
+        spec = LLM(model, **engine_kwargs, async_scheduling=False,
                    speculative_config={"method": "ngram", "num_speculative_tokens": k,
                                        "disable_by_batch_size": max(largest, 1)})
         dispatcher_module.VERIFY_BUCKETS = default_buckets
@@ -223,6 +231,64 @@ def run(model: str, batch_sizes: list[int], k: int, acceptance_length: float, pr
         rows += spec_runs(spec, results, buckets, prompts, recorded, params, k, acceptance_length, vocab, profile)
         release_engine(spec)
         del spec
+    if async_spec:
+        spec = LLM(model, **engine_kwargs, async_scheduling=True,
+                   speculative_config={"method": "ngram", "num_speculative_tokens": k,
+                                       "disable_by_batch_size": max(largest, 1)})
+        if peak_greedy(spec.engine.runner.model).tolist() != next_token:
+            raise RuntimeError("the speculative engine's peaked chain differs from the plain engine's")
+        rows += async_spec_runs(spec, results, prompts, recorded, params, k, acceptance_length, next_token, vocab)
+        release_engine(spec)
+        del spec
+    return rows
+
+
+class DeviceReplay:
+    """The async path's proposals for this bench: on the device, each row's next k tokens of the peaked chain from
+    its last token, the one after m accepted ones corrupted, m drawn per row and step (floor or ceil of the mean
+    asked for) so that the mean acceptance length is `mean_accepted` + 1. Replaces `DeviceVerifier.propose`."""
+
+    def __init__(self, next_token: list[int], k: int, mean_accepted: float, vocab: int, device):
+        self.next_token = torch.tensor(next_token, dtype=torch.int64, device=device)
+        self.k, self.mean_accepted, self.vocab = k, mean_accepted, vocab
+
+    def __call__(self, token_ids: torch.Tensor, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        t = token_ids[rows, counts - 1].to(torch.int64)
+        chain = []
+        for _ in range(self.k):
+            t = self.next_token[t]
+            chain.append(t)
+        proposals = torch.stack(chain, dim=1)                                          # [V, k]
+        low = int(self.mean_accepted)
+        m = low + (torch.rand(rows.shape[0], device=rows.device) < self.mean_accepted - low).to(torch.int64)
+        wrong = torch.arange(self.k, device=rows.device)[None, :] == m[:, None]
+        return torch.where(wrong, (proposals + 1) % self.vocab, proposals)
+
+
+def async_spec_runs(spec, plain_rows: list[dict], prompts, recorded, params, k: int, acceptance_length: float,
+                    next_token: list[int], vocab: int) -> list[dict]:
+    """Speculation under async scheduling (proposals and accepted counts on the device) per batch size, with
+    `DeviceReplay` at `acceptance_length`; each row is `plain_rows`' row with these figures."""
+    verifier = spec.engine.runner.verifier
+    verifier.propose = DeviceReplay(next_token, k, acceptance_length - 1, vocab, spec.engine.runner.device)
+    output_len = params.max_tokens
+    timed(spec, prompts[:1], SamplingParams(max_tokens=8, ignore_eos=True))
+    rows = []
+    for plain in plain_rows:
+        r = dict(plain, scheduling="async")
+        b = r["batch"]
+        s = spec.engine.stats
+        before = (s.num_draft_tokens, s.num_accepted_tokens, s.num_verified_requests, s.num_steps)
+        elapsed, outs = timed(spec, prompts[:b], params)
+        same = all(recorded[tuple(p)][len(p):] == o for p, o in zip(prompts[:b], outs))
+        verified = s.num_verified_requests - before[2]
+        r.update(spec_async_tok_s=b * output_len / elapsed, greedy_tokens_match=same,
+                 acceptance_rate=(s.num_accepted_tokens - before[1]) / max(s.num_draft_tokens - before[0], 1),
+                 mean_acceptance_length=1 + (s.num_accepted_tokens - before[1]) / max(verified, 1),
+                 steps=s.num_steps - before[3])
+        r["speedup_vs_async"] = r["spec_async_tok_s"] / r["plain_async_tok_s"]
+        print(json.dumps(r), flush=True)
+        rows.append(r)
     return rows
 
 

@@ -51,8 +51,10 @@ class DeviceVerifier:
                                  f"async speculation knows only on the device; pass async_scheduling=False or "
                                  f"use another attention backend")
         self.runner = runner
-        self.k = config.num_speculative_tokens
-        self.n_min, self.n_max = config.prompt_lookup_min, config.prompt_lookup_max
+        self.k = k = config.num_speculative_tokens
+        n_min, n_max = config.prompt_lookup_min, config.prompt_lookup_max
+        # (token_ids, table rows [V], their counts [V]) -> proposals [V, k], -1 for none; a benchmark may replace it
+        self.propose = lambda token_ids, rows, counts: propose_ngram(token_ids, rows, counts, k, n_min, n_max)
 
     @torch.inference_mode()
     def execute_async(self, step: StepInput):
@@ -97,7 +99,7 @@ class DeviceVerifier:
                 sample_index.copy_(torch.where(flag, idx * table.width + count, sample_index))
                 if V:
                     rows, counts = idx[verify_rows_d], count[verify_rows_d]
-                    proposals = propose_ngram(table.token_ids, rows, counts, k, self.n_min, self.n_max)   # [V, k]
+                    proposals = self.propose(table.token_ids, rows, counts)                   # [V, k]
                     at = rows[:, None] * table.width + counts[:, None] + torch.arange(k, device=idx.device)
                     # a missing proposal still runs as a query token (token 0); the verify step never accepts it
                     table.token_ids.view(-1).index_copy_(0, at.reshape(-1),

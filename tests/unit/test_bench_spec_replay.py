@@ -14,11 +14,13 @@ from tests.helpers.model_harness import tiny_config
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_replay_measures_the_asked_acceptance_length(tmp_path, family):
     tiny_config(family, num_hidden_layers=2).save_pretrained(tmp_path)
-    results = run(str(tmp_path), [1, 3], 4, 2.5, prompt_len=12, output_len=40, device="cpu", dtype="bfloat16")
-    assert [r["batch"] for r in results] == [1, 3]
+    results = run(str(tmp_path), [1, 3], 4, 2.5, prompt_len=12, output_len=40, async_spec=True, device="cpu",
+                  dtype="bfloat16")
+    assert [(r["batch"], r.get("scheduling")) for r in results] == [(1, None), (3, None), (1, "async"), (3, "async")]
     for r in results:
         assert r["greedy_tokens_match"] is True
-        assert abs(r["mean_acceptance_length"] - 2.5) <= 0.1, r
+        # the async path draws the accepted count per row and step (2 or 3 at even odds): a looser bound
+        assert abs(r["mean_acceptance_length"] - 2.5) <= (0.1 if r.get("scheduling") is None else 0.35), r
 
 
 def test_replay_proposer_corrupts_the_proposal_after_the_carried_count():
