@@ -1,7 +1,8 @@
 """Speculative decoding on a GPU, through compile and CUDA graphs: float32 greedy tokens with n-gram proposals equal
 plain decoding's in each graph mode (verify steps in FULL graphs of their own by request count where the backend
 runs every batch in a graph, else the mixed-batch path), with proposals accepted; seeded sampling is
-reproducible; a draft model (the target drafting for itself) gives the plain tokens too."""
+reproducible; a draft model (the target drafting for itself) gives the plain tokens too; the device n-gram kernel
+proposes what the host proposer does."""
 
 import gc
 
@@ -48,14 +49,16 @@ def run(params=GREEDY, **kw):
     return outs, accepted, len(verify_steps)
 
 
+@pytest.mark.parametrize("scheduling", ["async", "sync"])
 @pytest.mark.parametrize("mode", ["none", "piecewise", "full_and_piecewise", "full_and_piecewise, no verify buckets"])
-def test_greedy_tokens_equal_plain_decoding(mode, monkeypatch):
+def test_greedy_tokens_equal_plain_decoding(mode, scheduling, monkeypatch):
+    # async: n-gram proposals made on the device, accepted counts kept there (the default on CUDA)
     buckets = not mode.endswith("no verify buckets")
     monkeypatch.setattr(dispatcher_module, "VERIFY_BUCKETS", buckets)
     mode = mode.split(",")[0]
     kw = dict(enforce_eager=True) if mode == "none" else dict(cudagraph_mode=mode)
     plain, _, _ = run(async_scheduling=False, **kw)
-    spec, accepted, verify_steps = run(speculative_config=NGRAM, **kw)
+    spec, accepted, verify_steps = run(speculative_config=NGRAM, async_scheduling=scheduling == "async", **kw)
     assert spec == plain
     assert accepted > 0
     # the bundled CUDA backends run every batch in a graph (ALWAYS), so FULL resolves and verify buckets serve
@@ -85,3 +88,19 @@ def test_draft_model_greedy_tokens_equal_plain_decoding(mode):
     assert stats.num_draft_tokens > 0 and stats.spec_summary()["acceptance_rate"] > 0.9
     proposer = llm.engine.scheduler.proposer
     assert proposer.num_free_blocks == proposer.runner.num_blocks - 1
+
+
+def test_device_ngram_kernel_equals_host_proposer():
+    import numpy as np
+    from ember.spec_decode.ngram import NgramProposer
+    from ember.spec_decode.ngram_device import propose_ngram
+    from ember.speculative_config import SpeculativeConfig
+    g = torch.Generator().manual_seed(0)
+    table = torch.randint(0, 5, (64, 6000), generator=g, dtype=torch.int32)
+    rows = torch.arange(0, 64, 2)
+    counts = torch.randint(1, 6000, (32,), generator=g)
+    got = propose_ngram(table.cuda(), rows.cuda(), counts.cuda(), 4, 1, 4).tolist()
+    host = NgramProposer(SpeculativeConfig(num_speculative_tokens=4))
+    for r, c, proposal in zip(rows.tolist(), counts.tolist(), got):
+        want = host.propose(table[r, :c].numpy().astype(np.int64), 4).tolist()
+        assert proposal == want + [-1] * (4 - len(want))
