@@ -132,3 +132,19 @@ def test_defaults_and_refusals(path):
     with pytest.raises(ValueError, match="synchronous scheduling"):
         LLM(path, device="cpu", async_scheduling=True,
             speculative_config={"method": "draft_model", "model": path, "num_speculative_tokens": 2})
+
+
+def test_logprobs_are_the_targets_and_sampling_is_reproducible(path, spec):
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
+    plain = LLM(path, device="cpu").generate([{"prompt_token_ids": PROMPTS[1]}], params, use_tqdm=False)[0]
+    before = spec.engine.stats.num_accepted_tokens
+    got = spec.generate([{"prompt_token_ids": PROMPTS[1]}], params, use_tqdm=False)[0]
+    assert spec.engine.stats.num_accepted_tokens > before
+    a, b = plain.outputs[0], got.outputs[0]
+    assert a.token_ids == b.token_ids and len(b.logprobs) == 24
+    for x, y in zip(a.logprobs, b.logprobs):
+        assert list(x) == list(y) and [v.rank for v in x.values()] == [v.rank for v in y.values()]
+        assert all(abs(x[t].logprob - y[t].logprob) < 1e-4 for t in x)
+    seeded = SamplingParams(temperature=0.8, top_k=20, seed=11, max_tokens=20, ignore_eos=True)
+    first = _tokens(spec, PROMPTS[:2], seeded)
+    assert first == _tokens(spec, PROMPTS[:2], seeded) and [len(t) for t in first] == [20, 20]
