@@ -21,14 +21,15 @@ import torch
 from ember.engine.grammar import GrammarCompiler, check_grammar, llguidance
 from ember.engine.request import Request, RequestStatus
 from ember.profiling import section
+from ember.runner.stream_idle import StreamIdle
 from ember.sampling_params import StructuredOutputsParams
 
 logger = logging.getLogger("ember")
 
 # below this many rows a step's tokens and masks are handled one by one: the thread pool's dispatch costs more
 PARALLEL_MIN_ROWS = 8
-# A/B switch: 0 puts a FULL-graph step's bitmask after the replay and samples again outside the graph
-MASK_IN_GRAPH_ENV = "EMBER_GRAMMAR_MASK_IN_GRAPH"
+# A/B switch: 0 runs a FULL decode graph's step whole, with its bitmask put before the replay (the device waits)
+SPLIT_ENV = "EMBER_GRAMMAR_SPLIT"
 COMPILE_POLL_S = 0.05        # the longest an idle engine waits for a compile before it looks at new requests
 
 
@@ -80,11 +81,12 @@ class RequestGrammar:
 
 @dataclass
 class GrammarStats:
-    """Counters the benchmark reads: steps with constrained rows, rows filled, and host seconds spent waiting for
-    the step in flight before a bitmask, advancing matchers and filling bitmasks."""
+    """Counters the benchmark reads: steps with constrained rows (and how each ran), rows filled, and host seconds
+    spent waiting for the step in flight before a bitmask, advancing matchers and filling bitmasks."""
     num_steps: int = 0
     num_rows: int = 0
-    num_before_forward: int = 0      # steps whose bitmask went before the forward (a FULL graph samples)
+    num_split: int = 0               # FULL decode steps run as the forward, then the bitmask, then the tail
+    num_before_forward: int = 0      # FULL decode steps run whole, their bitmask put before the replay
     wait_s: float = 0.0
     advance_s: float = 0.0
     fill_s: float = 0.0
@@ -102,8 +104,9 @@ class StructuredOutputs:
         self.executor = llg.LLExecutor(threads)
         self._compiling: dict[str, tuple[Request, RequestGrammar]] = {}
         self._llg_torch = llg.torch
-        self.mask_in_graph = os.environ.get(MASK_IN_GRAPH_ENV, "1") != "0"
+        self.split = os.environ.get(SPLIT_ENV, "1") != "0"
         self.stats = GrammarStats()
+        self.idle: StreamIdle | None = None      # the benchmark sets one to measure the device's idle time
 
     def attach(self, request: Request) -> None:
         """Start compiling the request's grammar (or find it compiled) and give the request its state."""
@@ -134,24 +137,40 @@ class StructuredOutputs:
     # ---- the step ---------------------------------------------------------------------------------------------
     def launch(self, runner, out, previous, stats) -> object:
         """Launch a step that has constrained rows, as `ModelRunner.execute_async` does, with its bitmask put where
-        the step reads it: before the forward when a FULL graph samples (the graph reads the bitmask buffer; with
-        `EMBER_GRAMMAR_MASK_IN_GRAPH=0` the bitmask follows the replay and the step samples again), else after the
-        forward is launched, so that filling it overlaps the forward on the device. `previous`: the step in flight
-        before it (a `LaunchedStep`), whose tokens the bitmask may need."""
+        the step reads it. The forward never waits for it: a step a FULL decode graph samples runs split (the
+        forward alone, the bitmask filled on the host while it runs, then the graph's tail); any other step
+        launches its forward, fills the bitmask meanwhile and then samples. With the split off
+        (`EMBER_GRAMMAR_SPLIT=0`) a FULL decode step puts its bitmask before its one replay instead, and the device
+        waits. `previous`: the step in flight before it (a `LaunchedStep`), whose tokens the bitmask may need."""
         prepared = runner.prepare_step(out.step)
-        first = self.mask_in_graph and runner.graph_samples(prepared)
+        graph = runner.graph_samples(prepared)
         self.stats.num_steps += 1
-        self.stats.num_before_forward += first
-        if first:
-            self._put(runner, out, previous, stats)
-        hidden, tokens = runner.forward(prepared)
-        if not first:
-            self._put(runner, out, previous, stats)
-        return runner.sample_step(prepared, hidden, tokens if first else None)
+        idle = self.idle or _NO_IDLE
+        if graph and not self.split:
+            self.stats.num_before_forward += 1
+            num_rows = self._fill(runner, out, previous, stats)
+            idle.begin()
+            runner.grammar.put(num_rows)
+            launched = runner.sample_step(prepared, *runner.forward(prepared))
+            idle.end()
+            return launched
+        self.stats.num_split += graph
+        idle.begin()
+        if graph:
+            runner.forward_alone(prepared)
+        else:
+            hidden, _ = runner.forward(prepared)
+        idle.end()
+        num_rows = self._fill(runner, out, previous, stats)
+        idle.begin()
+        runner.grammar.put(num_rows)
+        launched = runner.sample_alone(prepared) if graph else runner.sample_step(prepared, hidden)
+        idle.end()
+        return launched
 
-    def _put(self, runner, out, previous, stats) -> None:
-        """Bring the grammars up to date (waiting for the step in flight if a constrained row needs its token),
-        fill the step's bitmask and send it."""
+    def _fill(self, runner, out, previous, stats) -> int:
+        """Bring the grammars up to date (waiting for the step in flight if a constrained row needs its token) and
+        fill the step's bitmask into the staging buffer of the runner's `GrammarMask`; returns its row count."""
         if (previous is not None and not previous.grammar_advanced and previous.out.step.grammar_rows
                 and self.waits_on_step_in_flight(out)):
             start = time.perf_counter()
@@ -167,10 +186,10 @@ class StructuredOutputs:
                 self.advance(previous.out, result.sampled_token_ids)
         start = time.perf_counter()
         with section("ember.grammar_fill"):
-            num_rows = self.fill(out, runner.grammar_staging())
+            num_rows = self.fill(out, runner.grammar.staging())
         self.stats.fill_s += time.perf_counter() - start
         self.stats.num_rows += num_rows
-        runner.put_grammar_bitmask(num_rows)
+        return num_rows
 
     @staticmethod
     def waits_on_step_in_flight(out) -> bool:
@@ -221,3 +240,16 @@ class StructuredOutputs:
 
     def close(self) -> None:
         self.compiler.close()
+
+
+class _NoIdle:
+    """`StreamIdle`'s surface, doing nothing (no benchmark is measuring)."""
+
+    def begin(self) -> None:
+        pass
+
+    def end(self) -> None:
+        pass
+
+
+_NO_IDLE = _NoIdle()

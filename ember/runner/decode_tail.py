@@ -4,15 +4,21 @@ the host, instead of a dozen launches and their Python.
 
 What the graph records must hold for any batch it replays, so the sampling is the general form
 (`graph_sampling_metadata`: temperature per row, greedy rows by mask, the grammar bitmask read from its persistent
-buffer for rows that have one; the engine puts a constrained step's bitmask there before the replay). A step whose plan needs more (top-k/top-p,
-penalties, min_tokens, logprobs) samples again after the replay with the full sampler, which overwrites the
-tokens the graph wrote; the graph's tokens are then unused."""
+buffer for rows that have one). A step whose plan needs more (top-k/top-p, penalties, min_tokens, logprobs) samples
+again after the replay with the full sampler, which overwrites the tokens the graph wrote; the graph's tokens are
+then unused.
+
+A decode step with grammar rows runs split (`SplitDecode`): the forward alone, replayed as soon as its inputs are
+on the device, then the tail, replayed once the engine has put the bitmask, which needs the token of the step
+before. Batches without grammar rows keep the one graph of both."""
 
 from __future__ import annotations
 
 import torch
 
-from ember.attention_backends.op import get_forward_context
+from ember.attention_backends.op import ForwardContext, forward_context, get_forward_context
+from ember.graphs.cuda_graph import CUDAGraphManager, CUDAGraphWrapper
+from ember.graphs.modes import BatchDescriptor, CUDAGraphMode
 from ember.runner.input_batch import InputBatch
 from ember.runner.request_table import RequestTable
 from ember.runner.sampler import Sampler
@@ -53,3 +59,37 @@ def with_decode_tail(forward, tail: DecodeTail):
         return hidden, None
 
     return forward_and_sample
+
+
+class SplitDecode:
+    """A decode step in two launches: `forward` (the forward alone; it ends by copying each row's last hidden state
+    into `rows`, a buffer allocated once) and `sample(desc, mode, num_rows)` (the decode tail over `rows`). Under
+    FULL graphs each is a graph of its own per descriptor, captured on its first use (lazy capture: its second), in
+    the shared pool: neither reads the other's pool memory, only the persistent buffers."""
+
+    def __init__(self, forward, tail: DecodeTail, graphs: CUDAGraphManager | None, max_num_reqs: int,
+                 hidden_size: int, dtype: torch.dtype, device: torch.device, rows_are_logits: bool = False):
+        self._forward, self.input_batch, self.rows_are_logits = forward, tail.input_batch, rows_are_logits
+        self.rows = torch.zeros(max_num_reqs, hidden_size, dtype=dtype, device=device)      # [R, H]
+        self.tail = DecodeTail(tail.model, tail.sampler, tail.table, tail.input_batch, tail.bitmask,
+                               rows_are_logits=True)
+        self.num_rows = 0          # the step's rows (under a FULL graph, its descriptor's padded count)
+        self.forward = self._forward_rows
+        self._sample = self.tail
+        if graphs is not None:
+            self.forward = CUDAGraphWrapper(self._forward_rows, CUDAGraphMode.FULL, graphs, "forward_alone")
+            self._sample = CUDAGraphWrapper(self.tail, CUDAGraphMode.FULL, graphs, "decode_tail")
+
+    def _forward_rows(self, *args) -> None:
+        hidden = self._forward(*args)
+        n = self.num_rows
+        last = hidden[:n] if self.rows_are_logits else hidden[self.input_batch.logits_indices[:n]]
+        if last.shape[-1] != self.rows.shape[-1]:
+            raise RuntimeError(f"the forward's hidden size {last.shape[-1]} is not the config's hidden_size "
+                               f"{self.rows.shape[-1]}; the split decode step cannot hold its rows")
+        self.rows[:n].copy_(last)
+
+    def sample(self, desc: BatchDescriptor | None, mode: CUDAGraphMode) -> torch.Tensor:
+        """The tail of the step `forward` ran last: sampled tokens [num_rows], written into the request table."""
+        with forward_context(ForwardContext({}, (), desc, mode)):
+            return self._sample(self.rows, self.num_rows)

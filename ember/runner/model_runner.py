@@ -29,7 +29,7 @@ from ember.kernels.triton_key import install as install_triton_key
 from ember.models.layers.onednn import onednn_packing_supported, pack_if_it_fits
 from ember.models.loader import build_model, compile_identity, load_config
 from ember.runner.cpu_memory import available_memory_bytes
-from ember.runner.decode_tail import DecodeTail, with_decode_tail
+from ember.runner.decode_tail import DecodeTail, SplitDecode, with_decode_tail
 from ember.runner.input_batch import BatchLayout, InputBatch, PreparedBatch
 from ember.runner.kv_cache_setup import (allocate_kv_caches, attention_workspace, free_dropped_engines, log_capacity,
                                         make_builders, num_kv_blocks, resolve_max_model_len, select_backends)
@@ -120,7 +120,7 @@ class ModelRunner:
                                               verify_query_len=spec.num_speculative_tokens + 1 if spec else None,
                                               max_num_tokens=self.max_num_tokens)
         self.sampler = Sampler()
-        self.grammar = GrammarMask(self.max_num_reqs, self.vocab_size, self.device)
+        self.grammar = GrammarMask(self.max_num_reqs, self.vocab_size, self.device)   # the engine fills and puts it
         self.decode_tail = DecodeTail(self.model, self.sampler, self.table, self.input_batch, self.grammar.bitmask,
                                       rows_are_logits=self.skip_prefill)
         self.host_ring = HostRing(self.max_num_reqs, self.device) if self.device.type == "cuda" else None
@@ -187,14 +187,17 @@ class ModelRunner:
                                 disabled_fusions=self.config.compile.disabled_fusions)
         self.compile_stats = getattr(forward, "stats", None)    # None when running eager
         self._forward_samples = self.modes.cudagraph_mode.has_full
+        self.split = SplitDecode(forward, self.decode_tail, self.graphs if self._forward_samples else None,
+                                 self.max_num_reqs, self.hf_config.hidden_size, self.dtype, self.device,
+                                 rows_are_logits=self.skip_prefill)
         if self._forward_samples:
             forward = self.graphs.wrap_full(with_decode_tail(forward, self.decode_tail))
         return forward
 
     def _run(self, batch: PreparedBatch, mode: CUDAGraphMode = CUDAGraphMode.NONE,
-             desc: BatchDescriptor | None = None, skip: bool | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The forward: hidden [num_tokens_padded, H], or with `skip` (None: `skip_prefill`) the logits tokens' rows
-        [num_reqs_padded, H]; and the tokens the decode tail sampled (None unless a uniform-decode FULL bucket)."""
+             desc: BatchDescriptor | None = None, skip: bool | None = None, fn=None) -> tuple[torch.Tensor, ...]:
+        """The forward (`fn`, else `forward_fn`): hidden [num_tokens_padded, H], or with `skip` (None: `skip_prefill`)
+        the logits tokens' rows [num_reqs_padded, H]; and the tokens the decode tail sampled (or None)."""
         skip = self.skip_prefill if skip is None else skip
         metadata = tuple(b.build(batch.common) for b in self.builders)
         if self.tail_builders:   # the KV-sharing layers' metadata: one query per request, or the whole batch
@@ -206,8 +209,8 @@ class ModelRunner:
                 rows = (torch.arange(batch.input_ids.shape[0], device=self.device),)
             else:
                 rows = ()
-            out = self.forward_fn(batch.input_ids, batch.positions, *rows)
-        return out if self._forward_samples else (out, None)
+            out = (fn or self.forward_fn)(batch.input_ids, batch.positions, *rows)
+        return out if self._forward_samples and fn is None else (out, None)
 
     def _logits_hidden(self, batch: PreparedBatch, hidden: torch.Tensor) -> torch.Tensor:
         """Each request's last token's hidden state [num_reqs, H] from a forward's output."""
@@ -297,8 +300,7 @@ class ModelRunner:
         """Launch one step (forward, sampling, the copy of its tokens to the host) without waiting for the device.
         The sampled tokens are written into the request table on the device, so the next step may be launched
         while this one is still in flight. A step with proposals runs as a verify step (ember.spec_decode); a step
-        with grammar rows runs as its three parts instead, with its bitmask put in between
-        (`ember.engine.structured_output`)."""
+        with grammar rows runs in parts instead, with its bitmask put in between (`ember.engine.structured_output`)."""
         if step.spec_token_ids or (self.verifier is not None and self.verifier.every_step):
             return self.verifier.execute_async(step)
         prepared = self.prepare_step(step)
@@ -310,19 +312,21 @@ class ModelRunner:
             return self._run(prepared.batch, prepared.mode, prepared.desc)
 
     def graph_samples(self, prepared: "PreparedStep") -> bool:
-        """Whether the step's forward is a FULL graph that also samples: its grammar bitmask must then be in place
-        before the forward is launched, since the graph reads it."""
+        """Whether a FULL decode graph samples the step (its tail's tokens stand): its grammar bitmask must then be
+        in place before the graph's sampling, so the step runs split, or with the bitmask put first."""
         desc = prepared.desc
         return (self._forward_samples and prepared.mode == CUDAGraphMode.FULL and desc is not None
-                and desc.uniform_decode and desc.num_reqs is not None)
+                and desc.uniform_decode and desc.num_reqs is not None and fits_graph_tail(prepared.plan))
 
-    def grammar_staging(self) -> torch.Tensor:
-        """The host buffer [max_num_reqs, ceil(V / 32)] int32 to write the step's grammar bitmask rows into."""
-        return self.grammar.staging()
+    def forward_alone(self, prepared: "PreparedStep") -> None:     # the split step's first launch (`SplitDecode`)
+        desc = prepared.desc
+        self.split.num_rows = desc.num_reqs if desc.num_reqs is not None else prepared.batch.common.num_reqs
+        with section("ember.forward"):
+            self._run(prepared.batch, prepared.mode, desc, fn=self.split.forward)
 
-    def put_grammar_bitmask(self, num_rows: int) -> None:
-        """Send the first `num_rows` rows of `grammar_staging()` to the device, where the sampler reads them."""
-        self.grammar.put(num_rows)
+    def sample_alone(self, prepared: "PreparedStep") -> AsyncModelRunnerOutput:    # its second, after the bitmask
+        with section("ember.sample"):
+            return self.sample_step(prepared, None, self.split.sample(prepared.desc, prepared.mode))
 
     def prepare_step(self, step: StepInput) -> "PreparedStep":
         """Apply the step to the table, send its one upload and fill the input buffers; picks the graph mode."""

@@ -1,6 +1,7 @@
 """Structured output on CUDA: the bitmask kernels against the torch reference at a real vocabulary size, and the
-engine with FULL decode graphs (whose recorded tail reads the bitmask buffer) and async scheduling against eager,
-greedy tokens equal, with the bitmask put before the replay or after it."""
+engine with FULL decode graphs and async scheduling against eager, greedy tokens equal, with a constrained decode
+step split (the forward's graph, then the tail's graph once the bitmask is put) or run whole (the bitmask put before
+the one replay)."""
 
 import gc
 import re
@@ -90,12 +91,15 @@ def test_full_graphs_with_the_bitmask_give_the_eager_tokens(tmp_path):
         graphs = LLM("qwen3-0.6b", cudagraph_capture_sizes=[1, 2, 4, 8, 16, 32], **common)
         assert graphs.engine.config.scheduler.async_scheduling
         assert _tokens(graphs, requests) == expected
-        stats = graphs.engine.structured.stats
-        assert stats.num_before_forward > 0            # decode steps replayed FULL graphs that read the bitmask
-        graphs.engine.structured.mask_in_graph = False      # the bitmask after the replay, sampled again
-        before = stats.num_before_forward
+        structured, runner = graphs.engine.structured, graphs.engine.runner
+        stats = structured.stats
+        assert stats.num_split > 0 and stats.num_before_forward == 0       # split decode steps replayed two graphs
+        assert runner.split.forward.num_replays > 0 and runner.split._sample.num_replays > 0
+        assert len(runner.split.forward.entries) == len(runner.split._sample.entries) > 0
+        structured.split = False                        # the bitmask before the one replay, which samples with it
+        split = stats.num_split
         assert _tokens(graphs, requests) == expected
-        assert stats.num_before_forward == before
+        assert stats.num_before_forward > 0 and stats.num_split == split
     finally:
         torch.backends.cuda.matmul.allow_tf32 = saved
     tokenizer = graphs.get_tokenizer()

@@ -1,6 +1,7 @@
 """Structured output inside the engine, on a tiny random Llama with a small byte-level BPE tokenizer (garbage text, a
-real byte-level vocabulary, fast steps): async scheduling and the bitmask put before the forward (as a FULL decode graph needs it)
-give the synchronous engine's tokens, through preemptions too; a request waits while its grammar compiles without
+real byte-level vocabulary, fast steps): async scheduling gives the synchronous engine's tokens, through preemptions
+too, with decode steps split as under a FULL decode graph (the forward launched before the bitmask is filled, the
+tail after it is put) or run whole with the bitmask put first; a request waits while its grammar compiles without
 holding up the others; a grammar that fails to compile in the engine fails its request only; n > 1, EOS only where
 the grammar may end, and logprobs under a grammar."""
 
@@ -11,11 +12,13 @@ import math
 import re
 from concurrent.futures import Future
 
+import jsonschema
 import pytest
 import torch
 
 from ember import LLM, SamplingParams, StructuredOutputsParams
 from ember.engine.engine import EngineStepError
+from ember.runner.sampling_inputs import fits_graph_tail
 from tests.helpers.tiny_tokenizer import save_bpe_tokenizer
 
 pytest.importorskip("llguidance")
@@ -80,25 +83,78 @@ def _check_matches(results, requests) -> None:
         elif so.kind == "regex":
             assert re.fullmatch(REGEX, text), text
         else:
-            value = json.loads(text)
-            assert value["k"] in ("a", "b") and 0 <= value["n"] <= 99
+            jsonschema.validate(json.loads(text), SCHEMA)
 
 
-def test_async_scheduling_and_the_bitmask_before_the_forward_give_the_synchronous_tokens(folder, sync_llm,
-                                                                                        monkeypatch):
+def _as_if_full_graphs(runner, monkeypatch) -> None:
+    """Make the CPU runner route decode steps as a FULL decode graph's would be (split, or the bitmask first)."""
+    monkeypatch.setattr(type(runner), "graph_samples",
+                        lambda self, prepared: prepared.desc.uniform_decode and fits_graph_tail(prepared.plan))
+
+
+@pytest.fixture(scope="module")
+def async_llm(folder):
+    # a small cache: requests are preempted by recompute and come back with their grammar state
+    return _llm(folder, num_kv_blocks=10, async_scheduling=True)
+
+
+def test_async_scheduling_split_or_whole_gives_the_synchronous_tokens(sync_llm, async_llm, monkeypatch):
     requests = _requests()
     expected = _run(sync_llm, requests)
     _check_matches(expected, requests)
-    # a small cache: requests are preempted by recompute and come back with their grammar state
-    async_llm = _llm(folder, num_kv_blocks=10, async_scheduling=True)
-    assert _run(async_llm, requests) == expected
-    assert async_llm.engine.stats.num_preemptions > 0
-    # as under a FULL decode graph: the host waits for the step in flight, advances and fills before the forward
-    runner = async_llm.engine.runner
-    puts = runner.grammar.num_puts
-    monkeypatch.setattr(type(runner), "graph_samples", lambda self, prepared: True)
-    assert _run(async_llm, requests) == expected
-    assert runner.grammar.num_puts > puts
+    assert _run(async_llm, requests) == expected         # (the grammars compile: the engine's cache is warm after)
+    engine = async_llm.engine
+    _as_if_full_graphs(engine.runner, monkeypatch)
+    stats, preemptions = engine.structured.stats, engine.stats.num_preemptions
+    assert engine.structured.split and stats.num_split == 0
+    assert _run(async_llm, requests) == expected        # forward, then the bitmask, then the tail
+    assert stats.num_split > 20 and stats.num_before_forward == 0
+    assert engine.stats.num_preemptions > preemptions
+    engine.structured.split = False                     # the bitmask before the forward, the step whole
+    try:
+        split = stats.num_split
+        assert _run(async_llm, requests) == expected
+        assert stats.num_before_forward > 20 and stats.num_split == split
+    finally:
+        engine.structured.split = True
+
+
+def test_a_split_step_launches_its_forward_before_its_bitmask_is_filled(async_llm, monkeypatch):
+    engine = async_llm.engine
+    runner, structured = engine.runner, engine.structured
+    _as_if_full_graphs(runner, monkeypatch)
+    log: list[str] = []
+
+    def record(obj, name, event):
+        real = getattr(obj, name)
+
+        def recorded(*args, **kwargs):
+            log.append(event)
+            return real(*args, **kwargs)
+        monkeypatch.setattr(obj, name, recorded)
+
+    record(runner, "forward_alone", "forward")
+    record(runner, "forward", "forward")
+    record(structured, "fill", "fill")
+    record(runner.grammar, "put", "put")
+    record(runner, "sample_alone", "tail")
+    record(runner, "sample_step", "sample")
+    requests = [(prompt, params) for prompt, params in _requests() if params.structured_outputs is not None]
+    _check_matches(_run(async_llm, requests), requests)
+    steps = "".join({"forward": "F", "fill": "M", "put": "P", "tail": "T", "sample": "S"}[e] for e in log)
+    # each constrained step: forward, fill, put, then the tail (a split decode step; sample_alone calls sample_step
+    # with the tail's tokens) or the full sampler
+    assert steps.replace("FMPTS", "").replace("FMPS", "") == ""
+    assert steps.count("FMPTS") > 10 and steps.count("FMPS") > 0
+    # the split off: a decode step fills and puts its bitmask before its forward, which the pattern above refuses
+    log.clear()
+    structured.split = False
+    try:
+        _run(async_llm, requests)
+    finally:
+        structured.split = True
+    steps = "".join({"forward": "F", "fill": "M", "put": "P", "tail": "T", "sample": "S"}[e] for e in log)
+    assert steps.count("MPFS") > 10
 
 
 def test_a_request_waits_for_its_grammar_without_holding_up_the_batch(sync_llm, monkeypatch):
