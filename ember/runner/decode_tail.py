@@ -75,10 +75,10 @@ class SplitDecode:
                                rows_are_logits=True)
         self.num_rows = 0          # the step's rows (under a FULL graph, its descriptor's padded count)
         self.forward = self._forward_rows
-        self._sample = self.tail
+        self.run_tail = self.tail          # the tail, or its graph wrapper
         if graphs is not None:
             self.forward = CUDAGraphWrapper(self._forward_rows, CUDAGraphMode.FULL, graphs, "forward_alone")
-            self._sample = CUDAGraphWrapper(self.tail, CUDAGraphMode.FULL, graphs, "decode_tail")
+            self.run_tail = CUDAGraphWrapper(self.tail, CUDAGraphMode.FULL, graphs, "decode_tail")
 
     def _forward_rows(self, *args) -> None:
         hidden = self._forward(*args)
@@ -92,4 +92,4 @@ class SplitDecode:
     def sample(self, desc: BatchDescriptor | None, mode: CUDAGraphMode) -> torch.Tensor:
         """The tail of the step `forward` ran last: sampled tokens [num_rows], written into the request table."""
         with forward_context(ForwardContext({}, (), desc, mode)):
-            return self._sample(self.rows, self.num_rows)
+            return self.run_tail(self.rows, self.num_rows)

@@ -94,8 +94,8 @@ def test_full_graphs_with_the_bitmask_give_the_eager_tokens(tmp_path):
         structured, runner = graphs.engine.structured, graphs.engine.runner
         stats = structured.stats
         assert stats.num_split > 0 and stats.num_before_forward == 0       # split decode steps replayed two graphs
-        assert runner.split.forward.num_replays > 0 and runner.split._sample.num_replays > 0
-        assert len(runner.split.forward.entries) == len(runner.split._sample.entries) > 0
+        assert runner.split.forward.num_replays > 0 and runner.split.run_tail.num_replays > 0
+        assert len(runner.split.forward.entries) == len(runner.split.run_tail.entries) > 0
         structured.split = False                        # the bitmask before the one replay, which samples with it
         split = stats.num_split
         assert _tokens(graphs, requests) == expected

@@ -155,6 +155,13 @@ def test_a_split_step_launches_its_forward_before_its_bitmask_is_filled(async_ll
         structured.split = True
     steps = "".join({"forward": "F", "fill": "M", "put": "P", "tail": "T", "sample": "S"}[e] for e in log)
     assert steps.count("MPFS") > 10
+    # a batch without grammar rows runs as it always did: one forward (a FULL decode graph's replay), its sampling
+    log.clear()
+    puts = runner.grammar.num_puts
+    plain = [(prompt, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)) for prompt, _ in requests]
+    _run(async_llm, plain)
+    steps = "".join({"forward": "F", "fill": "M", "put": "P", "tail": "T", "sample": "S"}[e] for e in log)
+    assert steps == "FS" * (len(steps) // 2) and len(steps) >= 12 and runner.grammar.num_puts == puts
 
 
 def test_a_request_waits_for_its_grammar_without_holding_up_the_batch(sync_llm, monkeypatch):
