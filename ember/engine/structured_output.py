@@ -135,6 +135,7 @@ class StructuredOutputs:
         return failed
 
     # ---- the step ---------------------------------------------------------------------------------------------
+    @torch.inference_mode()     # as `ModelRunner.execute_async`: the compiled forward is always called under it
     def launch(self, runner, out, previous, stats) -> object:
         """Launch a step that has constrained rows, as `ModelRunner.execute_async` does, with its bitmask put where
         the step reads it. The forward never waits for it: a step a FULL decode graph samples runs split (the
