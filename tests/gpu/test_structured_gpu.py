@@ -90,8 +90,13 @@ def test_full_graphs_with_the_bitmask_give_the_eager_tokens(tmp_path):
         gc.collect()
         graphs = LLM("qwen3-0.6b", cudagraph_capture_sizes=[1, 2, 4, 8, 16, 32], **common)
         assert graphs.engine.config.scheduler.async_scheduling
+        runner = graphs.engine.runner
+        full_replays = runner.forward_fn.num_replays
+        assert all(len(t) == 32 for t in _tokens(graphs, [(p, s) for p, s in requests if s.structured_outputs is None]))
+        assert runner.forward_fn.num_replays > full_replays         # no grammar rows: the one graph, nothing split
+        assert not runner.split.forward.entries and not runner.split.run_tail.entries
         assert _tokens(graphs, requests) == expected
-        structured, runner = graphs.engine.structured, graphs.engine.runner
+        structured = graphs.engine.structured
         stats = structured.stats
         assert stats.num_split > 0 and stats.num_before_forward == 0       # split decode steps replayed two graphs
         assert runner.split.forward.num_replays > 0 and runner.split.run_tail.num_replays > 0
