@@ -43,6 +43,12 @@ def register_group(name: str, process_group, device: torch.device | None = None,
     if symm_mem_all_reduce is None:
         from ember.distributed.symm_mem import one_shot_by_default
         symm_mem_all_reduce = one_shot_by_default(process_group, device)
+    elif symm_mem_all_reduce:
+        from ember.distributed.symm_mem import one_shot_possible
+        possible, reason = one_shot_possible(process_group, device)
+        if not possible:
+            raise ValueError(f"symm_mem_all_reduce=True cannot be met: {reason}; leave it unset (NCCL then) or "
+                             f"start the engine in a fresh process")
     if symm_mem_all_reduce:
         from ember.distributed.symm_mem import OneShotAllReduce
         group.one_shot = OneShotAllReduce(process_group, device)

@@ -24,6 +24,10 @@ logger = logging.getLogger("ember")
 
 MAX_BYTES = 2 * 1024 * 1024
 ON_BY_DEFAULT = True        # whether symm_mem_all_reduce=None (the default) takes the kernel on CUDA
+# the group names this process has set a symmetric buffer up for: torch keeps a group name's rendezvous (its store)
+# for the life of the process, and a later group of the same name (an engine started after another one stopped)
+# would meet at the old store; such a group takes NCCL
+_rendezvoused: set[str] = set()
 
 
 class OneShotAllReduce:
@@ -41,6 +45,7 @@ class OneShotAllReduce:
         if _torch_before(2, 8):         # symmetric memory is enabled per group before torch 2.8, always after
             symm.enable_symm_mem_for_group(self.group_name)
         self.buffer = symm.empty(max_bytes // dtype.itemsize, dtype=dtype, device=device)   # [max_bytes / size]
+        _rendezvoused.add(self.group_name)
         symm.rendezvous(self.buffer, self.group_name)
         logger.info("all-reduces of at most %d bytes of %s take the symmetric-memory one-shot kernel", max_bytes,
                     dtype)
@@ -57,20 +62,32 @@ class OneShotAllReduce:
 
 
 def one_shot_by_default(process_group, device: torch.device | None) -> bool:
-    """What `symm_mem_all_reduce=None` means for this group: `ON_BY_DEFAULT` on CUDA when every rank's GPU can map
-    the other local GPUs (peer access), else NCCL, said in the log. All ranks decide alike (a gloo all-reduce), so
-    none starts a rendezvous that another skips."""
-    import torch.distributed as dist
+    """What `symm_mem_all_reduce=None` means for this group: `ON_BY_DEFAULT` on CUDA where `one_shot_possible`,
+    else NCCL, said in the log. A collective on CUDA: every rank decides alike."""
     if not ON_BY_DEFAULT or device is None or device.type != "cuda":
         return False
+    possible, reason = one_shot_possible(process_group, device)
+    if not possible:
+        logger.warning("the symmetric-memory all-reduce is off: %s; every all-reduce takes NCCL", reason)
+    return possible
+
+
+def one_shot_possible(process_group, device: torch.device) -> tuple[bool, str]:
+    """Whether every rank's GPU can map the other local GPUs (peer access) and no rank set a buffer up for an
+    earlier group of the same name in its process; if not, why. All ranks decide alike (a gloo all-reduce), so
+    none starts a rendezvous that another skips."""
+    import torch.distributed as dist
     peers = range(torch.cuda.device_count())
     reach = all(torch.cuda.can_device_access_peer(device.index, p) for p in peers if p != device.index)
-    flag = torch.tensor([int(reach)], dtype=torch.int64)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=process_group)      # the group's host (gloo) backend
-    if not flag.item():
-        logger.warning("the symmetric-memory all-reduce is off: a GPU of the group cannot reach its peers (peer "
-                       "access); every all-reduce takes NCCL")
-    return bool(flag.item())
+    fresh = process_group.group_name not in _rendezvoused
+    flags = torch.tensor([int(reach), int(fresh)], dtype=torch.int64)
+    dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=process_group)      # the group's host (gloo) backend
+    if not flags[0].item():
+        return False, "a GPU of the group cannot reach its peers (peer access)"
+    if not flags[1].item():
+        return False, ("a rank's process set it up for an earlier group of the same name, and torch keeps that "
+                       "set-up for the process's life")
+    return True, ""
 
 
 def _use_peer_to_peer_backend(symm, device: torch.device) -> None:

@@ -111,3 +111,22 @@ def test_releasing_graphs_resets_each_one_and_forgets_its_descriptor():
     assert [g.resets for g in graphs] == [1, 1, 1]
     assert not full.entries and not piece.entries
     assert manager.release() == 0
+
+
+def test_a_group_name_set_up_before_in_this_process_takes_nccl(tmp_path, monkeypatch):
+    """torch keeps a group name's symmetric-memory set-up (its store) for the process's life: a later group of the
+    same name must not meet at the old store, so no rank takes the one-shot kernel."""
+    import torch
+
+    from ember.distributed import symm_mem
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        group = dist.group.WORLD
+        monkeypatch.setattr(symm_mem, "_rendezvoused", set())
+        assert symm_mem.one_shot_possible(group, torch.device("cuda", 0)) == (True, "")
+        symm_mem._rendezvoused.add(group.group_name)
+        possible, reason = symm_mem.one_shot_possible(group, torch.device("cuda", 0))
+        assert possible is False and "earlier group of the same name" in reason
+    finally:
+        dist.destroy_process_group()
