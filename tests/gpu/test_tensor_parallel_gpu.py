@@ -3,7 +3,7 @@
 bfloat16: teacher-forced logits of two ranks no further from transformers' float32 logits than one rank's are
 (times 1.25), and top-1 agreement with one rank on at least 98% of decided positions (bf16_check.py). float32 with
 TF32 off: greedy tokens equal under FULL and PIECEWISE CUDA graphs (the all-reduces and the LM head's all-gather
-captured in them), and with the engine core in a process of its own. Online fp8 weights in bfloat16: two ranks'
+captured in them), and with the engine core in a process of its own. Each engine runs in a fresh process (`_run`). Online fp8 weights in bfloat16: two ranks'
 logits no further from float32 than one rank's (times 1.15), top-1 agreement on 97% of decided positions. The symmetric-memory one-shot all-reduce:
 greedy bf16 tokens equal NCCL's under FULL graphs, logits as close to one rank's as NCCL's are. A Mixtral-shaped
 model (8 experts of hidden 4096, each rank half of every expert's intermediate dimension): float32 greedy tokens of
@@ -14,6 +14,8 @@ and the block's all-reduce, captured).
 """
 
 import gc
+import multiprocessing
+import traceback
 
 import pytest
 import torch
@@ -50,14 +52,31 @@ def _prompts(lengths):
 
 
 def _run(path, tp, fn, **kwargs):
-    llm = LLM(path, tensor_parallel_size=tp, **{**ENGINE, **kwargs})
+    """`fn(LLM(path, ...))` in a fresh process, as a user's engine runs: torch keeps some of a tensor-parallel group's
+    set-up (symmetric memory's) for the life of a process, so engines started one after another in one process
+    would not all take the same all-reduce path. `fn` is a module-level function; TF32 follows this process's."""
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.SimpleQueue()
+    child = ctx.Process(target=_run_in_child, args=(results, path, tp, fn, torch.backends.cuda.matmul.allow_tf32,
+                                                    kwargs))
+    child.start()
+    kind, value = results.get()
+    child.join()
+    if kind == "error":
+        raise AssertionError(f"the engine's process failed:\n{value}")
+    return value
+
+
+def _run_in_child(results, path, tp, fn, allow_tf32, kwargs):
+    torch.backends.cuda.matmul.allow_tf32 = allow_tf32
     try:
-        return fn(llm)
-    finally:
-        llm.shutdown()
-        del llm
-        gc.collect()
-        torch.cuda.empty_cache()
+        llm = LLM(path, tensor_parallel_size=tp, **{**ENGINE, **kwargs})
+        try:
+            results.put(("ok", fn(llm)))
+        finally:
+            llm.shutdown()
+    except BaseException:
+        results.put(("error", traceback.format_exc()))
 
 
 def _scores(llm, lengths=(128, 160, 200, 256)):
@@ -180,15 +199,16 @@ def mixtral_folder(tmp_path_factory):
     return str(path)
 
 
-def test_float32_tokens_of_two_ranks_with_sharded_experts_under_full_graphs(mixtral_folder):
-    def greedy(llm):
-        experts = llm.engine.runner.model.model.layers[0].mlp.experts
-        return experts.w2.shape[2], _greedy(llm)
+def _experts_greedy(llm):
+    experts = llm.engine.runner.model.model.layers[0].mlp.experts
+    return experts.w2.shape[2], _greedy(llm)
 
+
+def test_float32_tokens_of_two_ranks_with_sharded_experts_under_full_graphs(mixtral_folder):
     saved = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
     try:
-        (one_i, one), (two_i, two) = (_run(mixtral_folder, tp, greedy, dtype="float32", cudagraph_mode="full")
+        (one_i, one), (two_i, two) = (_run(mixtral_folder, tp, _experts_greedy, dtype="float32", cudagraph_mode="full")
                                       for tp in (1, 2))
     finally:
         torch.backends.cuda.matmul.allow_tf32 = saved
