@@ -1,5 +1,5 @@
-"""`ember::all_reduce` through NCCL against the symmetric-memory one-shot kernel (ember.distributed.symm_mem), per
-message size, eagerly and inside a CUDA graph (as a decode step replays it), on this host's GPUs. NVLink multicast
+"""`ember::all_reduce` through NCCL against the symmetric-memory one-shot and two-shot kernels
+(ember.distributed.symm_mem), per message size, eagerly and inside a CUDA graph (as a decode step replays it), on this host's GPUs. NVLink multicast
 stays off (parallel_state.COLLECTIVE_ENV).
 
 Each rank reduces `--calls` messages in a row over 4 input buffers in turn; the figure is the median over `--reps`
@@ -11,7 +11,8 @@ a peer was still reading, fails it).
     PYTHONPATH=. python benches/all_reduce_graph.py                       # 2 GPUs, 8 KiB to 8 MiB
     PYTHONPATH=. python benches/all_reduce_graph.py --ranks 4 --sizes 8192 65536
 
-The largest size at which the one-shot kernel wins inside a graph is what `symm_mem.MAX_BYTES` should be.
+The largest size at which the one-shot kernel wins inside a graph is what `symm_mem.MAX_BYTES` should be; the
+two-shot column says whether the sizes past it (a large batch's messages) would gain from that kernel.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from benches.ranks import captured, median_us_per_call, spawn_ranks
 
 SIZES = [8192, 16384, 32768, 65536, 131072, 262144, 524288, 1048576, 2097152, 4194304, 8388608]
 BUFFERS = 4         # distinct inputs a round cycles through
+PATHS = ("nccl", "one-shot", "two-shot")
 
 
 def _inputs(size: int, rank: int, ranks: int, seed: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -76,18 +78,19 @@ def _rank(rank: int, ranks: int, port: int, sizes: list[int], calls: int, reps: 
     import torch.distributed as dist
     from ember.distributed import ops
     from ember.distributed.parallel_state import COLLECTIVE_ENV, TP_GROUP, init_tensor_parallel
-    from ember.distributed.symm_mem import OneShotAllReduce
+    from ember.distributed.symm_mem import OneShotAllReduce, TwoShotAllReduce
     for name, value in COLLECTIVE_ENV.items():
         os.environ.setdefault(name, value)
     store = dist.TCPStore("127.0.0.1", port, ranks, is_master=rank == 0, timeout=datetime.timedelta(seconds=120))
     init_tensor_parallel(rank, ranks, rank, "cuda", store, 120.0)
     # a buffer for the largest size of the sweep (the engine's holds symm_mem.MAX_BYTES)
     one_shot = OneShotAllReduce(dist.group.WORLD, torch.device("cuda", rank), max_bytes=max(sizes))
+    two_shot = TwoShotAllReduce(dist.group.WORLD, torch.device("cuda", rank), max_bytes=max(sizes))
     group = ops._groups[TP_GROUP]
     results = {}
     for size in sizes:
-        for path in ("nccl", "one-shot"):
-            group.one_shot = one_shot if path == "one-shot" else None
+        for path in PATHS:
+            group.one_shot = {"one-shot": one_shot, "two-shot": two_shot}.get(path)
             try:
                 for mode, value in _measure(size, rank, ranks, calls, reps).items():
                     results[(size, path, mode)] = value
@@ -119,16 +122,16 @@ def main() -> None:
     results = spawn_ranks(_rank, args.ranks, args.sizes, args.calls, args.reps)
     print(f"{torch.cuda.get_device_name(0)}, {args.ranks} ranks, {args.calls} all-reduces a round, median of "
           f"{args.reps} rounds (us per all-reduce; each result checked against the sum over the ranks)")
-    print(f"{'bytes':>9} {'NCCL eager':>11} {'one-shot eager':>15} {'NCCL graph':>11} {'one-shot graph':>15}")
+    print(f"{'bytes':>9} " + " ".join(f"{f'{path} {mode}':>15}" for mode in ("eager", "graph") for path in PATHS))
     errors = []
     for size in args.sizes:
         cells = []
         for mode in ("eager", "graph"):
-            for path in ("nccl", "one-shot"):
+            for path in PATHS:
                 us = results.get((size, path, mode))
                 cells.append(f"{us:.2f}" if us is not None else "failed")
-        print(f"{size:>9} {cells[0]:>11} {cells[1]:>15} {cells[2]:>11} {cells[3]:>15}")
-        errors += [f"{size} B {path}: {results[(size, path, 'error')]}" for path in ("nccl", "one-shot")
+        print(f"{size:>9} " + " ".join(f"{c:>15}" for c in cells))
+        errors += [f"{size} B {path}: {results[(size, path, 'error')]}" for path in PATHS
                    if (size, path, "error") in results]
     for error in errors:
         print("  " + error)
@@ -136,6 +139,8 @@ def main() -> None:
                   if results.get((size, "one-shot", "graph"), float("inf")) < results.get((size, "nccl", "graph"),
                                                                                           float("inf"))]
     print(f"one-shot faster inside a graph at: {graph_wins or 'no size'}")
+    best = {size: min(PATHS, key=lambda path: results.get((size, path, "graph"), float("inf"))) for size in args.sizes}
+    print("fastest inside a graph: " + ", ".join(f"{size} {path}" for size, path in best.items()))
     raise SystemExit(1 if errors else 0)
 
 
