@@ -3,7 +3,7 @@ vocabulary V split across the ranks (each holds [N, V / ranks] float32 logits, a
 them), eagerly and inside a CUDA graph:
 
   A  every rank: `ember::all_gather` of the shards into [N, V] on every rank, then ember's Sampler on every rank
-     (what the engine does: docs/distributed.md, "Sampling on every rank").
+     (the engine's gathered path: docs/distributed.md, "Sampling on every rank").
   B  rank 0 + broadcast: the same all-gather (NCCL has no gather to one rank, and a gather would bring rank 0 the same
      bytes an all-gather brings every rank), the Sampler on rank 0 only, then torch.distributed.broadcast of the
      [N] int64 tokens from rank 0, captured in the graph of every rank.
@@ -12,7 +12,7 @@ them), eagerly and inside a CUDA graph:
      bit; greedy rows: the logits) into a few (best score, id) partials a row, then an all-gather of the partials
      [N, 2, splits] and the Sampler's own reduce over all of them (ties: the lowest id). Exact for temperature
      sampling, greedy rows and grammar bitmasks; top-k/top-p/min-p, penalties, min_tokens and logprobs need the
-     whole row.
+     whole row. The engine's shard-local path (ember.runner.sampler.shard_local).
 
 The Sampler gets the general form the FULL decode graph records (`graph_sampling_metadata`: temperature per row,
 greedy rows by mask, the grammar bitmask buffer with no row under a grammar), built directly as a SamplingMetadata

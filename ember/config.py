@@ -136,6 +136,10 @@ class ParallelConfig:
     # (ember.distributed.symm_mem); None: symm_mem.ON_BY_DEFAULT on CUDA where every GPU reaches its peers, off on
     # the CPU
     symm_mem_all_reduce: bool | None = None
+    # a step whose sampling needs no whole row (temperature, greedy, grammar bitmasks) samples each rank's vocabulary
+    # range and all-gathers a few partials a row instead of the [N, V] logits (ember.runner.sampler.shard_local);
+    # False gathers the logits for every step (the A/B switch)
+    shard_local_sampling: bool = True
 
     def validate(self, device_type: str) -> None:
         """Raise ValueError naming the value when the degrees cannot be served on `device_type`."""
@@ -149,6 +153,8 @@ class ParallelConfig:
         if device_type == "cuda" and tp > torch.cuda.device_count():
             raise ValueError(f"tensor_parallel_size {tp} needs {tp} GPUs, and this process sees "
                              f"{torch.cuda.device_count()}; lower it or make more GPUs visible (CUDA_VISIBLE_DEVICES)")
+        if not isinstance(self.shard_local_sampling, bool):
+            raise ValueError(f"shard_local_sampling {self.shard_local_sampling!r} must be True or False")
         if self.symm_mem_all_reduce and device_type != "cuda":
             raise ValueError("symm_mem_all_reduce needs CUDA; turn it off on the CPU, where gloo reduces")
 

@@ -23,7 +23,7 @@ from ember.kernels.interpret import interpreter_on
 from ember.kernels.launcher import launcher
 
 __all__ = ["random_bits_triton", "gumbel_noise_triton", "sample_triton", "sample_partials", "reduce_partials",
-           "apply_token_bitmask_triton"]
+           "most_splits", "apply_token_bitmask_triton"]
 
 # splitmix64 constants as unsigned literals: Triton types an int in [2**63, 2**64) as uint64
 _GOLDEN = tl.constexpr(0x9E3779B97F4A7C15)
@@ -291,21 +291,32 @@ def sample_triton(logits: torch.Tensor, temperature: torch.Tensor | None, seeds:
     partial = sample_partials(logits, temperature, seeds, counters, greedy_mask, all_greedy, bitmask, mask_index)
     # the tile holds the splits of a one-row batch, the most any batch has, so one compiled kernel serves every
     # batch size (a tile per power of two would compile mid-run as the batch size moves)
-    return reduce_partials(partial, split_plan(1, logits.shape[1], _num_programs_target(logits.device))[1])
+    return reduce_partials(partial, most_splits(logits.shape[1], logits.device))
+
+
+def most_splits(width: int, device: torch.device) -> int:
+    """How many partials `sample_partials` makes a row over `width` columns for a one-row batch, the most any
+    batch makes (a reduce tile that covers them serves every batch size)."""
+    return split_plan(1, width, _num_programs_target(device))[1]
 
 
 def sample_partials(logits: torch.Tensor, temperature: torch.Tensor | None, seeds: torch.Tensor,
                     counters: torch.Tensor, greedy_mask: torch.Tensor | None, all_greedy: bool,
                     bitmask: torch.Tensor | None = None, mask_index: torch.Tensor | None = None,
-                    first_id: int = 0) -> torch.Tensor:
+                    first_id: int = 0, num_ids: int | None = None) -> torch.Tensor:
     """`sample_triton`'s first pass: [N, 2, splits] float32, per split of each row its best score and that token's
     id (int32 bits). With `first_id`, logits [N, C] are the columns of tokens first_id .. first_id + C - 1 (a
     vocabulary-parallel shard): each token is scored as in the whole row, so the partials of every shard, side by
-    side along the last dim, reduce (`reduce_partials`) to the whole row's tokens."""
+    side along the last dim, reduce (`reduce_partials`) to the whole row's tokens. `num_ids` (default C): only the
+    first num_ids columns are tokens (a last shard's padding past the vocabulary is never sampled); the splits
+    follow C, so the shards of one vocabulary, all C wide, make as many partials each."""
     if logits.dim() != 2 or logits.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"logits must be [N, V] float32, bfloat16 or float16, got {tuple(logits.shape)} "
                          f"{logits.dtype}")
-    num_rows, vocab_size = logits.shape
+    num_rows, width = logits.shape
+    vocab_size = width if num_ids is None else num_ids
+    if not 0 <= vocab_size <= width:
+        raise ValueError(f"num_ids {num_ids} must lie in [0, {width}], the logits' columns")
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     device = logits.device
@@ -323,7 +334,7 @@ def sample_partials(logits: torch.Tensor, temperature: torch.Tensor | None, seed
     if has_mask:
         _check_bitmask(bitmask, mask_index, num_rows, first_id + vocab_size)
 
-    cols_per_split, num_splits = split_plan(num_rows, vocab_size, _num_programs_target(device))
+    cols_per_split, num_splits = split_plan(num_rows, width, _num_programs_target(device))
     partial = torch.empty(num_rows, 2, num_splits, dtype=torch.float32, device=device)   # [N, (score, id), splits]
     _kernel("_sample_partial_kernel", device)[(num_rows, num_splits)](
         logits, logits.stride(0), temperature if has_temperature else logits,

@@ -103,3 +103,7 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> soft-capped logits [N, vocab] float32."""
         return soft_cap(self.lm_head(hidden), getattr(self.config, "final_logit_softcapping", None))
+
+    def compute_shard_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """This rank's vocabulary range of the soft-capped logits, [N, R] float32 (the cap is per token)."""
+        return soft_cap(self.lm_head.shard_logits(hidden), getattr(self.config, "final_logit_softcapping", None))

@@ -258,6 +258,11 @@ class LlamaForCausalLM(nn.Module):
         """hidden [N, hidden] -> logits [N, vocab] float32."""
         return self.lm_head(hidden)
 
+    def compute_shard_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] -> this rank's [N, R] float32 logits of its vocabulary range (`lm_head.vocab_shard`),
+        as `compute_logits` computes their columns, not gathered."""
+        return self.lm_head.shard_logits(hidden)
+
 
 class MistralForCausalLM(LlamaForCausalLM):
     """Mistral: Llama blocks with a sliding window on every layer when the config sets one."""

@@ -38,6 +38,7 @@ from ember.runner.request_table import RequestTable
 from ember.runner.grammar_mask import GrammarMask
 from ember.runner import scoring
 from ember.runner.sampler import Sampler, SamplerOutput
+from ember.runner.sampler.shard_local import shard_sampler_for
 from ember.runner.sampling_inputs import SamplingPlan, fits_graph_tail, plan_sampling, sampling_metadata
 from ember.runner.step_input import StepInput, null_block_step
 from ember.runner.upload import PackedUpload
@@ -121,8 +122,10 @@ class ModelRunner:
                                               max_num_tokens=self.max_num_tokens)
         self.sampler = Sampler()
         self.grammar = GrammarMask(self.max_num_reqs, self.vocab_size, self.device)   # the engine fills and puts it
+        shard_sampler = shard_sampler_for(self.model, self.vocab_size, self.tp.size,
+                                          config.parallel.shard_local_sampling)
         self.decode_tail = DecodeTail(self.model, self.sampler, self.table, self.input_batch, self.grammar.bitmask,
-                                      rows_are_logits=self.skip_prefill)
+                                      rows_are_logits=self.skip_prefill, shard_sampler=shard_sampler)
         self.host_ring = HostRing(self.max_num_reqs, self.device) if self.device.type == "cuda" else None
         self.graphs = (CUDAGraphManager(self.device, lazy=config.compile.cudagraph_capture == "lazy")
                        if self.modes.cudagraph_mode != CUDAGraphMode.NONE else None)
@@ -366,15 +369,16 @@ class ModelRunner:
         grammar rows, the caller passes them only if the bitmask was put before the forward)."""
         batch = prepared.batch
         num_reqs = batch.common.num_reqs
-        if tokens is not None and fits_graph_tail(prepared.plan):
+        fits = fits_graph_tail(prepared.plan)       # needs no whole row: shard-local under tensor parallelism
+        self.decode_tail.count(fits)
+        if tokens is not None and fits:
             sampled = SamplerOutput(tokens[:num_reqs], None, None, None)
         else:
             with section("ember.sample"):
-                logits = self.model.compute_logits(self._logits_hidden(batch, hidden))
                 meta = sampling_metadata(self.table, prepared.plan, batch.idx_mapping,
                                          batch.common.seq_lens[:num_reqs], prepared.buf, self.grammar.bitmask,
                                          batch.mask_index[:num_reqs])
-                sampled = self.sampler(logits, meta)
+                sampled = self.decode_tail.sample(self._logits_hidden(batch, hidden), meta, fits)
                 self.table.write_sampled(batch.sample_index[:num_reqs], sampled.sampled_token_ids)
         if not self.tp.is_driver:       # every rank samples the same tokens into its table; rank 0 reports them
             return DeviceOnlyOutput()

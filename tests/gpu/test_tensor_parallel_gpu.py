@@ -8,7 +8,8 @@ logits no further from float32 than one rank's (times 1.15), top-1 agreement on 
 greedy bf16 tokens equal NCCL's under FULL graphs, logits as close to one rank's as NCCL's are. A Mixtral-shaped
 model (8 experts of hidden 4096, each rank half of every expert's intermediate dimension): float32 greedy tokens of
 two ranks equal one rank's under FULL graphs (the MoE kernels' decode GEMVs and grouped GEMMs on the sharded experts,
-and the block's all-reduce, captured).
+and the block's all-reduce, captured). Shard-local sampling in FULL graphs: float32 seeded temperature and greedy
+tokens equal the gathered logits' and one rank's.
 
     PYTHONPATH=. python -m pytest -q -m gpu tests/gpu/test_tensor_parallel_gpu.py      (2 GPUs)
 """
@@ -215,3 +216,30 @@ def test_float32_tokens_of_two_ranks_with_sharded_experts_under_full_graphs(mixt
     assert (one_i, two_i) == (4096, 2048)
     assert all(len(t) == 32 for t in two)
     assert two == one
+
+
+def _seeded(llm):
+    """Tokens of seeded temperature rows beside a greedy one, and rank 0's count of steps by sampling path."""
+    params = [SamplingParams(temperature=t, seed=s, max_tokens=32, ignore_eos=True)
+              for t, s in ((0.8, 1), (1.0, 2), (0.0, 3), (1.2, 4))]
+    tokens = [o.outputs[0].token_ids for o in llm.generate(_prompts((5, 17, 33, 70)), params, use_tqdm=False)]
+    return tokens, dict(llm.engine.runner.decode_tail.steps)
+
+
+def test_shard_local_sampling_under_full_graphs(folder):
+    # the FULL decode graphs' tail samples each rank's vocabulary range and all-gathers the partials: the same
+    # tokens as the gathered logits' sampler (shard_local_sampling=False), and as one rank's
+    path, _ = folder
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        (one, _), (on, on_steps), (off, off_steps) = (
+            _run(path, tp, _seeded, dtype="float32", cudagraph_mode="full", shard_local_sampling=local)
+            for tp, local in ((1, True), (2, True), (2, False)))
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved
+    assert all(len(t) == 32 for t in on) and len({tuple(t) for t in on}) == 4
+    assert on == off
+    assert on == one
+    assert on_steps["gathered"] == 0 and on_steps["shard_local"] >= 32
+    assert off_steps == {"shard_local": 0, "gathered": on_steps["shard_local"]}

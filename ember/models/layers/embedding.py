@@ -3,7 +3,8 @@
 Under tensor parallelism both are vocabulary-parallel: rank r holds the rows of token ids [r * R, (r + 1) * R),
 R = ceil(V / ranks) (`ember.distributed.shard.vocab_range`; the last range padded with zero rows). The embedding
 looks up the ids in its range, zeroes the others' rows and all-reduces; the LM head computes its range's logits and
-all-gathers them, so that every rank holds the whole [N, V] logits and samples the same tokens from them.
+all-gathers them, so that every rank holds the whole [N, V] logits and samples the same tokens from them (or, for
+shard-local sampling, hands out its range's logits alone: `shard_logits`).
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ class LMHead(nn.Module):
         # A list keeps the embedding out of this module's children, so its weight is loaded and listed once.
         self._tied = [tied_to] if tied_to is not None else []
         if tied_to is None:
-            self.weight, _, _, self.tp_size = _vocab_param(vocab_size, hidden_size)
+            self.weight, self._start, self._held, self.tp_size = _vocab_param(vocab_size, hidden_size)
         else:
             self.weight, self.tp_size = None, tied_to.tp_size
         self.packed_weight: torch.Tensor | None = None    # oneDNN's copy on the CPU (ember.models.layers.onednn)
@@ -91,6 +92,14 @@ class LMHead(nn.Module):
         """The [vocab, hidden] weight that `packed_weight` holds in oneDNN's layout (the embedding's when tied)."""
         return self._tied[0].weight if self._tied else self.weight
 
+    @property
+    def vocab_shard(self) -> tuple[int, int]:
+        """(first token id, ids held) of this rank's vocabulary range; `shard_logits`' columns past the ids held
+        are padding."""
+        if self._tied:
+            return self._tied[0].vocab_start, self._tied[0].vocab_held
+        return self._start, self._held
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> logits [N, V] float32 (this rank's vocabulary range gathered with the others')."""
         out = self._local_logits(hidden)
@@ -98,6 +107,11 @@ class LMHead(nn.Module):
             return out
         out = all_gather(out, TP_GROUP)                   # [N, ranks * R]
         return out if out.shape[1] == self.vocab_size else out[:, :self.vocab_size].contiguous()
+
+    def shard_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, H] -> this rank's [N, R] float32 logits of its vocabulary range (`vocab_shard`), not gathered:
+        for shard-local sampling (ember.runner.sampler.shard_local)."""
+        return self._local_logits(hidden)
 
     def _local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if takes_packed(hidden, self.packed_weight):

@@ -262,16 +262,18 @@ def _mix64(z: torch.Tensor) -> torch.Tensor:
     return z ^ _shift_right(z, 31)
 
 
-def random_bits(seeds: torch.Tensor, counters: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[N, V] int64 of 64 random bits per (seed, counter, token id), a pure function of those three numbers."""
+def random_bits(seeds: torch.Tensor, counters: torch.Tensor, vocab_size: int, first_id: int = 0) -> torch.Tensor:
+    """[N, V] int64 of 64 random bits per (seed, counter, token id), a pure function of those three numbers; with
+    `first_id`, of the ids first_id .. first_id + V - 1 (a vocabulary shard's)."""
     # one splitmix64 stream per (seed, counter): hash the seed, step to the counter, hash again for the row key
     row_key = _mix64(_mix64(seeds + _GOLDEN) + (counters + 1) * _GOLDEN)             # [N]
-    token_steps = (torch.arange(vocab_size, dtype=torch.int64, device=seeds.device) + 1) * _GOLDEN   # [V]
-    return _mix64(row_key[:, None] + token_steps[None, :])                           # [N, V]
+    ids = torch.arange(first_id, first_id + vocab_size, dtype=torch.int64, device=seeds.device)   # [V]
+    return _mix64(row_key[:, None] + ((ids + 1) * _GOLDEN)[None, :])                 # [N, V]
 
 
-def gumbel_noise(seeds: torch.Tensor, counters: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[N, V] float32 standard Gumbel noise, -log(E) with E ~ Exp(1), from `random_bits`."""
+def gumbel_noise(seeds: torch.Tensor, counters: torch.Tensor, vocab_size: int, first_id: int = 0) -> torch.Tensor:
+    """[N, V] float32 standard Gumbel noise, -log(E) with E ~ Exp(1), from `random_bits` (of the ids from
+    `first_id`)."""
     # top 23 bits plus a half step: uniform strictly inside (0, 1) and exact in float32, so no log(0)
-    uniform = (_shift_right(random_bits(seeds, counters, vocab_size), 41).float() + 0.5) * (2.0 ** -23)
+    uniform = (_shift_right(random_bits(seeds, counters, vocab_size, first_id), 41).float() + 0.5) * (2.0 ** -23)
     return -torch.log(-torch.log(uniform))
