@@ -30,6 +30,7 @@
 #   bash benches/run_gpu.sh tp2_tests     # 2 GPUs: the TP GPU tests
 #   bash benches/run_gpu.sh tp2_startup   # 2 GPUs: cold and warm start-up at TP=1 and TP=2
 #   bash benches/run_gpu.sh tp2           # 2 GPUs: Llama-3.1-8B batch 1 and nano-vllm throughput, TP=1 against TP=2
+#   bash benches/run_gpu.sh tp2_sampling  # 2 GPUs: shard-local sampling's test, TP=2 throughput with it and without
 #   bash benches/run_gpu.sh tp4           # 4 GPUs: Llama-3.1-70B TP=4 cold and warm start-up, batch 1, throughput
 #   bash benches/run_gpu.sh moe_tp2       # 2 GPUs: the sharded-experts GPU test, Mixtral-8x7B TP=2 batch 1, throughput
 # Each part's own switches are described above its function.
@@ -366,6 +367,22 @@ part_tp2() {
   done
 }
 
+# tp2_sampling (at most 5 min): shard-local sampling's GPU test (FULL graphs, tokens against the gathered logits'
+# and one rank's), then the nano-vllm throughput workload at TP=2 with shard-local sampling and with the logits
+# gathered for every step (--no-shard-local-sampling), in the same run.
+part_tp2_sampling() {
+  local thr="python3 -m ember bench throughput --config llama-3.1-8b --tensor-parallel-size 2" f
+  timed tp_sampling_test 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_tensor_parallel_gpu.py \
+    -k shard_local
+  timed thr_tp2_local 75 $thr --json "$OUT/thr_tp2_local.json"
+  timed thr_tp2_gather 75 $thr --no-shard-local-sampling --json "$OUT/thr_tp2_gather.json"
+  echo "== summary"
+  grep -h "passed\|failed\|assert" "$OUT/tp_sampling_test.log" | tail -3
+  for f in thr_tp2_local thr_tp2_gather; do
+    echo "-- $f"; grep -h "decode \|TPOT\|output \|host \|start-up\|Error" "$OUT/$f.log" | head -6
+  done
+}
+
 # tp4 (at most 9 min): Llama-3.1-70B config (random bf16 weights), TP=4: cold then warm start-up by phase (fresh
 # caches, 16 prompts), then batch 1 and the nano-vllm throughput workload on the warm caches.
 part_tp4() {
@@ -561,7 +578,7 @@ part=${1:-}
 [ $# -gt 0 ] && shift
 case "$part" in
   decode|throughput|headline|serve|serve_dp|startup|flash|fusion|ab|moe|moe_sweep|moe_throughput|fp8|fp8_gemv|\
-  gemv_rows|gemv_tp|fallback|structured|tp2|tp2_collectives|tp2_tests|tp2_startup|tp4|moe_tp2) mkdir -p "$OUT" ;;
+  gemv_rows|gemv_tp|fallback|structured|tp2|tp2_collectives|tp2_tests|tp2_startup|tp2_sampling|tp4|moe_tp2) mkdir -p "$OUT" ;;
 esac
 case "$part" in
   decode) part_decode ;;
@@ -586,10 +603,11 @@ case "$part" in
   tp2_collectives) part_tp2_collectives ;;
   tp2_tests) part_tp2_tests ;;
   tp2_startup) part_tp2_startup ;;
+  tp2_sampling) part_tp2_sampling ;;
   tp4) part_tp4 ;;
   moe_tp2) part_moe_tp2 ;;
   *) echo "usage: bash benches/run_gpu.sh decode|throughput|headline|serve|serve_dp|startup [MODEL ...]|flash|fusion|ab|" \
           "moe|moe_sweep [CONFIG]|moe_throughput|fp8|fp8_gemv|gemv_rows|fallback [qwen3|llama|pythia]|structured|" \
-          "tp2_collectives|tp2|tp4|moe_tp2" >&2
+          "tp2_collectives|tp2|tp2_sampling|tp4|moe_tp2" >&2
      exit 2 ;;
 esac
