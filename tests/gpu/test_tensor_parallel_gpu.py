@@ -219,11 +219,14 @@ def test_float32_tokens_of_two_ranks_with_sharded_experts_under_full_graphs(mixt
 
 
 def _seeded(llm):
-    """Tokens of seeded temperature rows beside a greedy one, and rank 0's count of steps by sampling path."""
+    """Tokens of seeded temperature rows beside a greedy one, and rank 0's count of their steps by sampling path
+    (the warm-up's before them not counted)."""
     params = [SamplingParams(temperature=t, seed=s, max_tokens=32, ignore_eos=True)
               for t, s in ((0.8, 1), (1.0, 2), (0.0, 3), (1.2, 4))]
+    steps = llm.engine.runner.decode_tail.steps
+    before = dict(steps)
     tokens = [o.outputs[0].token_ids for o in llm.generate(_prompts((5, 17, 33, 70)), params, use_tqdm=False)]
-    return tokens, dict(llm.engine.runner.decode_tail.steps)
+    return tokens, {path: steps[path] - before[path] for path in steps}
 
 
 def test_shard_local_sampling_under_full_graphs(folder):
