@@ -21,11 +21,13 @@ Per batch size: plain decoding with async scheduling (the engine's default on CU
 whose proposals are made on the device: `DeviceReplay` proposes the peaked chain there, corrupted the same way.
 
 `--draft CONFIG` runs a draft model (a bundled config, random weights) instead of the replayed proposals and
-reports the cost of a draft call (catch-up and k greedy tokens) and of a verify step; both models are peaked to
-the identity chain (the token after t is t), so every proposal is accepted and the tokens are checked:
+reports the cost of a draft call (catch-up and k greedy tokens) and of a verify step, synchronous; both models are
+peaked to the identity chain (the token after t is t), so every proposal is accepted and the tokens are checked.
+With `--async-spec` the draft model then also runs under async scheduling (its steps launched from the target's
+table on the device, `spec_decode/draft_device.py`), timed whole:
 
     PYTHONPATH=. python benches/spec_decode.py --model llama-3.1-8b --draft llama-3.2-1b --batch-sizes 1 8 -k 4 \
-        --prompt-len 256 --output-len 128
+        --prompt-len 256 --output-len 128 [--async-spec]
 
 On a CPU (the acceptance and the token match, not the speed), a 4-layer Qwen3-0.6B in bfloat16:
 
@@ -176,7 +178,8 @@ def main() -> None:
             draft_run(model_path(args.model, args.num_layers, folder),
                       model_path(args.draft, args.num_layers, draft_folder), args.batch_sizes,
                       args.num_speculative_tokens, args.prompt_len, args.output_len, device=args.device,
-                      dtype=args.dtype, gpu_memory_utilization=args.gpu_memory_utilization)
+                      dtype=args.dtype, gpu_memory_utilization=args.gpu_memory_utilization,
+                      async_spec=args.async_spec)
         return
     with tempfile.TemporaryDirectory() as folder:
         run(model_path(args.model, args.num_layers, folder), args.batch_sizes, args.num_speculative_tokens,
@@ -293,11 +296,12 @@ def async_spec_runs(spec, plain_rows: list[dict], prompts, recorded, params, k: 
 
 
 def draft_run(model: str, draft: str, batch_sizes: list[int], k: int, prompt_len: int, output_len: int,
-              **engine_kwargs) -> list[dict]:
-    """Plain decoding (async) against speculation with the draft model `draft`, both peaked to the identity chain;
-    per batch size a JSON line with the tokens/s, the seconds of a draft call (the catch-up prefill and k greedy
-    decode steps of the draft, synchronised) and of the rest of a speculative step (the verify step and the host's
-    work), and the acceptance."""
+              async_spec: bool = False, **engine_kwargs) -> list[dict]:
+    """Plain decoding (async) against speculation with the draft model `draft` (synchronous), both peaked to the
+    identity chain; per batch size a JSON line with the tokens/s, the seconds of a draft call (the catch-up prefill
+    and k greedy decode steps of the draft, synchronised) and of the rest of a speculative step (the verify step
+    and the host's work), and the acceptance. `async_spec`: then the draft model under async scheduling too
+    (`spec_async_*` keys)."""
     rng = np.random.default_rng(0)
     largest = max(batch_sizes)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
@@ -315,9 +319,9 @@ def draft_run(model: str, draft: str, batch_sizes: list[int], k: int, prompt_len
         rows.append({"batch": b, "plain_async_tok_s": b * output_len / elapsed})
     release_engine(plain)
     del plain
-    spec = LLM(model, **engine_kwargs, speculative_config={"method": "draft_model", "model": draft,
-                                                           "num_speculative_tokens": k,
-                                                           "disable_by_batch_size": max(largest, 1)})
+    speculative = {"method": "draft_model", "model": draft, "num_speculative_tokens": k,
+                   "disable_by_batch_size": max(largest, 1)}
+    spec = LLM(model, **engine_kwargs, speculative_config=speculative, async_scheduling=False)
     proposer = spec.engine.scheduler.proposer
     peak_greedy(spec.engine.runner.model, identity=True)
     peak_greedy(proposer.runner.model, identity=True)
@@ -351,8 +355,29 @@ def draft_run(model: str, draft: str, batch_sizes: list[int], k: int, prompt_len
                  draft_call_ms=1e3 * draft_time[0] / max(draft_time[1], 1),
                  step_without_draft_ms=1e3 * (elapsed - draft_time[0]) / max(steps, 1))
         r["speedup_vs_async"] = r["spec_tok_s"] / r["plain_async_tok_s"]
-        print(json.dumps(r), flush=True)
+        if not async_spec:
+            print(json.dumps(r), flush=True)
     release_engine(spec)
+    del spec, proposer
+    if async_spec:
+        spec = LLM(model, **engine_kwargs, speculative_config=speculative, async_scheduling=True)
+        peak_greedy(spec.engine.runner.model, identity=True)
+        peak_greedy(spec.engine.scheduler.proposer.runner.model, identity=True)
+        timed(spec, prompts[:1], SamplingParams(max_tokens=8, ignore_eos=True))
+        for r in rows:
+            b = r["batch"]
+            s = spec.engine.stats
+            before = (s.num_draft_tokens, s.num_accepted_tokens, s.num_verified_requests, s.num_steps)
+            elapsed, outs = timed(spec, prompts[:b], params)
+            steps = s.num_steps - before[3]
+            r.update(spec_async_tok_s=b * output_len / elapsed,
+                     spec_async_greedy_tokens_match=all(o == [p[-1]] * len(o) for p, o in zip(prompts[:b], outs)),
+                     spec_async_acceptance_rate=(s.num_accepted_tokens - before[1])
+                     / max(s.num_draft_tokens - before[0], 1),
+                     spec_async_steps=steps, spec_async_step_ms=1e3 * elapsed / max(steps, 1))
+            r["spec_async_speedup_vs_async"] = r["spec_async_tok_s"] / r["plain_async_tok_s"]
+            print(json.dumps(r), flush=True)
+        release_engine(spec)
     return rows
 
 

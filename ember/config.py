@@ -98,7 +98,7 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     # schedule and launch step t+1 while step t runs on the device; its tokens reach the host one call later.
-    # None: on with CUDA (but for a draft model's speculation); off on the CPU, where the forward runs on the host
+    # None: on with CUDA; off on the CPU, where the forward runs on the host
     # thread and nothing overlaps
     async_scheduling: bool | None = None
 
@@ -245,13 +245,8 @@ class EngineConfig:
         if self.speculative is not None and self.parallel.tensor_parallel_size * self.parallel.data_parallel_size > 1:
             raise ValueError("speculative decoding runs on one device (its verify step lives in the runner, not "
                              "in the tensor-parallel workers yet); use tensor_parallel_size=1 or drop it")
-        drafting = self.speculative is not None and self.speculative.method == "draft_model"
-        if drafting and s.async_scheduling:
-            raise ValueError("a draft model proposes from the request's last token on the host, so it runs with "
-                             "synchronous scheduling; pass async_scheduling=False or leave it unset (the n-gram "
-                             "method proposes on the device and keeps async scheduling)")
         if s.async_scheduling is None:
-            s = dataclasses.replace(s, async_scheduling=dev.type == "cuda" and not drafting)
+            s = dataclasses.replace(s, async_scheduling=dev.type == "cuda")
         comp = self.compile
         if comp.jit_warmup is None:
             comp = dataclasses.replace(comp, jit_warmup=dev.type == "cuda")

@@ -88,9 +88,10 @@ class Scheduler:
         self.speculative = speculative
         # a proposer with `propose_batch` (a draft model) answers for the step's requests at once, before the
         # loop below; the n-gram proposer answers per request inside it
-        # with async scheduling, n-gram proposals are made on the device (`spec_decode/device_verify.py`): the
-        # scheduler gives each decoding request a query of k + 1 tokens and reserves KV for the most it may need
-        self.device_drafts = (speculative.num_speculative_tokens if speculative is not None and proposer is None
+        # with async scheduling, proposals are made on the device (`spec_decode/device_verify.py`): the scheduler
+        # gives each decoding request a query of k + 1 tokens and reserves KV for the most it may need (a draft
+        # model's too: its proposer's `reserve`)
+        self.device_drafts = (speculative.num_speculative_tokens if speculative is not None
                               and config.async_scheduling else 0)
         if proposer is None and speculative is not None and not self.device_drafts:
             proposer = NgramProposer(speculative)
@@ -137,7 +138,8 @@ class Scheduler:
         capacity = kv.req_capacity
         propose = ((self.proposer is not None or self.device_drafts)
                    and len(self.running) <= self.speculative.disable_by_batch_size)
-        drafted = self._propose_batch() if propose and hasattr(self.proposer, "propose_batch") else None
+        batch_proposer = not self.device_drafts and hasattr(self.proposer, "propose_batch")
+        drafted = self._propose_batch() if propose and batch_proposer else None
         positions: list[int] = []       # of `scheduled`: position rows (device_drafts)
         i = 0
         while i < len(self.running) and budget > 0:
@@ -254,8 +256,11 @@ class Scheduler:
         end = req.num_tokens + pending                     # the device's token count: at least this,
         latest = end + slack                               # at most this
         width = 1
+        # a draft model's cache holds the row's tokens and the k - 1 proposals it runs itself, at most
+        reserve = getattr(self.proposer, "reserve", None)
         if (propose and budget > k and latest + k + 1 <= max_len
-                and proposal_limit(req.sampling_params, num_out, req.max_tokens, k) > 0):
+                and proposal_limit(req.sampling_params, num_out, req.max_tokens, k) > 0
+                and (reserve is None or reserve(req.request_id, latest + k - 1))):
             width = k + 1
         kv = self.kv
         while latest - 1 + width > kv.req_capacity.get(req.request_id, 0):

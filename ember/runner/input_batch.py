@@ -88,8 +88,8 @@ class InputBatch:
         self.seq_lens = torch.zeros(max_num_reqs, dtype=torch.int32, device=device)                   # [R]
         self.logits_indices = torch.zeros(max_num_reqs, dtype=torch.int64, device=device)             # [R]
         # per batch row: table row, chunk start, query length, sampled token's flat index, grammar bitmask row + 1
-        # (0: none), 1 where the start is the device's (a position row of async speculation); copied out of the
-        # step's upload so that a CUDA graph finds them at one address
+        # (0: none), n > 0 where the start is the device's token count less n (a position row of async speculation);
+        # copied out of the step's upload so that a CUDA graph finds them at one address
         self.row_info = torch.zeros(ROW_INFO, max_num_reqs, dtype=torch.int64, device=device)        # [6, R]
         self.block_tables = torch.zeros(num_groups, max_num_reqs, max_blocks_per_req, dtype=torch.int32,
                                         device=device)                                                # [G, R, B]
@@ -101,11 +101,12 @@ class InputBatch:
 
     def stage(self, layout: BatchLayout, num_reqs_padded: int, upload: PackedUpload, spare_index: int,
               sample_index: np.ndarray | None = None, grammar_rows: tuple[int, ...] = (),
-              position_rows: tuple[int, ...] = ()) -> tuple:
+              position_rows: tuple[int, ...] = (), position_back: int = 1) -> tuple:
         """Put the batch's rows, starts, query lengths, sampled-token indices, grammar bitmask rows and position
         flags in the upload (padding rows: row 0, start 0, length 0, index `spare_index`, no bitmask, no flag;
         without `sample_index` every row's token goes to `spare_index`). `grammar_rows[j]` samples under bitmask
-        row j; `position_rows` take their start from the device (`InputBatch.prepare`'s `before_inputs`)."""
+        row j; `position_rows` take their start from the device (`InputBatch.prepare`'s `before_inputs`):
+        `position_back` tokens before the row's device token count."""
         if num_reqs_padded > self.max_num_reqs:
             raise ValueError(f"batch of {num_reqs_padded} requests exceeds the buffers ({self.max_num_reqs})")
         per_row = np.zeros((ROW_INFO, num_reqs_padded), dtype=np.int64)
@@ -117,7 +118,7 @@ class InputBatch:
         if grammar_rows:
             per_row[4, list(grammar_rows)] = np.arange(1, len(grammar_rows) + 1)
         if position_rows:
-            per_row[5, list(position_rows)] = 1
+            per_row[5, list(position_rows)] = position_back
         return upload.put(per_row)
 
     def prepare(self, table: RequestTable, layout: BatchLayout, seg: tuple[int, int], buf: torch.Tensor,

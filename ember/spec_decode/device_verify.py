@@ -37,24 +37,22 @@ HOST_PLANNED_BACKENDS = ("torch_ref", "cpu_sdpa")
 
 
 class DeviceVerifier:
-    """Runs every step of a `ModelRunner` whose engine speculates with async scheduling (n-gram proposals)."""
+    """Runs every step of a `ModelRunner` whose engine speculates with async scheduling (proposals made on the
+    device: n-gram, or a draft model's)."""
     every_step = True
 
     def __init__(self, runner, config: SpeculativeConfig):
         if runner.skip_prefill:
             raise ValueError("speculative decoding needs every token's hidden state; this model's KV-sharing "
                              "layers run on the last token only; drop speculative_config for this model")
-        if runner.device.type != "cpu":
-            planned = sorted({b.name for b in runner.attn.backends} & set(HOST_PLANNED_BACKENDS))
-            if planned:
-                raise ValueError(f"attention backend {planned[0]!r} plans on the host's sequence lengths, which "
-                                 f"async speculation knows only on the device; pass async_scheduling=False or "
-                                 f"use another attention backend")
+        check_device_positions(runner)
         self.runner = runner
         self.k = k = config.num_speculative_tokens
         n_min, n_max = config.prompt_lookup_min, config.prompt_lookup_max
         # (token_ids, table rows [V], their counts [V]) -> proposals [V, k], -1 for none; a benchmark may replace it
         self.propose = lambda token_ids, rows, counts: propose_ngram(token_ids, rows, counts, k, n_min, n_max)
+        # a draft model's proposer (`draft_device.DeviceDraftProposer`), which then proposes instead, or None
+        self.draft = None
 
     @torch.inference_mode()
     def execute_async(self, step: StepInput):
@@ -91,15 +89,16 @@ class DeviceVerifier:
             V = verify_rows.size
             verify_rows_d, d_d, logit_rows_d = dev[:V], dev[V:V + num_reqs], dev[V + num_reqs:]
             drafts = {}
+            # the draft model runs its steps here, from the table's tokens and counts on the device
+            drafted = self.draft.propose(step, verify_rows, layout.rows, table) if self.draft is not None else None
 
             def before_inputs(info: torch.Tensor) -> None:
-                idx, starts, sample_index, flag = info[0], info[1], info[3], info[5] > 0
-                count = table.device_num_tokens[idx]                                  # [R_pad]
-                starts.copy_(torch.where(flag, count - 1, starts))
-                sample_index.copy_(torch.where(flag, idx * table.width + count, sample_index))
+                idx = info[0]
+                count = position_inputs(table, info)                                  # [R_pad]
                 if V:
                     rows, counts = idx[verify_rows_d], count[verify_rows_d]
-                    proposals = self.propose(table.token_ids, rows, counts)                   # [V, k]
+                    proposals = (drafted if drafted is not None
+                                 else self.propose(table.token_ids, rows, counts))              # [V, k]
                     at = rows[:, None] * table.width + counts[:, None] + torch.arange(k, device=idx.device)
                     # a missing proposal still runs as a query token (token 0); the verify step never accepts it
                     table.token_ids.view(-1).index_copy_(0, at.reshape(-1),
@@ -139,8 +138,33 @@ class DeviceVerifier:
                                 proposed=proposed)
 
     def _advance(self, idx: torch.Tensor, sample_index: torch.Tensor) -> None:
-        """Each batch row that sampled holds its tokens up to the one it sampled: set its device count there."""
-        table = self.runner.table
-        position = sample_index - idx * table.width
-        counts = table.device_num_tokens[idx]
-        table.device_num_tokens.index_copy_(0, idx, torch.where(position != table.width - 1, position + 1, counts))
+        advance_counts(self.runner.table, idx, sample_index)
+
+
+def check_device_positions(runner) -> None:
+    """Refuse, on CUDA, attention backends that plan on the host's sequence lengths: position rows' lengths are
+    known only on the device."""
+    if runner.device.type != "cpu":
+        planned = sorted({b.name for b in runner.attn.backends} & set(HOST_PLANNED_BACKENDS))
+        if planned:
+            raise ValueError(f"attention backend {planned[0]!r} plans on the host's sequence lengths, which "
+                             f"async speculation knows only on the device; pass async_scheduling=False or "
+                             f"use another attention backend")
+
+
+def position_inputs(table, info: torch.Tensor) -> torch.Tensor:
+    """Rewrite the position rows of a step's row info [6, R] on the device: a row flagged n > 0 starts n tokens
+    before its device token count and samples into the column after it. Returns every row's count [R]."""
+    idx, starts, sample_index, back = info[0], info[1], info[3], info[5]
+    count = table.device_num_tokens[idx]                                                      # [R]
+    flag = back > 0
+    starts.copy_(torch.where(flag, count - back, starts))
+    sample_index.copy_(torch.where(flag, idx * table.width + count, sample_index))
+    return count
+
+
+def advance_counts(table, idx: torch.Tensor, sample_index: torch.Tensor) -> None:
+    """Each batch row that sampled holds its tokens up to the one it sampled: set its device count there."""
+    position = sample_index - idx * table.width
+    counts = table.device_num_tokens[idx]
+    table.device_num_tokens.index_copy_(0, idx, torch.where(position != table.width - 1, position + 1, counts))

@@ -52,10 +52,7 @@ class DraftModelProposer:
     leaves (finished, aborted or preempted), which frees its blocks of the draft's cache."""
 
     def __init__(self, runner, num_speculative_tokens: int):
-        if len(runner.attn.groups) != 1:
-            raise ValueError(f"the draft model has {len(runner.attn.groups)} KV-cache groups (sliding-window or "
-                             f"hybrid layers); a draft model of one group (full attention in every layer) is "
-                             f"supported")
+        check_groups(runner)
         self.runner = runner
         self.k = num_speculative_tokens
         self.block_size = runner.config.cache.block_size
@@ -152,6 +149,13 @@ class DraftModelProposer:
                 job.proposals.append(int(token))
 
 
+def check_groups(runner) -> None:
+    """Refuse a draft runner of more than one KV-cache group: the draft's pool hands out blocks of one group."""
+    if len(runner.attn.groups) != 1:
+        raise ValueError(f"the draft model has {len(runner.attn.groups)} KV-cache groups (sliding-window or "
+                         f"hybrid layers); a draft model of one group (full attention in every layer) is supported")
+
+
 def _common_prefix(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
     for i in range(n):
@@ -160,10 +164,12 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-def build_draft_proposer(config, load_format: str, target, tokenizer=None) -> DraftModelProposer:
+def build_draft_proposer(config, load_format: str, target, tokenizer=None):
     """The draft model of `config.speculative` on the target's device, dtype, load format and limits, after the
     checks that it can draft for `target` (the target's runner or executor): the same vocabulary size, the same
-    token ids for `PROBE_STRINGS` where both have tokenizers, a context at least the target's max_model_len."""
+    token ids for `PROBE_STRINGS` where both have tokenizers, a context at least the target's max_model_len.
+    Under async scheduling a `DeviceDraftProposer`, which the target's `DeviceVerifier` runs each step; else a
+    `DraftModelProposer`, which the scheduler asks before each step."""
     from ember.models.loader import load_config
     from ember.runner.model_runner import ModelRunner
     spec = config.speculative
@@ -181,8 +187,13 @@ def build_draft_proposer(config, load_format: str, target, tokenizer=None) -> Dr
         config, model=dataclasses.replace(config.model, model=str(path), max_model_len=target.max_model_len),
         speculative=None)
     logger.info("draft model %s: a cache of its own, sized as the target's is (docs/spec_decode.md)", name)
-    return DraftModelProposer(ModelRunner(draft_config, str(path), hf_config, load_format),
-                              spec.num_speculative_tokens)
+    runner = ModelRunner(draft_config, str(path), hf_config, load_format)
+    if not config.scheduler.async_scheduling:
+        return DraftModelProposer(runner, spec.num_speculative_tokens)
+    from ember.spec_decode.draft_device import DeviceDraftProposer
+    proposer = DeviceDraftProposer(runner, spec.num_speculative_tokens)
+    target.verifier.draft = proposer
+    return proposer
 
 
 def check_draft(hf_config, path: Path, vocab_size: int, max_model_len: int, tokenizer=None) -> None:

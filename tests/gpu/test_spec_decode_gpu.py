@@ -1,8 +1,8 @@
 """Speculative decoding on a GPU, through compile and CUDA graphs: float32 greedy tokens with n-gram proposals equal
 plain decoding's in each graph mode (verify steps in FULL graphs of their own by request count where the backend
 runs every batch in a graph, else the mixed-batch path), with proposals accepted; seeded sampling is
-reproducible; a draft model (the target drafting for itself) gives the plain tokens too; the device n-gram kernel
-proposes what the host proposer does."""
+reproducible; a draft model (the target drafting for itself, async and sync) gives the plain tokens too; the device
+n-gram kernel proposes what the host proposer does."""
 
 import gc
 
@@ -72,22 +72,35 @@ def test_seeded_sampling_is_reproducible():
     assert first == again and all(len(t) == 48 for t in first)
 
 
+@pytest.mark.parametrize("scheduling", ["async", "sync"])
 @pytest.mark.parametrize("mode", ["none", "full_and_piecewise"])
-def test_draft_model_greedy_tokens_equal_plain_decoding(mode):
+def test_draft_model_greedy_tokens_equal_plain_decoding(mode, scheduling):
     # the target drafting for itself (its own runner, cache and graphs): nearly every proposal is accepted (a
-    # near tie of the random weights may flip between the draft's decode and the verify step's 5-token query)
+    # near tie of the random weights may flip between the draft's decode and the verify step's 5-token query).
+    # async: the draft's steps launched from the target's table on the device (the default on CUDA)
     kw = dict(enforce_eager=True) if mode == "none" else dict(cudagraph_mode=mode)
     kw.update(gpu_memory_utilization=0.6)      # the draft's cache takes what the target leaves
     plain, _, _ = run(async_scheduling=False, **kw)
     llm = LLM("qwen3-0.6b", load_format="dummy", dtype="float32", max_num_seqs=16, **kw,
+              async_scheduling=scheduling == "async",
               speculative_config={"method": "draft_model", "model": "qwen3-0.6b", "num_speculative_tokens": 4})
+    proposer = llm.engine.scheduler.proposer
+    draft_dispatch, draft_modes = proposer.runner._dispatch, []
+
+    def counted(step):
+        mode_desc = draft_dispatch(step)
+        draft_modes.append((mode_desc[0], mode_desc[1].uniform_decode))
+        return mode_desc
+
+    proposer.runner._dispatch = counted
     spec = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts()], GREEDY,
                                                          use_tqdm=False)]
     stats = llm.engine.stats
     assert spec == plain
     assert stats.num_draft_tokens > 0 and stats.spec_summary()["acceptance_rate"] > 0.9
-    proposer = llm.engine.scheduler.proposer
     assert proposer.num_free_blocks == proposer.runner.num_blocks - 1
+    if mode == "full_and_piecewise":     # the draft's decode steps replay its FULL decode graphs
+        assert (CUDAGraphMode.FULL, True) in draft_modes
 
 
 def test_device_ngram_kernel_equals_host_proposer():

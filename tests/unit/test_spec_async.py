@@ -126,12 +126,19 @@ def test_stop_string_inside_an_accepted_run(spec, reference):
     assert got.text.split() == words[:i + 1] and got.text.endswith(" " + words[i])
 
 
-def test_defaults_and_refusals(path):
+def test_defaults(path, monkeypatch):
+    from ember.config import EngineConfig, ModelConfig
+    from ember.speculative_config import SpeculativeConfig
     plain = LLM(path, device="cpu", speculative_config=NGRAM)
     assert not plain.config.scheduler.async_scheduling        # the CPU's default, as without it
-    with pytest.raises(ValueError, match="synchronous scheduling"):
-        LLM(path, device="cpu", async_scheduling=True,
-            speculative_config={"method": "draft_model", "model": path, "num_speculative_tokens": 2})
+    # on CUDA async scheduling is the default for both methods (the config resolved as if CUDA were there)
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 1)
+    for spec in (NGRAM, {"method": "draft_model", "model": path, "num_speculative_tokens": 2}):
+        config = EngineConfig(ModelConfig(path), device="cuda", speculative=SpeculativeConfig.from_dict(spec))
+        assert config.resolve().scheduler.async_scheduling
+        cpu = EngineConfig(ModelConfig(path), device="cpu", speculative=SpeculativeConfig.from_dict(spec))
+        assert not cpu.resolve().scheduler.async_scheduling
 
 
 def test_logprobs_are_the_targets_and_sampling_is_reproducible(path, spec):

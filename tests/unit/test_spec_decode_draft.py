@@ -159,8 +159,6 @@ def test_draft_of_another_vocabulary_or_shorter_context_is_refused(path, tmp_pat
     short = _model(tmp_path_factory, "draft_short", max_position_embeddings=64, hidden_size=32, num_hidden_layers=1)
     with pytest.raises(ValueError, match="allows 64 positions .* max_model_len 256"):
         LLM(path, device="cpu", speculative_config=_draft(short))
-    with pytest.raises(ValueError, match="synchronous scheduling"):
-        LLM(path, device="cpu", speculative_config=_draft(path), async_scheduling=True)
 
 
 def _word_tokenizer(folder, words):

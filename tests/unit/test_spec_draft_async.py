@@ -1,0 +1,187 @@
+"""The draft model under async scheduling on tiny random Llamas (float32, CPU): its steps take their inputs from the
+target's table on the device and nothing waits for them on the host; greedy tokens equal plain decoding's with
+chunked prefill, preemption, prefix hits, a stop string and max_tokens inside an accepted run; the target drafting
+for itself has every proposal accepted; a request whose draft lost step catches up on what its cache misses."""
+
+import json
+
+import pytest
+import torch
+
+from ember import LLM, SamplingParams
+from ember.runner.output import AsyncModelRunnerOutput
+from ember.spec_decode.draft_device import DeviceDraftProposer
+from ember.spec_decode.verify import VerifyOutput
+from tests.helpers.model_harness import random_hf_model, tiny_config
+
+PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3], [7, 8, 9, 7, 8, 9, 7, 8], [200],
+           list(range(10, 40)) * 2, [50, 60, 50, 60, 50]]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+WORDS = [f"w{i}" for i in range(320)]
+CONFIG = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, max_position_embeddings=256)
+
+
+@pytest.fixture(scope="module")
+def path(tmp_path_factory):
+    p = tmp_path_factory.mktemp("draft_async_target")
+    random_hf_model(tiny_config("llama", **CONFIG), seed=0).save_pretrained(p)
+    # a word-level tokenizer (one word per id), so that stop strings can be tested without a converted vocabulary
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.decoder = decoders.WordPiece(prefix="##")        # joins words with spaces
+    tok.save(str(p / "tokenizer.json"))
+    (p / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast",
+                                                          "unk_token": "w0"}))
+    return str(p)
+
+
+@pytest.fixture(scope="module")
+def noisy(tmp_path_factory):
+    # the target with noise of 5% of each layer weight's spread: it agrees with the target about half the time
+    p = tmp_path_factory.mktemp("draft_async_noisy")
+    model = random_hf_model(tiny_config("llama", **CONFIG), seed=0)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, w in model.named_parameters():
+            if "layers" in name:
+                w.add_(torch.randn(w.shape, generator=g) * w.std() * 0.05)
+    model.save_pretrained(p)
+    return str(p)
+
+
+def _draft(model, k=4):
+    return {"method": "draft_model", "model": model, "num_speculative_tokens": k}
+
+
+def _tokens(llm, prompts=PROMPTS, params=GREEDY):
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def reference(path):
+    return _tokens(LLM(path, device="cpu"))
+
+
+@pytest.fixture(scope="module")
+def self_draft(path):
+    return LLM(path, device="cpu", speculative_config=_draft(path), async_scheduling=True)
+
+
+def _free_again(llm):
+    proposer = llm.engine.scheduler.proposer
+    return proposer.num_free_blocks == proposer.runner.num_blocks - 1 and not proposer._states
+
+
+def test_self_draft_accepts_everything_with_steps_overlapped(self_draft, reference, monkeypatch):
+    proposer = self_draft.engine.scheduler.proposer
+    assert isinstance(proposer, DeviceDraftProposer) and self_draft.engine.runner.verifier.draft is proposer
+    events = []
+    runner = self_draft.engine.runner
+    launch = runner.execute_async
+    monkeypatch.setattr(runner, "execute_async", lambda step: events.append("launch") or launch(step))
+    for cls in (VerifyOutput, AsyncModelRunnerOutput):
+        monkeypatch.setattr(cls, "result", lambda h, r=cls.result: events.append("wait") or r(h))
+    stats = self_draft.engine.stats
+    before = stats.num_steps
+    assert _tokens(self_draft) == reference
+    # every wait is for a target step: the draft's steps are never read on the host
+    assert events.count("wait") == events.count("launch")
+    unread, overlapped = 0, 0
+    for e in events:
+        overlapped += e == "launch" and unread > 0
+        unread += 1 if e == "launch" else -1
+    steps = stats.num_steps - before
+    assert overlapped >= steps * 3 // 4
+    # the draft is the target: a window at the wrong position would propose other tokens
+    assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens == stats.num_draft_tokens
+    assert stats.spec_summary()["mean_acceptance_length"] > 4.0
+    assert _free_again(self_draft)
+
+
+def test_partly_accepted_drafts_with_chunked_prefill(path, noisy, reference):
+    llm = LLM(path, device="cpu", speculative_config=_draft(noisy), async_scheduling=True,
+              max_num_batched_tokens=16, block_size=8)
+    assert _tokens(llm) == reference
+    # rejections part-way (a 1-token catch-up) and whole runs (2 tokens)
+    assert 0.3 < llm.engine.stats.spec_summary()["acceptance_rate"] < 0.7
+    assert _free_again(llm)
+
+
+def test_preemption_equals_plain_decoding(path, reference):
+    # prefix caching off (recomputed and cached KV differ in the last bits of this random model); 14 blocks of 8
+    # tokens in each pool: requests are preempted, and come back to a draft that has forgotten them
+    llm = LLM(path, device="cpu", speculative_config=_draft(path, k=3), async_scheduling=True,
+              max_num_batched_tokens=16, num_kv_blocks=14, block_size=8, enable_prefix_caching=False)
+    assert _tokens(llm) == reference
+    stats = llm.engine.stats
+    assert stats.num_preemptions > 0 and stats.num_accepted_tokens == stats.num_draft_tokens > 0
+    assert _free_again(llm)
+
+
+def test_prefix_hits_equal_plain_decoding(self_draft, reference):
+    stats = self_draft.engine.stats
+    hits, drafted, accepted = stats.num_prefix_cache_hits, stats.num_draft_tokens, stats.num_accepted_tokens
+    # the target finds the prompts' blocks cached; the draft (which dropped them) copies and runs them anew
+    assert _tokens(self_draft) == reference
+    assert stats.num_prefix_cache_hits > hits
+    assert stats.num_draft_tokens > drafted and stats.num_accepted_tokens - accepted == stats.num_draft_tokens - drafted
+
+
+def test_stop_token_max_tokens_and_stop_string_inside_an_accepted_run(self_draft, reference):
+    ref = reference[0]
+    stop = ref[17]
+    first = ref.index(stop)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop_token_ids=[stop])
+    out = self_draft.generate([{"prompt_token_ids": PROMPTS[0]}], params, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == ref[:first + 1] and out.finish_reason == "stop"
+    for n in (1, 2, 7):
+        got = _tokens(self_draft, PROMPTS[:2], SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+        assert got == [r[:n] for r in reference[:2]]
+    engine, tok = self_draft.engine, self_draft.tokenizer
+    rid = engine.add_request(PROMPTS[0], GREEDY)
+    seen, inside, tokens = 0, [], []
+    while engine.has_unfinished():
+        for o in engine.step(stream=True):
+            if o.request_id == rid:
+                tokens = o.outputs[0].token_ids
+                inside += list(range(seen + 1, len(tokens)))      # arrived after another token of its step
+                seen = len(tokens)
+    assert tokens == ref and inside
+    words = tok.decode(tokens).split(" ")
+    # a word that first occurs inside an accepted run: the output stops right after it
+    i = next(i for i in inside if words.index(words[i]) == i)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop=[" " + words[i]],
+                            include_stop_str_in_output=True)
+    got = self_draft.generate([{"prompt_token_ids": PROMPTS[0]}], params, use_tqdm=False)[0].outputs[0]
+    assert got.finish_reason == "stop" and got.token_ids == tokens[:i + 1]
+    assert got.text.endswith(" " + words[i])
+    assert _free_again(self_draft)
+
+
+def test_speculation_off_at_large_batches_then_caught_up(path, reference, monkeypatch):
+    prefill = DeviceDraftProposer._prefill
+    jobs = []
+    monkeypatch.setattr(DeviceDraftProposer, "_prefill", lambda self, j: jobs.extend(j) or prefill(self, j))
+    # more requests than disable_by_batch_size: the first request speculates alone, then not while the others run
+    # (their prompts arrive in chunks), and again once the shorter ones are done
+    llm = LLM(path, device="cpu", speculative_config={**_draft(path), "disable_by_batch_size": 2},
+              async_scheduling=True, max_num_batched_tokens=16)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (24, 20, 4, 8, 6)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [r[:p.max_tokens] for r, p in zip(reference, params)]
+    stats = llm.engine.stats
+    assert stats.num_accepted_tokens == stats.num_draft_tokens > 0       # the target drafting for itself
+    # the first request's draft ran its prompt, then later caught up on output tokens emitted while it did not run
+    assert ("0", 0, len(PROMPTS[0]) - 1) in jobs
+    assert any(req_id == "0" and len(PROMPTS[0]) < start < end for req_id, start, end in jobs)
+    assert _free_again(llm)
+
+
+def test_seeded_sampling_is_reproducible(self_draft):
+    seeded = SamplingParams(temperature=0.8, top_k=20, seed=11, max_tokens=20, ignore_eos=True)
+    before = self_draft.engine.stats.num_draft_tokens
+    first = _tokens(self_draft, PROMPTS[:2], seeded)
+    assert first == _tokens(self_draft, PROMPTS[:2], seeded) and [len(t) for t in first] == [20, 20]
+    assert self_draft.engine.stats.num_draft_tokens > before
