@@ -12,15 +12,18 @@ class PackedUpload:
     one transfer and returns the device view; `segment` slices a segment out of it.
 
     Two host buffers alternate so that writing step t+1's segments never waits for step t's copy, which the stream
-    runs only after step t-1's kernels; a buffer is reused only after the copy out of it has finished."""
+    runs only after step t-1's kernels; a buffer is reused only after the copy out of it has finished. With
+    `max_depth` > 2 (a runner that uploads several times a step: a draft model's k steps), the ring takes a new
+    buffer instead of waiting for a copy still queued, up to that many buffers."""
 
-    def __init__(self, capacity: int, device: torch.device):
+    def __init__(self, capacity: int, device: torch.device, max_depth: int = 2):
         self.device = device
         self._cuda = device.type == "cuda"
         self._ring = [self._alloc(capacity) for _ in range(2)]
         self._events = [None, None]
         self._turn = 0
         self._used = 0
+        self.max_depth = max_depth
         self._device_buf = torch.empty(capacity, dtype=torch.int64, device=device)
         # current_stream() without a device index looks the device up through several Python calls each step
         self._device_index = (device.index if device.index is not None else torch.cuda.current_device()) \
@@ -31,9 +34,16 @@ class PackedUpload:
         return host, host.numpy()
 
     def begin(self) -> None:
-        """Start a step's upload: take the next host buffer once the copy out of it has finished."""
-        self._turn ^= 1
+        """Start a step's upload: take the next host buffer once the copy out of it has finished (or, below
+        `max_depth`, a new one if it has not)."""
+        self._turn = (self._turn + 1) % len(self._ring)
         event = self._events[self._turn]
+        if event is not None and len(self._ring) < self.max_depth and not event.query():
+            # the next buffer's copy waits behind kernels still queued: a new buffer rather than a host wait
+            capacity = max(host.numel() for host, _ in self._ring)
+            self._ring.insert(self._turn, self._alloc(capacity))
+            self._events.insert(self._turn, None)
+            event = None
         if event is not None:
             event.synchronize()
         self._used = 0

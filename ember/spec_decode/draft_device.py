@@ -63,6 +63,9 @@ class DeviceDraftProposer:
         self.runner = runner
         self.k = num_speculative_tokens
         self.block_size = runner.config.cache.block_size
+        # the draft uploads k times a step and more (catch-ups, new rows): its ring of pinned staging buffers
+        # grows to hold two steps' uploads rather than wait for copies queued behind the step in flight
+        runner.upload.max_depth = 4 * (self.k + 2)
         self._free = list(range(runner.num_blocks - 1, 0, -1))     # block 0 is the null block
         self._states: dict[str, _State] = {}
         self._gone: list[str] = []          # requests whose rows leave the draft's table at its next change

@@ -260,3 +260,34 @@ def test_penalty_counts_from_the_table_equal_counting_the_tokens(chunk, monkeypa
             want_counts[r, token] = n
     assert torch.equal(meta.prompt_mask, want_seen)
     assert torch.equal(meta.output_counts, want_counts)
+
+
+class _Copy:
+    """A stand-in for a CUDA event of a staging buffer's copy: done or still queued; counts host waits."""
+
+    def __init__(self, done: bool):
+        self.done, self.waits = done, 0
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.waits += 1
+
+
+def test_a_deeper_upload_ring_takes_a_new_buffer_instead_of_waiting_for_a_queued_copy():
+    upload = PackedUpload(8, CPU, max_depth=3)
+    queued, done = _Copy(False), _Copy(True)
+    upload._events = [None, queued]        # the buffer begin() takes next (index 1) still has its copy queued
+    upload.begin()
+    assert len(upload._ring) == 3 and upload._turn == 1 and queued.waits == 0
+    assert upload._events == [None, None, queued]
+    upload._events[0] = done
+    upload.begin()          # the queued one, and the ring is at max_depth: the host waits
+    assert len(upload._ring) == 3 and upload._turn == 2 and queued.waits == 1
+    upload.begin()          # a buffer whose copy has run: the wait costs nothing
+    assert upload._turn == 0 and done.waits == 1
+    two = PackedUpload(8, CPU)              # the default ring of two always waits
+    two._events = [None, _Copy(False)]
+    two.begin()
+    assert len(two._ring) == 2 and two._events[1].waits == 1
