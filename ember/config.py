@@ -246,7 +246,9 @@ class EngineConfig:
             raise ValueError("speculative decoding runs on one device (its verify step lives in the runner, not "
                              "in the tensor-parallel workers yet); use tensor_parallel_size=1 or drop it")
         if s.async_scheduling is None:
-            s = dataclasses.replace(s, async_scheduling=dev.type == "cuda")
+            # a draft model's async path has not run on a GPU yet: on CUDA it is taken when asked for
+            draft = self.speculative is not None and self.speculative.method == "draft_model"
+            s = dataclasses.replace(s, async_scheduling=dev.type == "cuda" and not draft)
         comp = self.compile
         if comp.jit_warmup is None:
             comp = dataclasses.replace(comp, jit_warmup=dev.type == "cuda")

@@ -127,16 +127,20 @@ def test_stop_string_inside_an_accepted_run(spec, reference):
 
 
 def test_defaults(path, monkeypatch):
-    from ember.config import EngineConfig, ModelConfig
+    from ember.config import EngineConfig, ModelConfig, SchedulerConfig
     from ember.speculative_config import SpeculativeConfig
     plain = LLM(path, device="cpu", speculative_config=NGRAM)
     assert not plain.config.scheduler.async_scheduling        # the CPU's default, as without it
-    # on CUDA async scheduling is the default for both methods (the config resolved as if CUDA were there)
+    # on CUDA async scheduling is the default for n-gram proposals, taken when asked for with a draft model (the
+    # config resolved as if CUDA were there)
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)
     monkeypatch.setattr("torch.cuda.device_count", lambda: 1)
-    for spec in (NGRAM, {"method": "draft_model", "model": path, "num_speculative_tokens": 2}):
+    for spec, default in ((NGRAM, True), ({"method": "draft_model", "model": path, "num_speculative_tokens": 2}, False)):
         config = EngineConfig(ModelConfig(path), device="cuda", speculative=SpeculativeConfig.from_dict(spec))
-        assert config.resolve().scheduler.async_scheduling
+        assert config.resolve().scheduler.async_scheduling is default
+        asked = EngineConfig(ModelConfig(path), device="cuda", speculative=SpeculativeConfig.from_dict(spec),
+                             scheduler=SchedulerConfig(async_scheduling=True))
+        assert asked.resolve().scheduler.async_scheduling
         cpu = EngineConfig(ModelConfig(path), device="cpu", speculative=SpeculativeConfig.from_dict(spec))
         assert not cpu.resolve().scheduler.async_scheduling
 
