@@ -242,9 +242,14 @@ class EngineConfig:
         check_model_impl(self.model.model_impl)
         if self.model.max_model_len is not None and self.model.max_model_len < 1:
             raise ValueError(f"max_model_len {self.model.max_model_len} must be at least 1")
-        if self.speculative is not None and self.parallel.tensor_parallel_size * self.parallel.data_parallel_size > 1:
-            raise ValueError("speculative decoding runs on one device (its verify step lives in the runner, not "
-                             "in the tensor-parallel workers yet); use tensor_parallel_size=1 or drop it")
+        spec = self.speculative
+        if spec is not None and spec.method == "draft_model" and self.parallel.tensor_parallel_size > 1:
+            raise ValueError("a draft model runs on one device (it would need a sharded runner of its own on every "
+                             "rank); use n-gram proposals ({\"method\": \"ngram\"}) with tensor_parallel_size "
+                             f"{self.parallel.tensor_parallel_size}, or tensor_parallel_size=1")
+        if spec is not None and self.parallel.data_parallel_size > 1:
+            raise ValueError("speculative decoding is not run by data-parallel replicas yet; use "
+                             "data_parallel_size=1 or drop speculative_config")
         if s.async_scheduling is None:
             # a draft model's async path has not run on a GPU yet: on CUDA it is taken when asked for
             draft = self.speculative is not None and self.speculative.method == "draft_model"

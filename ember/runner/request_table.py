@@ -72,6 +72,9 @@ class RequestTable:
         self.logprobs = np.full(max_num_reqs, -1, dtype=np.int64)       # -1: none asked
         self.stop_ids: list[tuple[int, ...]] = [()] * max_num_reqs     # blocked while under min_tokens
         self.rows: dict[str, int] = {}
+        # requests whose host count a verify step left unknown (a tensor-parallel rank other than 0 reads no tokens
+        # back): the next step that schedules one sets it from the scheduler's count (`_settle`)
+        self.unsettled: set[str] = set()
         self.version = 0        # counts row arrivals and exits: equal versions mean the same request in every row
         self.plan_cache = None  # (version, rows, plan) of the last sampling plan that stays valid while they do
         self._free = list(range(max_num_reqs))                          # a heap: the lowest free row first
@@ -97,6 +100,8 @@ class RequestTable:
         for new in step.new_requests:
             row = self._add(new, token_index, token_values, block_index, block_values)
             new_rows.append((row, new))
+        if self.unsettled:
+            self._settle(step)
         rows = self.rows
         for run in step.running_requests:
             row = rows.get(run.req_id)
@@ -127,6 +132,15 @@ class RequestTable:
             w.params_i = upload.put(self.params_i_np[rows])
             w.num_tokens = upload.put(self.num_tokens[rows])
         self._writes = w
+
+    def _settle(self, step: StepInput) -> None:
+        """Set the host count of each unsettled request this step schedules: after a synchronous verify step the
+        scheduler has appended every emitted token and counts all but the last as computed, so the row holds its
+        computed count plus one (what rank 0 sets from the tokens it read back)."""
+        for req_id, computed in zip(step.req_ids, step.num_computed_tokens):
+            if req_id in self.unsettled:
+                self.num_tokens[self.rows[req_id]] = computed + 1
+                self.unsettled.discard(req_id)
 
     def _send_pieces(self, upload: PackedUpload, index: list, values: list, target: torch.Tensor
                      ) -> tuple[np.ndarray, np.ndarray] | None:
@@ -166,6 +180,7 @@ class RequestTable:
             raise ValueError(f"seed {new.seed} must be in [0, 2**63)")
         row = heapq.heappop(self._free)
         self.rows[new.req_id] = row
+        self.unsettled.discard(new.req_id)
         self.version += 1
         # fromiter reads Python ints faster than asarray does, and no joined tuple is built first
         tokens = np.fromiter(new.prompt_token_ids, dtype=np.int64, count=len(new.prompt_token_ids))
@@ -203,6 +218,7 @@ class RequestTable:
     def remove(self, req_id: str) -> bool:
         """Free a request's row (no device work: the row is overwritten when reused). Returns whether it had one."""
         row = self.rows.pop(req_id, None)
+        self.unsettled.discard(req_id)
         if row is None:
             return False
         heapq.heappush(self._free, row)

@@ -23,6 +23,7 @@ import torch
 from ember.graphs.modes import CUDAGraphMode
 from ember.profiling import section
 from ember.runner.model_runner import PreparedStep
+from ember.runner.output import DeviceOnlyOutput
 from ember.runner.sampler.sampler import gather_logprobs
 from ember.runner.sampling_inputs import plan_sampling, sampling_metadata
 from ember.runner.step_input import StepInput
@@ -116,6 +117,8 @@ class DeviceVerifier:
         with section("ember.forward"):
             hidden = r._run(batch, mode, desc)[0]
         with section("ember.sample"):
+            # verification needs whole rows: the logits gathered under tensor parallelism
+            r.decode_tail.count(False)
             logits = r.model.compute_logits(hidden[logit_rows_d])                    # [R * S, V]
             meta = sampling_metadata(table, plan, batch.idx_mapping, batch.common.seq_lens[:num_reqs], buf)
             counters = (meta.output_lens - d_d)[:, None] + torch.arange(S, device=r.device)[None, :]
@@ -127,6 +130,8 @@ class DeviceVerifier:
             index_d = batch.sample_index[:num_reqs] + num_accepted   # after the accepted proposals
             table.write_sampled(index_d, final)
             self._advance(batch.idx_mapping, index_d)
+            if not r.tp.is_driver:      # every rank wrote the same tokens and counts into its table; rank 0 reports
+                return DeviceOnlyOutput()
             proposed = (draft >= 0).sum(dim=1)
             logprobs = None
             if meta.max_num_logprobs is not None:

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from ember.profiling import section
-from ember.runner.output import ModelRunnerOutput
+from ember.runner.output import DeviceOnlyOutput, ModelRunnerOutput
 from ember.runner.sampler import SamplingMetadata
 from ember.runner.sampler.sampler import gather_logprobs
 from ember.runner.sampling_inputs import sampling_metadata
@@ -71,6 +71,8 @@ class Verifier:
         with section("ember.forward"):
             hidden = r._run(batch, prepared.mode, prepared.desc)[0]
         with section("ember.sample"):
+            # verification needs whole rows: the logits gathered under tensor parallelism
+            r.decode_tail.count(False)
             logits = r.model.compute_logits(hidden[logit_rows_d])                    # [R * S, V]
             meta = sampling_metadata(table, prepared.plan, batch.idx_mapping, batch.common.seq_lens[:R], prepared.buf)
             counters = (meta.output_lens - d_d)[:, None] + torch.arange(S, device=r.device)[None, :]
@@ -79,6 +81,11 @@ class Verifier:
             final = tokens.gather(1, num_accepted[:, None])[:, 0]
             index = torch.where(base_d >= 0, base_d + num_accepted, batch.sample_index[:R])
             table.write_sampled(index, final)
+            if not r.tp.is_driver:
+                # the same tokens are in every rank's table; rank 0 alone reads them back, so this rank's host counts
+                # of these rows are set from the next step that schedules them (`RequestTable.unsettled`)
+                table.unsettled.update(step.req_ids[i] for i in np.flatnonzero(d))
+                return DeviceOnlyOutput()
             logprobs = None
             if meta.max_num_logprobs is not None:
                 raw = torch.log_softmax(logits.float(), dim=-1)
