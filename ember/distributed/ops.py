@@ -18,7 +18,7 @@ import torch
 
 from ember.kernels.library import define, register_fake
 
-__all__ = ["all_gather", "all_reduce", "group_size", "register_group", "unregister_group",
+__all__ = ["all_gather", "all_reduce", "broadcast_", "group_size", "register_group", "unregister_group",
            "vocab_shard_embedding"]
 
 
@@ -141,3 +141,11 @@ def all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
 def all_gather(x: torch.Tensor, group: str) -> torch.Tensor:
     """`ember::all_gather` of a 2-D x along its last dim: [N, C] -> [N, size * C]."""
     return torch.ops.ember.all_gather(x, group)
+
+
+def broadcast_(x: torch.Tensor, group: str) -> None:
+    """Overwrite the contiguous `x` on every rank of `group` with its first rank's, in place (a plain call, not an
+    op: eager code and the graphs that capture it call it, never traced code)."""
+    import torch.distributed as dist
+    g = _group(group)
+    dist.broadcast(x, src=dist.get_global_rank(g.process_group, 0), group=g.process_group)

@@ -35,14 +35,13 @@ COMPILE_POLL_S = 0.05        # the longest an idle engine waits for a compile be
 
 def check_request(params: StructuredOutputsParams, config, tokenizer) -> None:
     """ValueError naming the problem if an engine of `config` with `tokenizer` cannot serve the grammar (no
-    tokenizer, speculative decoding, tensor parallel) or it cannot compile."""
+    tokenizer, speculative decoding) or it cannot compile."""
     if tokenizer is None:
         raise ValueError("structured output needs the model's tokenizer (its vocabulary), and this engine has none; "
                          "give the model folder a tokenizer or pass tokenizer=")
-    if config.speculative is not None or config.parallel.tensor_parallel_size > 1:
-        raise ValueError("structured output runs without speculative decoding and on one device (a grammar would "
-                         "have to check every proposed token, and the bitmask is not sent to other ranks yet); serve "
-                         "such requests from an engine without speculative_config and with tensor_parallel_size=1")
+    if config.speculative is not None:
+        raise ValueError("structured output runs without speculative decoding (a grammar would have to check every "
+                         "proposed token); serve such requests from an engine without speculative_config")
     check_grammar(params)
 
 
@@ -142,32 +141,21 @@ class StructuredOutputs:
         forward alone, the bitmask filled on the host while it runs, then the graph's tail); any other step
         launches its forward, fills the bitmask meanwhile and then samples. With the split off
         (`EMBER_GRAMMAR_SPLIT=0`) a FULL decode step puts its bitmask before its one replay instead, and the device
-        waits. `previous`: the step in flight before it (a `LaunchedStep`), whose tokens the bitmask may need."""
-        prepared = runner.prepare_step(out.step)
-        graph = runner.graph_samples(prepared)
+        waits. `runner`: the model runner, or the tensor-parallel executor, which hands both launches to every
+        rank (`runner.constrained_step`); `previous`: the step in flight before it (a `LaunchedStep`), whose
+        tokens the bitmask may need."""
         self.stats.num_steps += 1
         idle = self.idle or _NO_IDLE
-        if graph and not self.split:
-            self.stats.num_before_forward += 1
-            num_rows = self._fill(runner, out, previous, stats)
-            idle.begin()
-            runner.grammar.put(num_rows)
-            launched = runner.sample_step(prepared, *runner.forward(prepared))
-            idle.end()
-            return launched
-        self.stats.num_split += graph
         idle.begin()
-        if graph:
-            runner.forward_alone(prepared)
-        else:
-            hidden, _ = runner.forward(prepared)
+        launched = runner.launch_forward(out.step, self.split)
         idle.end()
+        self.stats.num_split += launched.route == "split"
+        self.stats.num_before_forward += launched.route == "whole"
         num_rows = self._fill(runner, out, previous, stats)
         idle.begin()
-        runner.grammar.put(num_rows)
-        launched = runner.sample_alone(prepared) if graph else runner.sample_step(prepared, hidden)
+        result = runner.launch_sample(launched, num_rows)
         idle.end()
-        return launched
+        return result
 
     def _fill(self, runner, out, previous, stats) -> int:
         """Bring the grammars up to date (waiting for the step in flight if a constrained row needs its token) and

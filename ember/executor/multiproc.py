@@ -1,7 +1,8 @@
 """`make_executor`: what runs the model for an engine core. One rank: the `ModelRunner` itself. Several: a
 `MultiprocExecutor`, which runs rank 0's `ModelRunner` in this process and one worker process a further rank
 (`ember.executor.worker`), and has the runner's surface (`execute_async`, `update_table`, `all_logits`,
-`prompt_logprobs`, `shutdown`, and the sizes the engine reads).
+`prompt_logprobs`, `launch_forward` and `launch_sample` of a step with grammar rows, `shutdown`, and the sizes the
+engine reads).
 
 Each call writes its message (the `StepInput`, pickled once) to the step ring (`channel.RingWriter`) before rank 0
 runs its own part, so every rank runs the same step at about the same time; each rank keeps its own request table,
@@ -151,6 +152,15 @@ class MultiprocExecutor:
 
     def execute(self, step):
         return self.execute_async(step).result()
+
+    def launch_forward(self, step, split: bool = True):
+        """A step with grammar rows, its first launch on every rank (`runner.constrained_step`): rank 0's
+        `ConstrainedStep`."""
+        return self._call("forward", (step, split), lambda message: self.runner.launch_forward(*message))
+
+    def launch_sample(self, launched, num_rows: int):
+        """Its second, once rank 0's engine has filled the bitmask: every rank samples under rank 0's rows."""
+        return _WatchedOutput(self._call("sample", num_rows, lambda n: self.runner.launch_sample(launched, n)), self)
 
     def update_table(self, step) -> None:
         self._call("update", step, self.runner.update_table)

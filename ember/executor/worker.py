@@ -2,8 +2,9 @@
 started by `multiproc.MultiprocExecutor`).
 
 It joins the group, builds its `ModelRunner` (its shard of the weights and KV heads, its own request table and
-graphs), reports ready, then applies every message rank 0 writes to the step ring in order: a step to run, a
-table update, a scoring step, or the end. Each step it runs exactly what rank 0 runs (the same collectives, the
+graphs), reports ready, then applies every message rank 0 writes to the step ring in order: a step to run (or a
+step with grammar rows in its two parts, the forward, then the sampling under rank 0's bitmask), a table update, a
+scoring step, or the end. Each step it runs exactly what rank 0 runs (the same collectives, the
 same sampled tokens into its own table) and copies nothing to the host. It reports an error on its status pipe
 before it exits, and it exits when rank 0's process is gone.
 
@@ -80,6 +81,10 @@ def serve(args: WorkerArgs, status) -> None:
             kind, step = pickle.loads(reader.recv(check))
             if kind == "execute":
                 runner.execute_async(step)
+            elif kind == "forward":     # a step with grammar rows: its forward, then ("sample", rows) its sampling
+                constrained = runner.launch_forward(*step)
+            elif kind == "sample":
+                runner.launch_sample(constrained, step)
             elif kind == "update":
                 runner.update_table(step)
             elif kind == "logits":

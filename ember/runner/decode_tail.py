@@ -16,7 +16,9 @@ when their plan allows it (`sample`), and the gathered one otherwise.
 
 A decode step with grammar rows runs split (`SplitDecode`): the forward alone, replayed as soon as its inputs are
 on the device, then the tail, replayed once the engine has put the bitmask, which needs the token of the step
-before. Batches without grammar rows keep the one graph of both."""
+before. Batches without grammar rows keep the one graph of both. Under tensor parallelism the split's tail begins
+by broadcasting rank 0's bitmask rows (`GrammarMask.share`), inside its graph on every rank: the bytes go device to
+device, and the one graph of a batch without grammar rows holds no such collective."""
 
 from __future__ import annotations
 
@@ -39,8 +41,9 @@ class DecodeTail:
 
     def __init__(self, model: torch.nn.Module, sampler: Sampler, table: RequestTable, input_batch: InputBatch,
                  bitmask: torch.Tensor, rows_are_logits: bool = False,
-                 shard_sampler: ShardLocalSampler | None = None):
+                 shard_sampler: ShardLocalSampler | None = None, share=None):
         self.model, self.sampler, self.table, self.input_batch = model, sampler, table, input_batch
+        self.share = share                # `GrammarMask.share` where this tail broadcasts the bitmask first
         self.bitmask = bitmask            # the grammar bitmask buffer (`GrammarMask.bitmask`), read in place
         self.rows_are_logits = rows_are_logits
         self.shard_sampler = shard_sampler
@@ -48,6 +51,8 @@ class DecodeTail:
 
     def __call__(self, hidden: torch.Tensor, num_rows: int) -> torch.Tensor:
         ib = self.input_batch
+        if self.share is not None:
+            self.share(num_rows)
         idx, sample_index = ib.row_info[0, :num_rows], ib.row_info[3, :num_rows]
         rows = hidden[:num_rows] if self.rows_are_logits else hidden[ib.logits_indices[:num_rows]]
         meta = graph_sampling_metadata(self.table, idx, ib.seq_lens[:num_rows], self.bitmask,
@@ -86,16 +91,18 @@ def with_decode_tail(forward, tail: DecodeTail):
 
 class SplitDecode:
     """A decode step in two launches: `forward` (the forward alone; it ends by copying each row's last hidden state
-    into `rows`, a buffer allocated once) and `sample(desc, mode, num_rows)` (the decode tail over `rows`). Under
+    into `rows`, a buffer allocated once) and `sample(desc, mode, num_rows)` (the decode tail over `rows`, after
+    `share(num_rows)` where one is given: the bitmask's broadcast under tensor parallelism). Under
     FULL graphs each is a graph of its own per descriptor, captured on its first use (lazy capture: its second), in
     the shared pool: neither reads the other's pool memory, only the persistent buffers."""
 
     def __init__(self, forward, tail: DecodeTail, graphs: CUDAGraphManager | None, max_num_reqs: int,
-                 hidden_size: int, dtype: torch.dtype, device: torch.device, rows_are_logits: bool = False):
+                 hidden_size: int, dtype: torch.dtype, device: torch.device, rows_are_logits: bool = False,
+                 share=None):
         self._forward, self.input_batch, self.rows_are_logits = forward, tail.input_batch, rows_are_logits
         self.rows = torch.zeros(max_num_reqs, hidden_size, dtype=dtype, device=device)      # [R, H]
         self.tail = DecodeTail(tail.model, tail.sampler, tail.table, tail.input_batch, tail.bitmask,
-                               rows_are_logits=True, shard_sampler=tail.shard_sampler)
+                               rows_are_logits=True, shard_sampler=tail.shard_sampler, share=share)
         self.num_rows = 0          # the step's rows (under a FULL graph, its descriptor's padded count)
         self.forward = self._forward_rows
         self.run_tail = self.tail          # the tail, or its graph wrapper

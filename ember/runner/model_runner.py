@@ -19,7 +19,7 @@ import torch
 from ember.attention_backends.base import StepBounds
 from ember.attention_backends.op import ForwardContext, forward_context
 from ember.config import EngineConfig, cache_dir, resolve_dtype
-from ember.distributed.parallel_state import joined_shard
+from ember.distributed.parallel_state import TP_GROUP, joined_shard
 from ember.graphs.buckets import resolve_capture_sizes
 from ember.graphs.compile import compile_cache_key, compile_model
 from ember.graphs.cuda_graph import CUDAGraphManager
@@ -36,7 +36,7 @@ from ember.runner.kv_cache_setup import (allocate_kv_caches, attention_workspace
 from ember.runner.output import AsyncModelRunnerOutput, DeviceOnlyOutput, HostRing, ModelRunnerOutput, StartupTimes
 from ember.runner.request_table import RequestTable
 from ember.runner.grammar_mask import GrammarMask
-from ember.runner import scoring
+from ember.runner import constrained_step, scoring
 from ember.runner.sampler import Sampler, SamplerOutput
 from ember.runner.sampler.shard_local import shard_sampler_for
 from ember.runner.sampling_inputs import SamplingPlan, fits_graph_tail, plan_sampling, sampling_metadata
@@ -121,7 +121,8 @@ class ModelRunner:
                                               verify_query_len=spec.num_speculative_tokens + 1 if spec else None,
                                               max_num_tokens=self.max_num_tokens)
         self.sampler = Sampler()
-        self.grammar = GrammarMask(self.max_num_reqs, self.vocab_size, self.device)   # the engine fills and puts it
+        self.grammar = GrammarMask(self.max_num_reqs, self.vocab_size, self.device,     # the engine fills and puts it
+                                   TP_GROUP if self.tp.size > 1 else None)
         shard_sampler = shard_sampler_for(self.model, self.vocab_size, self.tp.size,
                                           config.parallel.shard_local_sampling)
         self.decode_tail = DecodeTail(self.model, self.sampler, self.table, self.input_batch, self.grammar.bitmask,
@@ -192,7 +193,8 @@ class ModelRunner:
         self._forward_samples = self.modes.cudagraph_mode.has_full
         self.split = SplitDecode(forward, self.decode_tail, self.graphs if self._forward_samples else None,
                                  self.max_num_reqs, self.hf_config.hidden_size, self.dtype, self.device,
-                                 rows_are_logits=self.skip_prefill)
+                                 rows_are_logits=self.skip_prefill,
+                                 share=self.grammar.share if self.tp.size > 1 else None)
         if self._forward_samples:
             forward = self.graphs.wrap_full(with_decode_tail(forward, self.decode_tail))
         return forward
@@ -303,7 +305,7 @@ class ModelRunner:
         """Launch one step (forward, sampling, the copy of its tokens to the host) without waiting for the device.
         The sampled tokens are written into the request table on the device, so the next step may be launched
         while this one is still in flight. A step with proposals runs as a verify step (ember.spec_decode); a step
-        with grammar rows runs in parts instead, with its bitmask put in between (`ember.engine.structured_output`)."""
+        with grammar rows runs in two launches instead (`launch_forward`, `launch_sample`), its bitmask put between."""
         if step.spec_token_ids or (self.verifier is not None and self.verifier.every_step):
             return self.verifier.execute_async(step)
         prepared = self.prepare_step(step)
@@ -314,22 +316,10 @@ class ModelRunner:
         with section("ember.forward"):
             return self._run(prepared.batch, prepared.mode, prepared.desc)
 
-    def graph_samples(self, prepared: "PreparedStep") -> bool:
-        """Whether a FULL decode graph samples the step (its tail's tokens stand): its grammar bitmask must then be
-        in place before the graph's sampling, so the step runs split, or with the bitmask put first."""
-        desc = prepared.desc
-        return (self._forward_samples and prepared.mode == CUDAGraphMode.FULL and desc is not None
-                and desc.uniform_decode and desc.num_reqs is not None and fits_graph_tail(prepared.plan))
-
-    def forward_alone(self, prepared: "PreparedStep") -> None:     # the split step's first launch (`SplitDecode`)
-        desc = prepared.desc
-        self.split.num_rows = desc.num_reqs if desc.num_reqs is not None else prepared.batch.common.num_reqs
-        with section("ember.forward"):
-            self._run(prepared.batch, prepared.mode, desc, fn=self.split.forward)
-
-    def sample_alone(self, prepared: "PreparedStep") -> AsyncModelRunnerOutput:    # its second, after the bitmask
-        with section("ember.sample"):
-            return self.sample_step(prepared, None, self.split.sample(prepared.desc, prepared.mode))
+    # a step with grammar rows: its forward, then its sampling once the bitmask is put (`runner.constrained_step`)
+    launch_forward, launch_sample = constrained_step.launch_forward, constrained_step.launch_sample
+    graph_samples, forward_alone, sample_alone = (constrained_step.graph_samples, constrained_step.forward_alone,
+                                                  constrained_step.sample_alone)
 
     def prepare_step(self, step: StepInput) -> "PreparedStep":
         """Apply the step to the table, send its one upload and fill the input buffers; picks the graph mode."""

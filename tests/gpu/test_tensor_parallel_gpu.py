@@ -246,3 +246,60 @@ def test_shard_local_sampling_under_full_graphs(folder):
     assert on == one
     assert on_steps["gathered"] == 0 and on_steps["shard_local"] >= 32
     assert off_steps == {"shard_local": 0, "gathered": on_steps["shard_local"]}
+
+
+_SCHEMA = {"type": "object", "properties": {"k": {"enum": ["a", "b"]}, "n": {"type": "integer", "minimum": 0,
+                                                                             "maximum": 99}},
+           "required": ["k", "n"], "additionalProperties": False}
+
+
+def _constrained(llm):
+    """Greedy tokens, texts and finish reasons of a batch mixing JSON-schema, regex, choice and free rows, first
+    split (decode steps: forward graph, bitmask, tail graph), then whole (the bitmask before the one replay); rank 0's
+    split-step and tail-graph counts."""
+    from ember import StructuredOutputsParams
+    kinds = [StructuredOutputsParams(json=_SCHEMA), StructuredOutputsParams(regex=r"[a-z]{2,6}-[0-9]{2}"),
+             StructuredOutputsParams(choice=["yes", "no", "maybe so"]), None]
+    params = [SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=kinds[i % 4] is None,
+                             structured_outputs=kinds[i % 4]) for i in range(16)]
+    prompts = _prompts([4 + 13 * i for i in range(16)])
+    engine = llm.engine
+    runs = []
+    for split in (True, False):
+        engine.structured.split = split
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        runs.append([(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason) for o in outs])
+    stats = engine.structured.stats
+    return runs, (stats.num_split, stats.num_before_forward, engine.runner.split.run_tail.num_replays)
+
+
+def test_structured_output_of_two_ranks_under_full_graphs(folder, tmp_path):
+    # rank 0 fills the bitmask; the split tail's graph broadcasts it to the other rank, so both sample under it:
+    # the same tokens as one rank's, shard-local and gathered, split and whole
+    import json
+    import re
+    import jsonschema
+    from tests.helpers.tiny_tokenizer import save_bpe_tokenizer
+    save_bpe_tokenizer(tmp_path, 512)
+    path, _ = folder
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        (one, _), (on, on_counts), (off, off_counts) = (
+            _run(path, tp, _constrained, dtype="float32", cudagraph_mode="full", tokenizer=str(tmp_path),
+                 shard_local_sampling=local) for tp, local in ((1, True), (2, True), (2, False)))
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved
+    assert on == one and off == one
+    assert one[0] == one[1]                                      # split and whole alike
+    for counts in (on_counts, off_counts):
+        assert counts[0] > 0 and counts[1] > 0 and counts[2] > 0   # split steps replayed the tail's graph
+    for i, (tokens, text, reason) in enumerate(one[0]):
+        if i % 4 == 3:
+            assert reason == "length" and len(tokens) == 48
+        elif reason == "stop" and i % 4 == 0:
+            jsonschema.validate(json.loads(text), _SCHEMA)
+        elif reason == "stop" and i % 4 == 1:
+            assert re.fullmatch(r"[a-z]{2,6}-[0-9]{2}", text), text
+        elif i % 4 == 2:
+            assert reason == "stop" and text in ("yes", "no", "maybe so"), text
