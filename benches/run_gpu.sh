@@ -31,6 +31,7 @@
 #   bash benches/run_gpu.sh tp2_startup   # 2 GPUs: cold and warm start-up at TP=1 and TP=2
 #   bash benches/run_gpu.sh tp2           # 2 GPUs: Llama-3.1-8B batch 1 and nano-vllm throughput, TP=1 against TP=2
 #   bash benches/run_gpu.sh tp2_sampling  # 2 GPUs: shard-local sampling's test, TP=2 throughput with it and without
+#   bash benches/run_gpu.sh structured_tp2  # 2 GPUs: structured output's TP=2 test, one-schema throughput TP=2 and TP=1
 #   bash benches/run_gpu.sh tp4           # 4 GPUs: Llama-3.1-70B TP=4 cold and warm start-up, batch 1, throughput
 #   bash benches/run_gpu.sh moe_tp2       # 2 GPUs: the sharded-experts GPU test, Mixtral-8x7B TP=2 batch 1, throughput
 # Each part's own switches are described above its function.
@@ -367,6 +368,23 @@ part_tp2() {
   done
 }
 
+# structured_tp2 (at most 6 min, 2 GPUs, llguidance and TOKENIZER as for structured): structured output's two-rank
+# GPU test (split steps' tail graphs broadcast rank 0's bitmask; tokens against one rank's), then the one-schema
+# throughput bench at TP=2 (split and whole) and at TP=1, the same workload, in separate runs.
+part_structured_tp2() {
+  local tok=${TOKENIZER:-.bench_tokenizer} f
+  local thr="python3 -m ember bench throughput --config llama-3.1-8b --structured-output json --tokenizer $tok"
+  timed structured_tp_test 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_tensor_parallel_gpu.py \
+    -k structured
+  timed structured_tp2 100 $thr --tensor-parallel-size 2 --json "$OUT/structured_tp2.json"
+  timed structured_tp1 100 $thr --json "$OUT/structured_tp1.json"
+  echo "== summary"
+  grep -h "passed\|failed\|assert" "$OUT/structured_tp_test.log" | tail -3
+  for f in structured_tp2 structured_tp1; do
+    echo "-- $f"; grep -h "unconstrained\|schema\|split off\|Error" "$OUT/$f.log" | head -6
+  done
+}
+
 # tp2_sampling (at most 5 min): shard-local sampling's GPU test (FULL graphs, tokens against the gathered logits'
 # and one rank's), then the nano-vllm throughput workload at TP=2 with shard-local sampling and with the logits
 # gathered for every step (--no-shard-local-sampling), in the same run.
@@ -578,7 +596,7 @@ part=${1:-}
 [ $# -gt 0 ] && shift
 case "$part" in
   decode|throughput|headline|serve|serve_dp|startup|flash|fusion|ab|moe|moe_sweep|moe_throughput|fp8|fp8_gemv|\
-  gemv_rows|gemv_tp|fallback|structured|tp2|tp2_collectives|tp2_tests|tp2_startup|tp2_sampling|tp4|moe_tp2) mkdir -p "$OUT" ;;
+  gemv_rows|gemv_tp|fallback|structured|structured_tp2|tp2|tp2_collectives|tp2_tests|tp2_startup|tp2_sampling|tp4|moe_tp2) mkdir -p "$OUT" ;;
 esac
 case "$part" in
   decode) part_decode ;;
@@ -604,10 +622,11 @@ case "$part" in
   tp2_tests) part_tp2_tests ;;
   tp2_startup) part_tp2_startup ;;
   tp2_sampling) part_tp2_sampling ;;
+  structured_tp2) part_structured_tp2 ;;
   tp4) part_tp4 ;;
   moe_tp2) part_moe_tp2 ;;
   *) echo "usage: bash benches/run_gpu.sh decode|throughput|headline|serve|serve_dp|startup [MODEL ...]|flash|fusion|ab|" \
           "moe|moe_sweep [CONFIG]|moe_throughput|fp8|fp8_gemv|gemv_rows|fallback [qwen3|llama|pythia]|structured|" \
-          "tp2_collectives|tp2|tp2_sampling|tp4|moe_tp2" >&2
+          "tp2_collectives|tp2|tp2_sampling|structured_tp2|tp4|moe_tp2" >&2
      exit 2 ;;
 esac
