@@ -9,7 +9,9 @@ greedy bf16 tokens equal NCCL's under FULL graphs, logits as close to one rank's
 model (8 experts of hidden 4096, each rank half of every expert's intermediate dimension): float32 greedy tokens of
 two ranks equal one rank's under FULL graphs (the MoE kernels' decode GEMVs and grouped GEMMs on the sharded experts,
 and the block's all-reduce, captured). Shard-local sampling in FULL graphs: float32 seeded temperature and greedy
-tokens equal the gathered logits' and one rank's.
+tokens equal the gathered logits' and one rank's. Structured output in FULL graphs: a batch mixing JSON-schema,
+regex, choice and free rows gives one rank's float32 greedy tokens on two ranks, split and whole, shard-local and
+gathered (rank 0's bitmask broadcast inside the split tail's graph).
 
     PYTHONPATH=. python -m pytest -q -m gpu tests/gpu/test_tensor_parallel_gpu.py      (2 GPUs)
 """
