@@ -13,6 +13,11 @@ asked (`disable_by_batch_size` is the largest). On an H100:
 
     PYTHONPATH=. python benches/spec_real.py --model /path/to/SmolLM2-135M-Instruct --json spec_real.json
 
+Under tensor parallelism (every engine of the run on N GPUs, its all-reduces through NCCL), e.g. two H100s:
+
+    PYTHONPATH=. python benches/spec_real.py --model /path/to/Llama-3.1-8B-Instruct --tensor-parallel-size 2 \
+        --json spec_real_tp2.json
+
 A smoke test on a CPU (float32):
 
     PYTHONPATH=. python benches/spec_real.py --device cpu --num-prompts 4 --max-tokens 24 --batch-sizes 1 4 -k 4
@@ -98,6 +103,7 @@ def measure(llm, name: str, startup_s: float, prompts, params, batch_sizes: list
             row["per_prompt"] = result["per_prompt"]
         rows.append(row)
         tokens[b] = result["tokens"]
+    llm.shutdown()          # under tensor parallelism the workers stop here, before the next engine's start
     release_engine(llm)
     return rows, tokens
 
@@ -174,6 +180,13 @@ def run(model: str | None, batch_sizes: list[int], ks: list[int], max_tokens: in
             "rows": rows, "mismatches": total_mismatches}
 
 
+def tensor_parallel(size: int) -> dict:
+    """The engine settings for `size` ranks: every engine of the run all-reduces through NCCL, since this process
+    keeps the symmetric-memory set-up of the first engine's group, which the later engines' groups cannot take
+    (`docs/distributed.md`), and plain decoding and speculation must run the same all-reduce."""
+    return {} if size == 1 else {"tensor_parallel_size": size, "symm_mem_all_reduce": False}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="a model folder (default: ember's default model)")
@@ -186,12 +199,14 @@ def main() -> None:
     ap.add_argument("--ignore-eos", action="store_true", help="generate max_tokens whatever the model says")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto", help="default: bfloat16 on CUDA, float32 on a CPU")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks, one GPU each (every setting)")
     ap.add_argument("--json", default=None, metavar="PATH", help="write every figure here")
     args = ap.parse_args()
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")
     report = run(args.model, args.batch_sizes, args.num_speculative_tokens, args.max_tokens, args.num_prompts,
-                 args.prompt_lookup_min, args.prompt_lookup_max, args.ignore_eos, device=device, dtype=dtype)
+                 args.prompt_lookup_min, args.prompt_lookup_max, args.ignore_eos, device=device, dtype=dtype,
+                 **tensor_parallel(args.tensor_parallel_size))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)

@@ -11,7 +11,9 @@ two ranks equal one rank's under FULL graphs (the MoE kernels' decode GEMVs and 
 and the block's all-reduce, captured). Shard-local sampling in FULL graphs: float32 seeded temperature and greedy
 tokens equal the gathered logits' and one rank's. Structured output in FULL graphs: a batch mixing JSON-schema,
 regex, choice and free rows gives one rank's float32 greedy tokens on two ranks, split and whole, shard-local and
-gathered (rank 0's bitmask broadcast inside the split tail's graph).
+gathered (rank 0's bitmask broadcast inside the split tail's graph). N-gram speculation on two ranks (float32, FULL and
+PIECEWISE graphs, async and sync): greedy tokens equal one rank's plain decoding with proposals accepted, seeded
+sampling one rank's speculation.
 
     PYTHONPATH=. python -m pytest -q -m gpu tests/gpu/test_tensor_parallel_gpu.py      (2 GPUs)
 """
@@ -305,3 +307,67 @@ def test_structured_output_of_two_ranks_under_full_graphs(folder, tmp_path):
             assert re.fullmatch(r"[a-z]{2,6}-[0-9]{2}", text), text
         elif i % 4 == 2:
             assert reason == "stop" and text in ("yes", "no", "maybe so"), text
+
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
+
+
+def _spec_prompts():
+    """Prompts that loop (a random model's greedy continuation of a loop tends to loop: n-grams get accepted) and
+    plain ones, of mixed lengths."""
+    g = torch.Generator().manual_seed(5)
+    loops = [torch.randint(0, 10000, (n,), generator=g).tolist() * r for n, r in ((5, 6), (17, 3), (3, 20))]
+    return loops + _prompts((1, 40, 200))
+
+
+def _spec_run(llm, params):
+    """Tokens, accepted proposals, and rank 0's count of the steps by sampling path (the warm-up's not counted)."""
+    steps = llm.engine.runner.decode_tail.steps
+    before = dict(steps)
+    outs = llm.generate([{"prompt_token_ids": p} for p in _spec_prompts()], params, use_tqdm=False)
+    return ([o.outputs[0].token_ids for o in outs], llm.engine.stats.num_accepted_tokens,
+            {path: steps[path] - before[path] for path in steps})
+
+
+def _spec_greedy(llm):
+    return _spec_run(llm, SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True))
+
+
+def _spec_seeded(llm):
+    return _spec_run(llm, [SamplingParams(temperature=t, seed=s, max_tokens=48, ignore_eos=True)
+                           for t, s in ((0.3, 1), (0.5, 2), (0.0, 3), (0.3, 4), (0.7, 5), (0.5, 6))])
+
+
+@pytest.mark.parametrize("scheduling", ["async", "sync"])
+def test_ngram_speculation_of_two_ranks_gives_one_ranks_plain_tokens(folder, scheduling):
+    # float32 under FULL and PIECEWISE graphs: every rank proposes (async: on the device from its own table),
+    # verifies from the gathered logits and writes the same tokens into its table; rank 0 reads them back
+    path, _ = folder
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        plain, _, _ = _run(path, 1, _spec_greedy, dtype="float32", cudagraph_mode="full_and_piecewise")
+        spec, accepted, steps = _run(path, 2, _spec_greedy, dtype="float32", cudagraph_mode="full_and_piecewise",
+                                     speculative_config=NGRAM, async_scheduling=scheduling == "async")
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved
+    print({"accepted": accepted, "steps": steps})
+    assert all(len(t) == 48 for t in spec)
+    assert spec == plain
+    assert accepted > 0 and steps["gathered"] > 0      # verify steps, on the gathered logits
+
+
+def test_ngram_speculation_seeded_sampling_of_two_ranks_equals_one_ranks(folder):
+    path, _ = folder
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        one, one_accepted, _ = _run(path, 1, _spec_seeded, dtype="float32", cudagraph_mode="full_and_piecewise",
+                                    speculative_config=NGRAM)
+        two, two_accepted, _ = _run(path, 2, _spec_seeded, dtype="float32", cudagraph_mode="full_and_piecewise",
+                                    speculative_config=NGRAM)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved
+    print({"accepted": (one_accepted, two_accepted)})
+    assert all(len(t) == 48 for t in two)
+    assert two == one and two_accepted == one_accepted
