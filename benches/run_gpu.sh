@@ -32,6 +32,8 @@
 #   bash benches/run_gpu.sh tp2           # 2 GPUs: Llama-3.1-8B batch 1 and nano-vllm throughput, TP=1 against TP=2
 #   bash benches/run_gpu.sh tp2_sampling  # 2 GPUs: shard-local sampling's test, TP=2 throughput with it and without
 #   bash benches/run_gpu.sh structured_tp2  # 2 GPUs: structured output's TP=2 test, one-schema throughput TP=2 and TP=1
+#   [SPEC_MODEL=folder] bash benches/run_gpu.sh spec_tp2  # 2 GPUs: n-gram speculation's TP=2 test; with a real
+#                                         # checkpoint instead, its real acceptance at TP=2 against plain decoding
 #   bash benches/run_gpu.sh tp4           # 4 GPUs: Llama-3.1-70B TP=4 cold and warm start-up, batch 1, throughput
 #   bash benches/run_gpu.sh moe_tp2       # 2 GPUs: the sharded-experts GPU test, Mixtral-8x7B TP=2 batch 1, throughput
 # Each part's own switches are described above its function.
@@ -385,6 +387,23 @@ part_structured_tp2() {
   done
 }
 
+# spec_tp2 (at most 6 min, 2 GPUs): n-gram speculation's two-rank GPU test (float32, FULL and PIECEWISE graphs, async
+# and sync, tokens against one rank's). With SPEC_MODEL (a real checkpoint folder with a chat template and heads
+# divisible by 2, e.g. Llama-3.1-8B-Instruct) instead the real-acceptance bench at TP=2 (at most 5 min; a call each).
+part_spec_tp2() {
+  if [ -z "${SPEC_MODEL:-}" ]; then
+    timed spec_tp_test 330 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu/test_tensor_parallel_gpu.py \
+      -k ngram
+    echo "== summary"
+    grep -h "passed\|failed\|assert\|accepted" "$OUT/spec_tp_test.log" | tail -6
+  else
+    timed spec_real_tp2 300 python3 benches/spec_real.py --model "$SPEC_MODEL" --tensor-parallel-size 2 \
+      --batch-sizes 1 20 -k 4 --json "$OUT/spec_real_tp2.json"
+    echo "== summary"
+    grep -h "batch\|mismatched\|Error" "$OUT/spec_real_tp2.log" | head -8
+  fi
+}
+
 # tp2_sampling (at most 5 min): shard-local sampling's GPU test (FULL graphs, tokens against the gathered logits'
 # and one rank's), then the nano-vllm throughput workload at TP=2 with shard-local sampling and with the logits
 # gathered for every step (--no-shard-local-sampling), in the same run.
@@ -596,7 +615,7 @@ part=${1:-}
 [ $# -gt 0 ] && shift
 case "$part" in
   decode|throughput|headline|serve|serve_dp|startup|flash|fusion|ab|moe|moe_sweep|moe_throughput|fp8|fp8_gemv|\
-  gemv_rows|gemv_tp|fallback|structured|structured_tp2|tp2|tp2_collectives|tp2_tests|tp2_startup|tp2_sampling|tp4|moe_tp2) mkdir -p "$OUT" ;;
+  gemv_rows|gemv_tp|fallback|structured|structured_tp2|spec_tp2|tp2|tp2_collectives|tp2_tests|tp2_startup|tp2_sampling|tp4|moe_tp2) mkdir -p "$OUT" ;;
 esac
 case "$part" in
   decode) part_decode ;;
@@ -623,10 +642,11 @@ case "$part" in
   tp2_startup) part_tp2_startup ;;
   tp2_sampling) part_tp2_sampling ;;
   structured_tp2) part_structured_tp2 ;;
+  spec_tp2) part_spec_tp2 ;;
   tp4) part_tp4 ;;
   moe_tp2) part_moe_tp2 ;;
   *) echo "usage: bash benches/run_gpu.sh decode|throughput|headline|serve|serve_dp|startup [MODEL ...]|flash|fusion|ab|" \
           "moe|moe_sweep [CONFIG]|moe_throughput|fp8|fp8_gemv|gemv_rows|fallback [qwen3|llama|pythia]|structured|" \
-          "tp2_collectives|tp2|tp2_sampling|structured_tp2|tp4|moe_tp2" >&2
+          "tp2_collectives|tp2|tp2_sampling|structured_tp2|spec_tp2|tp4|moe_tp2" >&2
      exit 2 ;;
 esac
