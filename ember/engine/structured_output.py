@@ -146,9 +146,7 @@ class StructuredOutputs:
         tokens the bitmask may need."""
         self.stats.num_steps += 1
         idle = self.idle or _NO_IDLE
-        idle.begin()
-        launched = runner.launch_forward(out.step, self.split)
-        idle.end()
+        launched = runner.launch_forward(out.step, self.split, self.idle)
         self.stats.num_split += launched.route == "split"
         self.stats.num_before_forward += launched.route == "whole"
         num_rows = self._fill(runner, out, previous, stats)

@@ -153,10 +153,10 @@ class MultiprocExecutor:
     def execute(self, step):
         return self.execute_async(step).result()
 
-    def launch_forward(self, step, split: bool = True):
+    def launch_forward(self, step, split: bool = True, idle=None):
         """A step with grammar rows, its first launch on every rank (`runner.constrained_step`): rank 0's
         `ConstrainedStep`."""
-        return self._call("forward", (step, split), lambda message: self.runner.launch_forward(*message))
+        return self._call("forward", (step, split), lambda message: self.runner.launch_forward(*message, idle))
 
     def launch_sample(self, launched, num_rows: int):
         """Its second, once rank 0's engine has filled the bitmask: every rank samples under rank 0's rows."""

@@ -60,17 +60,26 @@ def sample_alone(runner, prepared):
         return runner.sample_step(prepared, None, runner.split.sample(prepared.desc, prepared.mode))
 
 
-def launch_forward(runner, step, split: bool = True) -> ConstrainedStep:
+def launch_forward(runner, step, split: bool = True, idle=None) -> ConstrainedStep:
     """Prepare the step and launch what may run before its bitmask exists; `split`: the engine's choice for a step
-    a FULL decode graph samples (False: run it whole after the bitmask)."""
+    a FULL decode graph samples (False: run it whole after the bitmask); `idle`: a `StreamIdle` the forward's
+    launch is bracketed in (the benchmark's, on rank 0)."""
     prepared = runner.prepare_step(step)
     if runner.graph_samples(prepared):
         if not split:
             return ConstrainedStep(prepared, "whole")
+        route, hidden = "split", None
+    else:
+        route = "after"
+    if idle is not None:
+        idle.begin()
+    if route == "split":
         runner.forward_alone(prepared)
-        return ConstrainedStep(prepared, "split")
-    hidden, _ = runner.forward(prepared)
-    return ConstrainedStep(prepared, "after", hidden)
+    else:
+        hidden, _ = runner.forward(prepared)
+    if idle is not None:
+        idle.end()
+    return ConstrainedStep(prepared, route, hidden)
 
 
 def launch_sample(runner, launched: ConstrainedStep, num_rows: int):
