@@ -237,7 +237,8 @@ def test_the_dry_pass_samples_with_every_sampler_kernel_setting_the_warm_up_reac
     from ember.runner.sampler import Sampler
     from ember.runner.warmup import _dry_sample, _dry_sampling_mixes
     runner = _runner(True)
-    runner.sampler = Sampler(use_triton=True)      # the Triton kernels, interpreted on the CPU
+    # the Triton kernels, interpreted on the CPU, in the runner's sampler and the decode tail's (one object)
+    runner.sampler = runner.decode_tail.sampler = Sampler(use_triton=True)
     seen = set()
 
     def one_pass(logits, temperature, seeds, counters, greedy_mask, all_greedy, bitmask=None, mask_index=None):
