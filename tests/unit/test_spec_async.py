@@ -3,42 +3,26 @@ a tiny random Llama (float32, CPU): greedy tokens equal plain decoding's with ch
 preemption, stop tokens, max_tokens and stop strings inside an accepted run, while steps are launched before the
 step before them has reached the host."""
 
-import json
-
 import pytest
 
 from ember import LLM, SamplingParams
-from ember.spec_decode.verify import VerifyOutput
-from ember.runner.output import AsyncModelRunnerOutput
-from tests.helpers.model_harness import random_hf_model, tiny_config
+from tests.helpers.spec_cases import (PROMPTS, generate_tokens, num_overlapped, record_launches, save_llama,
+                                      save_word_tokenizer, streamed_run)
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
-# repetitive prompts: the model's greedy continuation of a loop tends to loop, so proposals get accepted
-PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3], [7, 8, 9, 7, 8, 9, 7, 8], [200],
-           list(range(10, 40)) * 2, [50, 60, 50, 60, 50]]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
-WORDS = [f"w{i}" for i in range(320)]
 
 
 @pytest.fixture(scope="module")
 def path(tmp_path_factory):
     p = tmp_path_factory.mktemp("spec_async_llama")
-    random_hf_model(tiny_config("llama", vocab_size=320, hidden_size=64, intermediate_size=128,
-                                num_hidden_layers=2, max_position_embeddings=256), seed=0).save_pretrained(p)
-    # a word-level tokenizer (one word per id), so that stop strings can be tested without a converted vocabulary
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="w0"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.decoder = decoders.WordPiece(prefix="##")        # joins words with spaces
-    tok.save(str(p / "tokenizer.json"))
-    (p / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast",
-                                                          "unk_token": "w0"}))
+    save_llama(p)
+    save_word_tokenizer(p)       # one word per id: stop strings without a converted vocabulary
     return str(p)
 
 
 def _tokens(llm, prompts=PROMPTS, params=GREEDY):
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outs]
+    return generate_tokens(llm, prompts, params)
 
 
 @pytest.fixture(scope="module")
@@ -53,23 +37,14 @@ def spec(path):
 
 def test_greedy_equals_plain_decoding_with_steps_overlapped(spec, reference, monkeypatch):
     assert spec.config.scheduler.async_scheduling
-    events = []
-    runner = spec.engine.runner
-    launch = runner.execute_async
-    monkeypatch.setattr(runner, "execute_async", lambda step: events.append("launch") or launch(step))
-    for cls in (VerifyOutput, AsyncModelRunnerOutput):
-        monkeypatch.setattr(cls, "result", lambda h, r=cls.result: events.append("wait") or r(h))
+    events = record_launches(spec.engine.runner, monkeypatch)
     stats = spec.engine.stats
     before = stats.num_accepted_tokens, stats.num_generated_tokens, stats.num_steps
     assert _tokens(spec) == reference
     # launches made while the step before is still unread: all but the first and those that wait for a request
     # whose step in flight may be its last (max_tokens)
-    unread, overlapped = 0, 0
-    for e in events:
-        overlapped += e == "launch" and unread > 0
-        unread += 1 if e == "launch" else -1
     steps = stats.num_steps - before[2]
-    assert overlapped >= steps * 3 // 4 and steps < sum(map(len, reference))
+    assert num_overlapped(events) >= steps * 3 // 4 and steps < sum(map(len, reference))
     assert stats.num_accepted_tokens - before[0] > 20
     # tokens emitted past a finish in a step already in flight are not counted
     assert stats.num_generated_tokens - before[1] == sum(map(len, reference))
@@ -106,14 +81,7 @@ def test_stop_token_and_max_tokens_inside_an_accepted_run(spec, reference):
 
 def test_stop_string_inside_an_accepted_run(spec, reference):
     engine, tok = spec.engine, spec.tokenizer
-    rid = engine.add_request(PROMPTS[0], GREEDY)
-    seen, inside, tokens = 0, [], []
-    while engine.has_unfinished():
-        for out in engine.step(stream=True):
-            if out.request_id == rid:
-                tokens = out.outputs[0].token_ids
-                inside += list(range(seen + 1, len(tokens)))      # arrived after another token of its step
-                seen = len(tokens)
+    tokens, inside = streamed_run(engine, PROMPTS[0], GREEDY)
     assert tokens == reference[0] and inside
     text = tok.decode(tokens)
     words = text.split(" ")

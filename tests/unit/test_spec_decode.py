@@ -14,26 +14,19 @@ import ember.graphs.dispatcher as dispatcher_module
 from ember.graphs.dispatcher import CudaGraphDispatcher
 from ember.graphs.modes import CUDAGraphMode
 from ember.speculative_config import SpeculativeConfig
-from tests.helpers.model_harness import random_hf_model, tiny_config
+from tests.helpers.spec_cases import PROMPTS, generate_tokens, save_llama
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
-# repetitive prompts: the model's greedy continuation of a loop tends to loop, so proposals get accepted
-PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3], [7, 8, 9, 7, 8, 9, 7, 8], [200],
-           list(range(10, 40)) * 2, [50, 60, 50, 60, 50]]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
 def path(tmp_path_factory):
-    p = tmp_path_factory.mktemp("spec_llama")
-    random_hf_model(tiny_config("llama", vocab_size=320, hidden_size=64, intermediate_size=128,
-                                num_hidden_layers=2, max_position_embeddings=256), seed=0).save_pretrained(p)
-    return str(p)
+    return save_llama(tmp_path_factory.mktemp("spec_llama"))
 
 
 def _tokens(llm, prompts=PROMPTS, params=GREEDY):
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outs]
+    return generate_tokens(llm, prompts, params)
 
 
 @pytest.fixture(scope="module")

@@ -6,25 +6,18 @@ refused with the reason."""
 import json
 
 import pytest
-import torch
 
 from ember import LLM, SamplingParams
 from ember.spec_decode.draft_model import check_draft
 from ember.speculative_config import SpeculativeConfig
-from tests.helpers.model_harness import random_hf_model, tiny_config
+from tests.helpers.model_harness import tiny_config
+from tests.helpers.spec_cases import PROMPTS, draft_config as _draft, generate_tokens, save_llama, save_noisy_llama
 
-PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3], [7, 8, 9, 7, 8, 9, 7, 8], [200],
-           list(range(10, 40)) * 2, [50, 60, 50, 60, 50]]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
 
 def _model(tmp_path_factory, name, **overrides):
-    p = tmp_path_factory.mktemp(name)
-    seed = overrides.pop("seed", 0)
-    config = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  max_position_embeddings=256)
-    random_hf_model(tiny_config("llama", **{**config, **overrides}), seed=seed).save_pretrained(p)
-    return str(p)
+    return save_llama(tmp_path_factory.mktemp(name), **overrides)
 
 
 @pytest.fixture(scope="module")
@@ -41,25 +34,11 @@ def small(tmp_path_factory):
 @pytest.fixture(scope="module")
 def noisy(tmp_path_factory):
     # the target with noise of 5% of each layer weight's spread: it agrees with the target about half the time
-    p = tmp_path_factory.mktemp("draft_noisy")
-    model = random_hf_model(tiny_config("llama", vocab_size=320, hidden_size=64, intermediate_size=128,
-                                        num_hidden_layers=2, max_position_embeddings=256), seed=0)
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, w in model.named_parameters():
-            if "layers" in name:
-                w.add_(torch.randn(w.shape, generator=g) * w.std() * 0.05)
-    model.save_pretrained(p)
-    return str(p)
-
-
-def _draft(model, k=4):
-    return {"method": "draft_model", "model": model, "num_speculative_tokens": k}
+    return save_noisy_llama(tmp_path_factory.mktemp("draft_noisy"))
 
 
 def _tokens(llm, prompts=PROMPTS, params=GREEDY):
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outs]
+    return generate_tokens(llm, prompts, params)
 
 
 @pytest.fixture(scope="module")

@@ -3,60 +3,33 @@ target's table on the device and nothing waits for them on the host; greedy toke
 chunked prefill, preemption, prefix hits, a stop string and max_tokens inside an accepted run; the target drafting
 for itself has every proposal accepted; a request whose draft lost step catches up on what its cache misses."""
 
-import json
-
 import pytest
-import torch
 
 from ember import LLM, SamplingParams
-from ember.runner.output import AsyncModelRunnerOutput
 from ember.spec_decode.draft_device import DeviceDraftProposer
-from ember.spec_decode.verify import VerifyOutput
-from tests.helpers.model_harness import random_hf_model, tiny_config
+from tests.helpers.spec_cases import (PROMPTS, draft_config as _draft, generate_tokens, num_overlapped,
+                                      record_launches, save_llama, save_noisy_llama, save_word_tokenizer,
+                                      streamed_run)
 
-PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3], [7, 8, 9, 7, 8, 9, 7, 8], [200],
-           list(range(10, 40)) * 2, [50, 60, 50, 60, 50]]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-WORDS = [f"w{i}" for i in range(320)]
-CONFIG = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, max_position_embeddings=256)
 
 
 @pytest.fixture(scope="module")
 def path(tmp_path_factory):
     p = tmp_path_factory.mktemp("draft_async_target")
-    random_hf_model(tiny_config("llama", **CONFIG), seed=0).save_pretrained(p)
-    # a word-level tokenizer (one word per id), so that stop strings can be tested without a converted vocabulary
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="w0"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.decoder = decoders.WordPiece(prefix="##")        # joins words with spaces
-    tok.save(str(p / "tokenizer.json"))
-    (p / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast",
-                                                          "unk_token": "w0"}))
+    save_llama(p)
+    save_word_tokenizer(p)       # one word per id: stop strings without a converted vocabulary
     return str(p)
 
 
 @pytest.fixture(scope="module")
 def noisy(tmp_path_factory):
     # the target with noise of 5% of each layer weight's spread: it agrees with the target about half the time
-    p = tmp_path_factory.mktemp("draft_async_noisy")
-    model = random_hf_model(tiny_config("llama", **CONFIG), seed=0)
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, w in model.named_parameters():
-            if "layers" in name:
-                w.add_(torch.randn(w.shape, generator=g) * w.std() * 0.05)
-    model.save_pretrained(p)
-    return str(p)
-
-
-def _draft(model, k=4):
-    return {"method": "draft_model", "model": model, "num_speculative_tokens": k}
+    return save_noisy_llama(tmp_path_factory.mktemp("draft_async_noisy"))
 
 
 def _tokens(llm, prompts=PROMPTS, params=GREEDY):
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outs]
+    return generate_tokens(llm, prompts, params)
 
 
 @pytest.fixture(scope="module")
@@ -77,23 +50,14 @@ def _free_again(llm):
 def test_self_draft_accepts_everything_with_steps_overlapped(self_draft, reference, monkeypatch):
     proposer = self_draft.engine.scheduler.proposer
     assert isinstance(proposer, DeviceDraftProposer) and self_draft.engine.runner.verifier.draft is proposer
-    events = []
-    runner = self_draft.engine.runner
-    launch = runner.execute_async
-    monkeypatch.setattr(runner, "execute_async", lambda step: events.append("launch") or launch(step))
-    for cls in (VerifyOutput, AsyncModelRunnerOutput):
-        monkeypatch.setattr(cls, "result", lambda h, r=cls.result: events.append("wait") or r(h))
+    events = record_launches(self_draft.engine.runner, monkeypatch)
     stats = self_draft.engine.stats
     before = stats.num_steps
     assert _tokens(self_draft) == reference
     # every wait is for a target step: the draft's steps are never read on the host
     assert events.count("wait") == events.count("launch")
-    unread, overlapped = 0, 0
-    for e in events:
-        overlapped += e == "launch" and unread > 0
-        unread += 1 if e == "launch" else -1
     steps = stats.num_steps - before
-    assert overlapped >= steps * 3 // 4
+    assert num_overlapped(events) >= steps * 3 // 4
     # the draft is the target: a window at the wrong position would propose other tokens
     assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens == stats.num_draft_tokens
     assert stats.spec_summary()["mean_acceptance_length"] > 4.0
@@ -140,14 +104,7 @@ def test_stop_token_max_tokens_and_stop_string_inside_an_accepted_run(self_draft
         got = _tokens(self_draft, PROMPTS[:2], SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
         assert got == [r[:n] for r in reference[:2]]
     engine, tok = self_draft.engine, self_draft.tokenizer
-    rid = engine.add_request(PROMPTS[0], GREEDY)
-    seen, inside, tokens = 0, [], []
-    while engine.has_unfinished():
-        for o in engine.step(stream=True):
-            if o.request_id == rid:
-                tokens = o.outputs[0].token_ids
-                inside += list(range(seen + 1, len(tokens)))      # arrived after another token of its step
-                seen = len(tokens)
+    tokens, inside = streamed_run(engine, PROMPTS[0], GREEDY)
     assert tokens == ref and inside
     words = tok.decode(tokens).split(" ")
     # a word that first occurs inside an accepted run: the output stops right after it
