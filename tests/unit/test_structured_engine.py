@@ -7,40 +7,23 @@ the grammar may end, and logprobs under a grammar."""
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from concurrent.futures import Future
 
-import jsonschema
 import pytest
-import torch
 
 from ember import LLM, SamplingParams, StructuredOutputsParams
 from ember.engine.engine import EngineStepError
 from ember.runner.sampling_inputs import fits_graph_tail
-from tests.helpers.tiny_tokenizer import save_bpe_tokenizer
+from tests.helpers.structured_cases import CHOICES, REGEX, SCHEMA, check_matches, generate_results, save_bpe_llama
 
 pytest.importorskip("llguidance")
-
-CHOICES = ["yes", "no", "maybe so"]
-REGEX = r"[a-z]{2,6}-[0-9]{2}"
-SCHEMA = {"type": "object", "properties": {"k": {"enum": ["a", "b"]}, "n": {"type": "integer", "minimum": 0,
-                                                                            "maximum": 99}},
-          "required": ["k", "n"], "additionalProperties": False}
 
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    from transformers import AutoModelForCausalLM, LlamaConfig
-    path = tmp_path_factory.mktemp("tiny_llama_bpe")
-    cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(path)
-    save_bpe_tokenizer(path, 512)
-    return path
+    return save_bpe_llama(tmp_path_factory.mktemp("tiny_llama_bpe"), tie_word_embeddings=True)
 
 
 def _llm(folder, **kwargs) -> LLM:
@@ -66,26 +49,6 @@ def _requests() -> list[tuple[list[int], SamplingParams]]:
     return out
 
 
-def _run(llm, requests):
-    outs = llm.generate([{"prompt_token_ids": p} for p, _ in requests], [s for _, s in requests], use_tqdm=False)
-    return [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason) for o in outs]
-
-
-def _check_matches(results, requests) -> None:
-    for (tokens, text, reason), (_, params) in zip(results, requests):
-        so = params.structured_outputs
-        if so is None:
-            assert reason == "length"
-            continue
-        assert reason == "stop", text
-        if so.kind == "choice":
-            assert text in CHOICES
-        elif so.kind == "regex":
-            assert re.fullmatch(REGEX, text), text
-        else:
-            jsonschema.validate(json.loads(text), SCHEMA)
-
-
 def _as_if_full_graphs(runner, monkeypatch) -> None:
     """Make the CPU runner route decode steps as a FULL decode graph's would be (split, or the bitmask first)."""
     monkeypatch.setattr(type(runner), "graph_samples",
@@ -100,20 +63,20 @@ def async_llm(folder):
 
 def test_async_scheduling_split_or_whole_gives_the_synchronous_tokens(sync_llm, async_llm, monkeypatch):
     requests = _requests()
-    expected = _run(sync_llm, requests)
-    _check_matches(expected, requests)
-    assert _run(async_llm, requests) == expected         # (the grammars compile: the engine's cache is warm after)
+    expected = generate_results(sync_llm, requests)
+    check_matches(expected, requests)
+    assert generate_results(async_llm, requests) == expected   # the grammars compile; cached after
     engine = async_llm.engine
     _as_if_full_graphs(engine.runner, monkeypatch)
     stats, preemptions = engine.structured.stats, engine.stats.num_preemptions
     assert engine.structured.split and stats.num_split == 0
-    assert _run(async_llm, requests) == expected        # forward, then the bitmask, then the tail
+    assert generate_results(async_llm, requests) == expected        # forward, then the bitmask, then the tail
     assert stats.num_split > 20 and stats.num_before_forward == 0
     assert engine.stats.num_preemptions > preemptions
     engine.structured.split = False                     # the bitmask before the forward, the step whole
     try:
         split = stats.num_split
-        assert _run(async_llm, requests) == expected
+        assert generate_results(async_llm, requests) == expected
         assert stats.num_before_forward > 20 and stats.num_split == split
     finally:
         engine.structured.split = True
@@ -140,7 +103,7 @@ def test_a_split_step_launches_its_forward_before_its_bitmask_is_filled(async_ll
     record(runner, "sample_alone", "tail")
     record(runner, "sample_step", "sample")
     requests = [(prompt, params) for prompt, params in _requests() if params.structured_outputs is not None]
-    _check_matches(_run(async_llm, requests), requests)
+    check_matches(generate_results(async_llm, requests), requests)
     steps = "".join({"forward": "F", "fill": "M", "put": "P", "tail": "T", "sample": "S"}[e] for e in log)
     # each constrained step: forward, fill, put, then the tail (a split decode step; sample_alone calls sample_step
     # with the tail's tokens) or the full sampler
@@ -150,7 +113,7 @@ def test_a_split_step_launches_its_forward_before_its_bitmask_is_filled(async_ll
     log.clear()
     structured.split = False
     try:
-        _run(async_llm, requests)
+        generate_results(async_llm, requests)
     finally:
         structured.split = True
     steps = "".join({"forward": "F", "fill": "M", "put": "P", "tail": "T", "sample": "S"}[e] for e in log)
@@ -159,7 +122,7 @@ def test_a_split_step_launches_its_forward_before_its_bitmask_is_filled(async_ll
     log.clear()
     puts = runner.grammar.num_puts
     plain = [(prompt, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)) for prompt, _ in requests]
-    _run(async_llm, plain)
+    generate_results(async_llm, plain)
     steps = "".join({"forward": "F", "fill": "M", "put": "P", "tail": "T", "sample": "S"}[e] for e in log)
     assert steps == "FS" * (len(steps) // 2) and len(steps) >= 12 and runner.grammar.num_puts == puts
 

@@ -9,25 +9,16 @@ broadcasts nothing."""
 
 from __future__ import annotations
 
-import json
-import re
-
-import jsonschema
 import pytest
-import torch
 
 from ember import LLM, SamplingParams, StructuredOutputsParams
 from ember.runner import grammar_mask
 from ember.runner.constrained_step import AS_GRAPH_ENV
-from tests.helpers.tiny_tokenizer import save_bpe_tokenizer
+from tests.helpers.structured_cases import (CHOICES, REGEX, SCHEMA, check_matches, generate_results,
+                                            save_bpe_llama)
 
 pytest.importorskip("llguidance")
 
-CHOICES = ["yes", "no", "maybe so"]
-REGEX = r"[a-z]{2,6}-[0-9]{2}"
-SCHEMA = {"type": "object", "properties": {"k": {"enum": ["a", "b"]}, "n": {"type": "integer", "minimum": 0,
-                                                                            "maximum": 99}},
-          "required": ["k", "n"], "additionalProperties": False}
 KINDS = [StructuredOutputsParams(json=SCHEMA), StructuredOutputsParams(regex=REGEX),
          StructuredOutputsParams(choice=CHOICES), None]
 SETTINGS = dict(device="cpu", dtype="float32", max_model_len=144, max_num_seqs=8, num_kv_blocks=64,
@@ -36,15 +27,7 @@ SETTINGS = dict(device="cpu", dtype="float32", max_model_len=144, max_num_seqs=8
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    from transformers import AutoModelForCausalLM, LlamaConfig
-    path = tmp_path_factory.mktemp("tiny_llama_bpe_tp")
-    cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(path)
-    save_bpe_tokenizer(path, 512)
-    return path
+    return save_bpe_llama(tmp_path_factory.mktemp("tiny_llama_bpe_tp"), tie_word_embeddings=False)
 
 
 def _requests():
@@ -57,31 +40,12 @@ def _requests():
     return out
 
 
-def _generate(llm, requests):
-    outs = llm.generate([{"prompt_token_ids": p} for p, _ in requests], [s for _, s in requests], use_tqdm=False)
-    return [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason) for o in outs]
-
-
-def _check_matches(results, requests) -> None:
-    for (tokens, text, reason), (_, params) in zip(results, requests):
-        so = params.structured_outputs
-        if so is None:
-            assert reason == "length" and len(tokens) == 12
-        elif so.kind == "choice":
-            assert reason == "stop" and text in CHOICES, text
-        elif so.kind == "regex":
-            assert reason == "stop" and re.fullmatch(REGEX, text), text
-        else:
-            assert reason == "stop", text
-            jsonschema.validate(json.loads(text), SCHEMA)
-
-
 @pytest.fixture(scope="module")
 def expected(folder):
     llm = LLM(str(folder), **SETTINGS)
     requests = _requests()
-    results = _generate(llm, requests)
-    _check_matches(results, requests)
+    results = generate_results(llm, requests)
+    check_matches(results, requests)
     return results
 
 
@@ -117,7 +81,7 @@ def test_two_ranks_sample_constrained_rows_as_one_rank(folder, expected, shard_l
         executor = engine.runner
         record = _Recorder(executor, monkeypatch)
         requests = _requests()
-        assert _generate(llm, requests) == expected
+        assert generate_results(llm, requests) == expected
         stats = engine.structured.stats
         after = stats.num_steps - stats.num_split - stats.num_before_forward
         assert stats.num_split >= 5 and after >= 1 and stats.num_before_forward == 0
@@ -135,14 +99,14 @@ def test_two_ranks_sample_constrained_rows_as_one_rank(folder, expected, shard_l
         # the split off: a decode step runs whole, its bitmask put and shared before the forward
         engine.structured.split = False
         split = stats.num_split
-        assert _generate(llm, requests) == expected
+        assert generate_results(llm, requests) == expected
         assert stats.num_before_forward >= 5 and stats.num_split == split
 
         # a batch without grammar rows: one message a step, no broadcast
         record.clear()
         puts = executor.runner.grammar.num_puts
         plain = [(p, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)) for p, _ in requests]
-        assert len(_generate(llm, plain)) == len(plain)
+        assert len(generate_results(llm, plain)) == len(plain)
         assert record.broadcasts == [] and "forward" not in record.kinds and "sample" not in record.kinds
         assert record.kinds.count("execute") >= 6 and executor.runner.grammar.num_puts == puts
     finally:
