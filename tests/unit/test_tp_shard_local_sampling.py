@@ -91,6 +91,37 @@ def test_the_kernels_partials_skip_a_shards_padding_and_reduce_to_the_same_token
     assert torch.equal(SK.reduce_partials(torch.cat([parts[0], unmasked], 2)), torch.full((ROWS,), VOCAB))
 
 
+@pytest.mark.parametrize("vocab, ranks", [(9, 4), (2500, 2)])
+def test_shards_past_the_vocabulary_and_splits_of_padding_alone_are_never_sampled(vocab, ranks):
+    # 9 ids on 4 ranks: ranks of 3 ids, the last holding none; 2500 ids on 2 ranks padded to 3000 columns each (as
+    # a wider LM head would be): the second rank's splits are its columns 0-2047 and 2048-2999, the last padding alone
+    pytest.importorskip("triton")
+    from ember.kernels import sampling as SK
+    torch.manual_seed(vocab)
+    n = 4
+    params = [SamplingParams(temperature=0.0 if i % 2 else 0.8) for i in range(n)]
+    logits = torch.randn(n, vocab) * 3
+    bitmask = torch.randint(-2 ** 31, 2 ** 31 - 1, (2, -(-vocab // 32)), dtype=torch.int32)
+    meta = SamplingMetadata.build(params, [i + 3 for i in range(n)], [[5] * i for i in range(n)], [[0]] * n,
+                                  [()] * n, vocab, "cpu", bitmask=bitmask, mask_index=[0, 1, 2, 0])
+    want = Sampler(use_triton=False)(logits, meta).sampled_token_ids
+    width = 3000 if vocab == 2500 else -(-vocab // ranks)
+    kernel_parts, torch_parts = [], []
+    for rank in range(ranks):
+        first = min(rank * -(-vocab // ranks), vocab)
+        held = min(vocab - first, -(-vocab // ranks))
+        shard = torch.full((n, width), 1e4)                     # padding larger than any logit
+        shard[:, :held] = logits[:, first:first + held]
+        kernel_parts.append(SK.sample_partials(shard, meta.temperature, meta.seeds, meta.output_lens,
+                                               meta.greedy_mask, False, meta.bitmask, meta.mask_index,
+                                               first_id=first, num_ids=held))
+        torch_parts.append(torch_partials(shard[:, :held], meta, first))
+    assert held == (0 if vocab == 9 else 1250) and kernel_parts[0].shape[2] == (1 if vocab == 9 else 2)
+    got = SK.reduce_partials(torch.cat(kernel_parts, 2), ranks * SK.most_splits(width, logits.device))
+    assert torch.equal(got, want) and torch.equal(torch_reduce(torch.cat(torch_parts, 2)), want)
+    assert bool((want < vocab).all()) and len(set(want.tolist())) > 1
+
+
 def test_what_needs_the_whole_row_is_not_shard_samplable():
     _, meta = _step()
     assert shard_samplable(meta)
