@@ -20,6 +20,7 @@ import logging
 import os
 import socket
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -170,9 +171,10 @@ def agree(values: list[int], op: str) -> list[int]:
     return tensor.tolist()
 
 
-def leave_tensor_parallel(wait_s: float = TEARDOWN_S) -> bool:
+def leave_tensor_parallel(wait_s: float = TEARDOWN_S, release: Callable[[], object] | None = None) -> bool:
     """Leave the group (at shutdown, after a failure too): ember's ops forget it at once, and the communicators are
-    torn down in a thread given `wait_s`. NCCL's teardown of a communicator can wait for its peers' teardown, so at
+    torn down in a thread given `wait_s`, after `release` (the rank's CUDA graphs: NCCL's teardown waits for graphs
+    that hold its work; dropping them waits for the device, so it runs under the same bound). NCCL's teardown of a communicator can wait for its peers' teardown, so at
     shutdown every rank starts its own at about the same time (rank 0 as soon as it has told the workers to stop,
     not after they exit); one that does not finish in time (a peer gone mid-teardown) is left to the process's
     exit with a warning, and this process cannot join another group. Whether the teardown finished."""
@@ -187,6 +189,8 @@ def leave_tensor_parallel(wait_s: float = TEARDOWN_S) -> bool:
 
     def teardown() -> None:
         try:
+            if release is not None:
+                release()
             if "nccl" in str(dist.get_backend_config()):
                 dist.distributed_c10d._abort_process_group()    # no flush: every rank has finished its steps
             if dist.is_initialized():

@@ -61,19 +61,6 @@ class OneShotAllReduce:
         return torch.ops.symm_mem.one_shot_all_reduce_copy(slot, x, "sum", self.group_name)
 
 
-class TwoShotAllReduce(OneShotAllReduce):
-    """The same buffer through the two-shot kernel (`symm_mem::two_shot_all_reduce_out`: each rank reduces its 1/N of
-    the message from every peer, then gathers the others' reduced parts), which reads 2/N of the message from peers
-    instead of (N-1)/N twice over; a copy into the buffer first. Measured beside the one-shot kernel and NCCL by
-    benches/all_reduce_graph.py; the engine does not take it."""
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        slot = self.buffer.narrow(0, 0, x.numel()).view(x.shape)
-        slot.copy_(x)
-        out = torch.empty_like(x)
-        return torch.ops.symm_mem.two_shot_all_reduce_out(slot, "sum", self.group_name, out)
-
-
 def one_shot_by_default(process_group, device: torch.device | None) -> bool:
     """What `symm_mem_all_reduce=None` means for this group: `ON_BY_DEFAULT` on CUDA where `one_shot_possible`,
     else NCCL, said in the log. A collective on CUDA: every rank decides alike."""

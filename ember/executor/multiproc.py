@@ -352,10 +352,8 @@ def _shutdown(shared: _Shared) -> None:
             told = True
         except Exception:       # noqa: BLE001 - the workers are killed below
             pass
-    if told:
-        if shared.release_graphs is not None:
-            shared.release_graphs()     # as the workers do: NCCL's teardown waits for graphs that hold its work
-        leave_tensor_parallel()     # with the workers, which leave on the message: NCCL's teardown waits for peers'
+    if told:        # with the workers, which leave on the message (NCCL's teardown waits for peers'); graphs first
+        leave_tensor_parallel(release=shared.release_graphs)
     deadline = time.monotonic() + JOIN_S
     for worker in shared.workers:
         try:

@@ -97,8 +97,7 @@ def serve(args: WorkerArgs, status) -> None:
                 raise ValueError(f"unknown message {kind!r} from rank 0")
     finally:
         reader.close()
-    runner.release_graphs()         # NCCL's teardown waits for graphs that hold its work
-    leave_tensor_parallel()
+    leave_tensor_parallel(release=runner.release_graphs)
 
 
 def main() -> None:

@@ -32,6 +32,20 @@ def test_a_teardown_that_never_returns_is_left_to_the_exit(monkeypatch, caplog):
     assert parallel_state.tensor_parallel().size == 1      # ember's side is gone whatever NCCL does
 
 
+def test_a_release_that_never_returns_is_bounded_like_the_teardown(monkeypatch):
+    stuck, calls = threading.Event(), []
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_backend_config", lambda: "gloo")
+    monkeypatch.setattr(dist, "destroy_process_group", lambda: calls.append("destroy"))
+    start = time.monotonic()
+    finished = parallel_state.leave_tensor_parallel(wait_s=0.3, release=lambda: (calls.append("release"),
+                                                                                  stuck.wait()))
+    took = time.monotonic() - start
+    stuck.set()
+    assert finished is False and 0.3 <= took < 5.0
+    assert calls[0] == "release"
+
+
 def test_a_teardown_that_returns_reports_it(monkeypatch):
     calls = []
     monkeypatch.setattr(dist, "is_initialized", lambda: not calls or calls[-1] != "destroy")
@@ -73,7 +87,12 @@ class _Status:
 
 def _shutdown_order(monkeypatch, ring_fails: bool) -> list[str]:
     events: list[str] = []
-    monkeypatch.setattr(multiproc, "leave_tensor_parallel", lambda: events.append("group left"))
+    def leave(release=None):
+        if release is not None:
+            release()
+        events.append("group left")
+
+    monkeypatch.setattr(multiproc, "leave_tensor_parallel", leave)
     worker = multiproc._Worker(rank=1, process=_Process(events), status=_Status())
     shared = multiproc._Shared(workers=[worker], ring=_Ring(events, ring_fails), timeout_s=1.0,
                                release_graphs=lambda: events.append("graphs released"))
