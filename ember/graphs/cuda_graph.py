@@ -174,15 +174,18 @@ class CUDAGraphManager:
         return how many were dropped. A graph that holds NCCL work keeps its communicator busy: NCCL's teardown of
         that communicator waits for the graph's destruction, so a rank releases its graphs before leaving its
         tensor-parallel group."""
-        if any(w.entries for w in self._wrappers) and torch.cuda.is_available():
-            torch.cuda.synchronize(self.device)
-        dropped = 0
-        for wrapper in self._wrappers:
-            for entry in wrapper.entries.values():
-                entry.graph.reset()
-                dropped += 1
-            wrapper.entries.clear()
-            wrapper.warmed.clear()
+        captured = any(w.entries for w in self._wrappers) and torch.cuda.is_available()
+        # on this manager's GPU whichever thread calls (the teardown runs in a thread of its own)
+        with torch.cuda.device(self.device) if captured else contextlib.nullcontext():
+            if captured:
+                torch.cuda.synchronize(self.device)
+            dropped = 0
+            for wrapper in self._wrappers:
+                for entry in wrapper.entries.values():
+                    entry.graph.reset()
+                    dropped += 1
+                wrapper.entries.clear()
+                wrapper.warmed.clear()
         self._descriptors.clear()
         return dropped
 
