@@ -313,7 +313,7 @@ timed() {
   local name=$1 start=$SECONDS left
   quiet "$@"
   echo "   $name exited after $((SECONDS - start)) s"
-  left=$(for pid in $(pgrep -f "ember.executor.worker"); do   # this call's workers: the same visible devices
+  left=$(for pid in $(pgrep "^ember-rank"); do   # workers (named ember-rank<r>) of the same visible devices
     [ -z "${CUDA_VISIBLE_DEVICES+set}" ] && echo $pid && continue
     tr '\0' '\n' < /proc/$pid/environ 2>/dev/null | grep -qx "CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES" && echo $pid
   done | tr '\n' ' ')

@@ -1,5 +1,11 @@
 """ember: a torch.compile-first runner for Hugging Face decoder models, with a paged KV cache and CUDA graphs."""
 
+import os
+
+# torch's CUDA checks (`torch.cuda.is_available`, `device_count`) ask NVML instead of initializing the driver, so
+# that this process stays forkable until it uses a GPU: tensor-parallel workers fork from it (`executor.start`)
+os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+
 from ember.sampling_params import GuidedDecodingParams, SamplingParams, StructuredOutputsParams
 from ember.engine.request import CompletionOutput, Logprob, RequestOutput
 

@@ -22,7 +22,6 @@ import logging
 import os
 import pickle
 import subprocess
-import sys
 import threading
 import time
 import weakref
@@ -36,6 +35,7 @@ from ember.config import EngineConfig
 from ember.distributed.channel import RingWriter
 from ember.distributed.parallel_state import (COLLECTIVE_ENV, Rendezvous, init_tensor_parallel, leave_tensor_parallel,
                                               open_store)
+from ember.executor.start import ForkedProcess, start_method, start_worker
 from ember.executor.worker import WorkerArgs
 from ember.runner.model_runner import ModelRunner
 
@@ -61,7 +61,7 @@ def make_executor(config: EngineConfig, model_path: str, hf_config=None, load_fo
 @dataclass
 class _Worker:
     rank: int
-    process: subprocess.Popen
+    process: subprocess.Popen | ForkedProcess
     status: Connection
     state: str = "starting"          # "joining", "ready", "exited"
     error: str | None = None
@@ -102,10 +102,12 @@ class MultiprocExecutor:
         busy_wait_s = 1.0 if device_type == "cuda" else 0.0     # the CPU's cores are the ranks' compute
         self._shared = shared = _Shared([], RingWriter(size - 1, busy_wait_s=busy_wait_s), timeout)
         self._finalizer = weakref.finalize(self, _shutdown, shared)
+        method, why = start_method(device_type)
+        logger.info("tensor parallel: starting %d workers by %s (%s)", size - 1, method, why)
         for rank in range(1, size):
             args = WorkerArgs(rank, size, rank, rendezvous, config, model_path, hf_config, load_format,
                               shared.ring.handle, busy_wait_s, logger.getEffectiveLevel())
-            shared.workers.append(_spawn(args))
+            shared.workers.append(_start(args, method))
         wake_r, wake_w = os.pipe()
         shared.wake = (wake_r, wake_w)
         shared.monitor = threading.Thread(target=_monitor, args=(shared,), name="ember-tp-monitor", daemon=True)
@@ -254,17 +256,10 @@ class _WatchedOutput:
         return self._executor._guard(self._inner.result)
 
 
-def _spawn(args: WorkerArgs) -> _Worker:
-    """Start rank `args.rank` as `python -m ember.executor.worker`, its arguments on stdin and its status pipe
-    inherited; the same import path as this process, and the collective settings of `COLLECTIVE_ENV`."""
-    read_fd, write_fd = os.pipe()
-    env = {**COLLECTIVE_ENV, **os.environ,
-           "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    process = subprocess.Popen([sys.executable, "-m", "ember.executor.worker"], stdin=subprocess.PIPE,
-                               pass_fds=(write_fd,), env=env)
-    os.close(write_fd)
-    process.stdin.write(pickle.dumps((args, write_fd), protocol=5))
-    process.stdin.close()
+def _start(args: WorkerArgs, method: str) -> _Worker:
+    """Start rank `args.rank` by `method` (`executor.start`), its status pipe's write end its own; a fresh
+    interpreter gets this process's import path and the collective settings of `COLLECTIVE_ENV`."""
+    process, read_fd = start_worker(args, method, COLLECTIVE_ENV)
     return _Worker(args.rank, process, Connection(read_fd, writable=False))
 
 

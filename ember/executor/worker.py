@@ -8,8 +8,9 @@ scoring step, or the end. Each step it runs exactly what rank 0 runs (the same c
 same sampled tokens into its own table) and copies nothing to the host. It reports an error on its status pipe
 before it exits, and it exits when rank 0's process is gone.
 
-Its arguments come pickled on stdin: a fresh interpreter, which imports nothing of the launching program (a
-script without a `__main__` guard starts no second engine).
+It is forked from rank 0's process, or started as a fresh interpreter whose arguments come pickled on stdin
+(`executor.start`); either way it runs nothing of the launching program (a script without a `__main__` guard starts
+no second engine) and leaves by `os._exit`.
 """
 
 from __future__ import annotations
@@ -44,14 +45,17 @@ class WorkerArgs:
     log_level: int
 
 
-def _die_with_parent() -> None:
-    """Ask Linux to kill this process when its parent (rank 0) goes, however it goes; elsewhere the step loop's
-    check finds out within a tenth of a second of its next wait."""
+def _die_with_parent(rank: int) -> None:
+    """Ask Linux to kill this process when its parent (rank 0) goes, however it goes (elsewhere the step loop's
+    check finds out within a tenth of a second of its next wait), and name it `ember-rank<r>` (what `ps` and
+    /proc/<pid>/comm show)."""
     if sys.platform.startswith("linux"):
         import ctypes
         import signal
         try:
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)     # PR_SET_PDEATHSIG
+            libc = ctypes.CDLL("libc.so.6", use_errno=True)
+            libc.prctl(1, signal.SIGKILL)                                   # PR_SET_PDEATHSIG
+            libc.prctl(15, ctypes.c_char_p(f"ember-rank{rank}".encode()))   # PR_SET_NAME
         except OSError:
             pass
 
@@ -100,24 +104,37 @@ def serve(args: WorkerArgs, status) -> None:
     leave_tensor_parallel(release=runner.release_graphs)
 
 
-def main() -> None:
+def run(args: WorkerArgs, status_fd: int, forked: bool = False) -> int:
+    """Run rank `args.rank` to its end, reporting on the status pipe `status_fd`; the exit code. A forked worker
+    keeps the launching process's logging, with the rank named in each line."""
     from multiprocessing.connection import Connection
-    args, status_fd = pickle.load(sys.stdin.buffer)
-    _die_with_parent()
-    logging.basicConfig(level=args.log_level, format=f"%(asctime)s rank {args.rank} %(levelname)s %(message)s")
+    _die_with_parent(args.rank)
+    fmt = f"%(asctime)s rank {args.rank} %(levelname)s %(message)s"
+    if forked:
+        for handler in logging.getLogger().handlers + logger.handlers:
+            handler.setFormatter(logging.Formatter(fmt))
+        logging.getLogger().setLevel(args.log_level)
+    else:
+        logging.basicConfig(level=args.log_level, format=fmt)
     status = Connection(status_fd, readable=False)
     try:
         serve(args, status)
     except ChannelClosed:
-        os._exit(1)
-    except BaseException as e:
+        return 1
+    except BaseException as e:     # no process-group teardown: a peer may be gone, and NCCL's would wait for it
         try:
             status.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
-        finally:
-            os._exit(1)     # no process-group teardown: a peer may be gone, and NCCL's would wait for it
+        except BaseException:      # noqa: BLE001 - rank 0 may be gone; the exit code still tells
+            pass
+        return 1
     status.close()
     logging.shutdown()
-    os._exit(0)             # the group is left; the interpreter's teardown (about a second) gives nothing more
+    return 0
+
+
+def main() -> None:
+    args, status_fd = pickle.load(sys.stdin.buffer)
+    os._exit(run(args, status_fd))  # the group is left; the interpreter's teardown (about a second) gives nothing
 
 
 if __name__ == "__main__":

@@ -136,8 +136,7 @@ def test_two_ranks_under_an_engine_core_process(tmp_path):
     llm = LLM(str(tmp_path), device="cpu", tensor_parallel_size=2, engine_process=True)
     core = llm.engine.client.procs[0]
     try:
-        workers = [pid for pid in _children(core.pid)
-                   if "ember.executor.worker" in open(f"/proc/{pid}/cmdline").read().replace("\0", " ")]
+        workers = [pid for pid in _children(core.pid) if open(f"/proc/{pid}/comm").read().strip() == "ember-rank1"]
         assert len(workers) == 1, _children(core.pid)
         assert generate(llm, PROMPTS[:2], params) == expected
     finally:
