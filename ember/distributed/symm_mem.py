@@ -96,7 +96,9 @@ def _use_peer_to_peer_backend(symm, device: torch.device) -> None:
     if not hasattr(symm, "set_backend"):
         return                          # before torch 2.8 the CUDA backend is the only one
     try:
-        if symm.get_backend(device) in (None, "CUDA"):
+        # "CUDA" answered: the default allocator is that backend already (it is registered as the device's
+        # default, not by name, so naming it would be refused)
+        if symm.get_backend(device) is None:
             symm.set_backend("CUDA")
     except Exception as e:              # noqa: BLE001 - a symmetric tensor exists already: its backend stays
         logger.info("symmetric memory keeps its backend: %s", e)

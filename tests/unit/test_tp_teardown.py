@@ -6,12 +6,21 @@ import logging
 import threading
 import time
 
+import torch
 import torch.distributed as dist
 
 from ember.distributed import parallel_state
 from ember.executor import multiproc
 from ember.graphs.cuda_graph import CUDAGraphManager, _Entry
 from ember.graphs.modes import BatchDescriptor
+
+
+def _join_teardowns() -> None:
+    """Wait for the teardown threads a test left stuck and then freed: one still running would call the next test's
+    patched functions."""
+    for thread in threading.enumerate():
+        if thread.name == "ember-tp-teardown":
+            thread.join(timeout=5.0)
 
 
 def test_a_teardown_that_never_returns_is_left_to_the_exit(monkeypatch, caplog):
@@ -26,6 +35,7 @@ def test_a_teardown_that_never_returns_is_left_to_the_exit(monkeypatch, caplog):
         finished = parallel_state.leave_tensor_parallel(wait_s=0.3)
     took = time.monotonic() - start
     release.set()
+    _join_teardowns()
     assert finished is False and 0.3 <= took < 5.0
     assert calls[0] == "abort"
     assert "did not finish" in caplog.text
@@ -42,6 +52,7 @@ def test_a_release_that_never_returns_is_bounded_like_the_teardown(monkeypatch):
                                                                                   stuck.wait()))
     took = time.monotonic() - start
     stuck.set()
+    _join_teardowns()
     assert finished is False and 0.3 <= took < 5.0
     assert calls[0] == "release"
 
@@ -149,3 +160,15 @@ def test_a_group_name_set_up_before_in_this_process_takes_nccl(tmp_path, monkeyp
         assert possible is False and "earlier group of the same name" in reason
     finally:
         dist.destroy_process_group()
+
+
+def test_the_peer_to_peer_backend_is_named_only_where_none_is_chosen():
+    # torch registers the CUDA allocator as the device's default, not by name: naming it again is refused, so a
+    # device whose backend answers "CUDA" (or another one chosen before) is left as it is
+    import types
+    from ember.distributed.symm_mem import _use_peer_to_peer_backend
+    for current, named in ((None, ["CUDA"]), ("CUDA", []), ("NVSHMEM", [])):
+        calls = []
+        fake = types.SimpleNamespace(get_backend=lambda device, c=current: c, set_backend=calls.append)
+        _use_peer_to_peer_backend(fake, torch.device("cuda", 0))
+        assert calls == named, (current, calls)
