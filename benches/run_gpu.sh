@@ -27,7 +27,7 @@
 #   [TOKENIZER=folder] bash benches/run_gpu.sh structured   # structured output: GPU tests, host grammar work, throughput
 #                                         # unconstrained / one JSON schema / 64 schemas, bitmask in and after the graph
 #   bash benches/run_gpu.sh tp2_collectives   # 2 GPUs: the all-reduce bench (NCCL vs one-shot), ranks' sampling
-#   bash benches/run_gpu.sh tp2_tests     # 2 GPUs: the TP GPU tests
+#   bash benches/run_gpu.sh tp2_tests [1|2]  # 2 GPUs: the TP GPU tests (in two parts that each fit a call)
 #   bash benches/run_gpu.sh tp2_startup   # 2 GPUs: cold and warm start-up at TP=1 and TP=2
 #   bash benches/run_gpu.sh tp2           # 2 GPUs: Llama-3.1-8B batch 1 and nano-vllm throughput, TP=1 against TP=2
 #   bash benches/run_gpu.sh tp2_sampling  # 2 GPUs: shard-local sampling's test, TP=2 throughput with it and without
@@ -328,12 +328,22 @@ part_tp2_collectives() {
   run tp_sampling 120 python3 benches/tp_sampling.py --ranks 2
 }
 
-# tp2_tests (at most 8 min): the two-GPU tests, verbose, with each test's time (a test still running after 300 s
-# prints every thread's stack).
+# tp2_tests [1|2] (at most 8 min each): the two-GPU tests, verbose and unbuffered (`-s`: a test's figures print as
+# it ends), with each test's time (a test still running after 300 s prints every thread's stack). Each engine runs in
+# a process of its own (about a minute a test on H200s), so the 13 tests come in two parts: 1, logits and tokens
+# against one rank and the one-shot all-reduce (7 tests); 2, sharded experts, sampling, structured output and
+# n-gram speculation (6 tests; the structured test needs jsonschema, installed here from .whl where there is one);
+# no argument runs both in one call.
 part_tp2_tests() {
-  timed tp_gpu_tests 470 python3 -m pytest -v -m gpu -p no:cacheprovider --durations=0 -o faulthandler_timeout=300 \
-    tests/gpu/test_tensor_parallel_gpu.py
-  grep -h "PASSED\|FAILED\|ERROR\|passed\|failed\|Error\|assert\|{'\|s call" "$OUT/tp_gpu_tests.log" | tail -30
+  local sel=""
+  case "${1:-}" in
+    1) sel="logits or float32_tokens_of_two_ranks_under or engine_core or symmetric" ;;
+    2) sel="experts or shard_local or structured or ngram" ;;
+  esac
+  [ -d .whl ] && python3 -m pip install -q --no-index --find-links .whl jsonschema 2>&1 | grep -v WARNING | tail -1
+  timed tp_gpu_tests${1:-} 470 python3 -m pytest -v -s -m gpu -p no:cacheprovider --durations=0 \
+    -o faulthandler_timeout=300 ${sel:+-k "$sel"} tests/gpu/test_tensor_parallel_gpu.py
+  grep -h "PASSED\|FAILED\|ERROR\|passed\|failed\|Error\|assert\|{'\|s call" "$OUT/tp_gpu_tests${1:-}.log" | tail -30
 }
 
 # tp2_startup (at most 4 min): Llama-3.1-8B started cold, then warm, at TP=1 and at TP=2 (fresh caches; phases).
@@ -638,7 +648,7 @@ case "$part" in
   structured) part_structured ;;
   tp2) part_tp2 ;;
   tp2_collectives) part_tp2_collectives ;;
-  tp2_tests) part_tp2_tests ;;
+  tp2_tests) part_tp2_tests "$@" ;;
   tp2_startup) part_tp2_startup ;;
   tp2_sampling) part_tp2_sampling ;;
   structured_tp2) part_structured_tp2 ;;
