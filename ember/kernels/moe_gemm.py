@@ -12,6 +12,10 @@ program keeps two accumulators, the gate columns and the matching up columns, an
 routing weight and scatters each row to its slot; padding rows (the sentinel slot) are neither read nor stored.
 Row blocks go in groups of GROUP_M over the same column blocks, so an expert's weight tiles are reused from L2.
 
+Under expert parallelism the layout holds only the slots of the rank's experts (`moe_align`'s expert map) and
+`block_experts` indexes the local w13 / w2; the down GEMM then writes only those slots' rows, and the rows of slots
+held elsewhere are zeros (`moe_down(..., zero_rows=True)`), so the top_k sum is the rank's share.
+
 Roundings follow the model's ops: each projection rounds once to the activation dtype, SiLU and the product round
 as torch's ops do, the weighted output rounds once, and the top_k sum runs in float32 and rounds once.
 """
@@ -23,6 +27,7 @@ import triton
 import triton.language as tl
 
 from ember.kernels.interpret import interpreted
+from ember.kernels.moe_align import local_expert_ids
 
 __all__ = ["moe_down", "moe_gate_up", "moe_reference"]
 
@@ -164,11 +169,13 @@ def moe_gate_up(x: torch.Tensor, w13: torch.Tensor, sorted_slots: torch.Tensor, 
 
 
 def moe_down(act: torch.Tensor, w2: torch.Tensor, sorted_slots: torch.Tensor, block_experts: torch.Tensor,
-             topk_weights: torch.Tensor, config: dict) -> torch.Tensor:
-    """act [capacity, I], w2 [E, H, I] -> out2 [T * top_k, H]: each slot's expert output times its weight."""
+             topk_weights: torch.Tensor, config: dict, zero_rows: bool = False) -> torch.Tensor:
+    """act [capacity, I], w2 [E, H, I] -> out2 [T * top_k, H]: each slot's expert output times its weight;
+    `zero_rows`: the rows of slots the layout leaves out (experts held elsewhere) are zeros, not unset."""
     num_experts, hidden, intermediate = w2.shape
     num_slots = topk_weights.numel()
-    out = torch.empty(num_slots, hidden, dtype=act.dtype, device=act.device)                   # [T * top_k, H]
+    alloc = torch.zeros if zero_rows else torch.empty
+    out = alloc(num_slots, hidden, dtype=act.dtype, device=act.device)                          # [T * top_k, H]
     num_blocks = block_experts.shape[0]
     grid = (num_blocks * triton.cdiv(hidden, config["BLOCK_N"]),)
     _kernel(_down_kernel, act.device)[grid](
@@ -181,14 +188,16 @@ def moe_down(act: torch.Tensor, w2: torch.Tensor, sorted_slots: torch.Tensor, bl
 
 
 def moe_reference(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor,
-                  w2: torch.Tensor) -> torch.Tensor:
-    """The same with torch ops, a loop over the experts that were chosen, with the kernels' roundings."""
+                  w2: torch.Tensor, expert_map: torch.Tensor | None = None) -> torch.Tensor:
+    """The same with torch ops, a loop over the experts that were chosen, with the kernels' roundings; with
+    `expert_map` (global id -> local id of w13 / w2, or -1), over the slots of local experts only."""
     num_tokens, top_k = topk_ids.shape
     intermediate = w13.shape[1] // 2
     out = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32, device=x.device)            # [T, H]
-    flat_ids = topk_ids.flatten()
-    order = torch.argsort(flat_ids, stable=True)
-    counts = torch.bincount(flat_ids.long(), minlength=w13.shape[0]).tolist()
+    flat_ids = local_expert_ids(topk_ids, expert_map)
+    placed = flat_ids >= 0
+    order = torch.argsort(torch.where(placed, flat_ids, w13.shape[0]), stable=True)            # held elsewhere: last
+    counts = torch.bincount(flat_ids[placed], minlength=w13.shape[0]).tolist()
     start = 0
     for expert, count in enumerate(counts):
         if count == 0:

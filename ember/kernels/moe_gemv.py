@@ -10,6 +10,10 @@ does). The expert comes from `topk_ids` on the device; the grid depends on the t
 loads the tiles of all top_k experts of its token at once ([top_k, BLOCK_N, BLOCK_K]): more bytes in flight per
 program, and the weighted top_k sum happens in registers, so nothing is written between the expert outputs and
 the layer's output. Roundings are those of ember.kernels.moe_gemm.
+
+Under expert parallelism (`expert_map` [E] int32, global id -> local id or -1) the routing stays global, over all E
+router logits; a slot whose expert is held elsewhere reads no weights (its gate_up program returns, the down kernel
+masks its lane), so its contribution to the token's sum is zero, and each rank's output is its share of the sum.
 """
 
 from __future__ import annotations
@@ -29,15 +33,17 @@ gdc_launch_dependents = getattr(_cuda, "gdc_launch_dependents", None)
 
 
 @triton.jit
-def _gate_up_gemv_kernel(x_ptr, w_ptr, logits_ptr, ids_ptr, weights_ptr, out_ptr, N, K, num_experts, stride_xm,
-                         stride_lm, stride_we, stride_wn, stride_om, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, ROUTE: tl.constexpr, E_P2: tl.constexpr,
-                         RENORMALIZE: tl.constexpr, PDL: tl.constexpr = False):
+def _gate_up_gemv_kernel(x_ptr, w_ptr, logits_ptr, ids_ptr, weights_ptr, expert_map_ptr, out_ptr, N, K, num_experts,
+                         stride_xm, stride_lm, stride_we, stride_wn, stride_om, TOP_K: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, ROUTE: tl.constexpr,
+                         E_P2: tl.constexpr, RENORMALIZE: tl.constexpr, HAS_MAP: tl.constexpr = False,
+                         PDL: tl.constexpr = False):
     """out[slot, n block] = silu(gate) * up for one token-slot; N is the expert's intermediate size.
 
     ROUTE: the slot's expert comes from the token's router logits (softmax, top-k, renormalise: the arithmetic of
     ember.kernels.moe_router, redone by every program of the token, which costs a few reductions over E values),
     and the programs of column block 0 store each slot's expert and weight for the down kernel. Else from ids.
+    HAS_MAP: the (global) expert through the expert map; a slot of an expert held elsewhere stores nothing.
     PDL: launched as a programmatic dependent; every input but the weights comes from the kernels before, and the
     weights to read depend on the routing, so it waits first, then lets the next kernel's programs start."""
     if PDL:
@@ -71,6 +77,10 @@ def _gate_up_gemv_kernel(x_ptr, w_ptr, logits_ptr, ids_ptr, weights_ptr, out_ptr
         expert = expert.to(tl.int64)
     else:
         expert = tl.load(ids_ptr + slot).to(tl.int64)
+    if HAS_MAP:
+        expert = tl.load(expert_map_ptr + expert).to(tl.int64)
+        if expert < 0:
+            return
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     # columns past N re-read row N - 1 instead of masking (unpredicated, vectorised loads); never stored
@@ -101,12 +111,13 @@ def _gate_up_gemv_kernel(x_ptr, w_ptr, logits_ptr, ids_ptr, weights_ptr, out_ptr
 
 
 @triton.jit
-def _down_gemv_kernel(a_ptr, w_ptr, ids_ptr, weights_ptr, residual_ptr, out_ptr, N, K, stride_am, stride_we,
-                      stride_wn, stride_rm, stride_om, TOP_K: tl.constexpr, K_P2: tl.constexpr,
+def _down_gemv_kernel(a_ptr, w_ptr, ids_ptr, weights_ptr, expert_map_ptr, residual_ptr, out_ptr, N, K, stride_am,
+                      stride_we, stride_wn, stride_rm, stride_om, TOP_K: tl.constexpr, K_P2: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                      HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr = False):
+                      HAS_RESIDUAL: tl.constexpr, HAS_MAP: tl.constexpr = False, PDL: tl.constexpr = False):
     """out[token, n block] = the weighted sum over the token's TOP_K slots (+ the residual, added to the rounded
-    sum and rounded again, as the unfused add); N is the hidden size. PDL: as the gate_up kernel."""
+    sum and rounded again, as the unfused add); N is the hidden size. HAS_MAP: over the slots whose expert this
+    rank holds (the others' lanes load nothing and add zero). PDL: as the gate_up kernel."""
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
@@ -116,13 +127,23 @@ def _down_gemv_kernel(a_ptr, w_ptr, ids_ptr, weights_ptr, residual_ptr, out_ptr,
     lane_ok = lanes < TOP_K
     slots = token * TOP_K + tl.minimum(lanes, TOP_K - 1)                                           # [K_P2]
     experts = tl.load(ids_ptr + slots).to(tl.int64)
+    if HAS_MAP:
+        experts = tl.load(expert_map_ptr + experts).to(tl.int64)
+        lane_ok = lane_ok & (experts >= 0)
+        experts = tl.where(lane_ok, experts, 0)
     ks = tl.arange(0, BLOCK_K)
     w_ptrs = (w_ptr + experts[:, None, None] * stride_we + tl.minimum(cols, N - 1)[None, :, None] * stride_wn
               + ks[None, None, :])                                                                 # [K_P2, BN, BK]
     a_ptrs = a_ptr + slots[:, None, None].to(tl.int64) * stride_am + ks[None, None, :]              # [K_P2, 1, BK]
     acc = tl.full((K_P2, BLOCK_N, BLOCK_K), 0.0, tl.float32)
     for k in range(0, K, BLOCK_K):
-        if EVEN_K:
+        if HAS_MAP:          # a lane of an expert held elsewhere reads nothing (its act row was never written)
+            k_ok = lane_ok[:, None, None]
+            if not EVEN_K:
+                k_ok = k_ok & (k + ks < K)[None, None, :]
+            a = tl.load(a_ptrs, mask=k_ok, other=0.0).to(tl.float32)
+            w = tl.load(w_ptrs, mask=k_ok, other=0.0)
+        elif EVEN_K:
             a = tl.load(a_ptrs).to(tl.float32)
             w = tl.load(w_ptrs)
         else:
@@ -147,48 +168,53 @@ def _kernel(kernel, device: torch.device):
     return interpreted(kernel) if device.type == "cpu" else kernel
 
 
-def _launch_gate_up(x, w13, logits, ids, weights, act, config, top_k, renormalize, options) -> None:
+def _launch_gate_up(x, w13, logits, ids, weights, expert_map, act, config, top_k, renormalize, options) -> None:
     num_slots, intermediate = act.shape
     hidden = w13.shape[2]
     route = logits is not None
+    num_experts = logits.shape[1] if route else w13.shape[0]      # the routing's: every expert of the model
     _kernel(_gate_up_gemv_kernel, x.device)[(num_slots, triton.cdiv(intermediate, config["BLOCK_N"]))](
-        x, w13, logits if route else x, ids, weights, act, intermediate, hidden, w13.shape[0], x.stride(0),
-        logits.stride(0) if route else 0, w13.stride(0), w13.stride(1), act.stride(0), TOP_K=top_k,
-        BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"], EVEN_K=hidden % config["BLOCK_K"] == 0,
-        ROUTE=route, E_P2=triton.next_power_of_2(w13.shape[0]), RENORMALIZE=renormalize,
-        num_warps=config["num_warps"], **options)
+        x, w13, logits if route else x, ids, weights, expert_map if expert_map is not None else ids, act,
+        intermediate, hidden, num_experts, x.stride(0), logits.stride(0) if route else 0, w13.stride(0),
+        w13.stride(1), act.stride(0), TOP_K=top_k, BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"],
+        EVEN_K=hidden % config["BLOCK_K"] == 0, ROUTE=route, E_P2=triton.next_power_of_2(num_experts),
+        RENORMALIZE=renormalize, HAS_MAP=expert_map is not None, num_warps=config["num_warps"], **options)
 
 
-def _launch_down(act, w2, ids, weights, out, config, top_k, residual, options) -> None:
+def _launch_down(act, w2, ids, weights, expert_map, out, config, top_k, residual, options) -> None:
     num_tokens, hidden = out.shape
     intermediate = w2.shape[2]
     _kernel(_down_gemv_kernel, act.device)[(num_tokens, triton.cdiv(hidden, config["BLOCK_N"]))](
-        act, w2, ids, weights, residual if residual is not None else out, out, hidden, intermediate, act.stride(0),
-        w2.stride(0), w2.stride(1), residual.stride(0) if residual is not None else 0, out.stride(0), TOP_K=top_k,
+        act, w2, ids, weights, expert_map if expert_map is not None else ids,
+        residual if residual is not None else out, out, hidden, intermediate, act.stride(0), w2.stride(0),
+        w2.stride(1), residual.stride(0) if residual is not None else 0, out.stride(0), TOP_K=top_k,
         K_P2=triton.next_power_of_2(top_k), BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"],
         EVEN_K=intermediate % config["BLOCK_K"] == 0, HAS_RESIDUAL=residual is not None,
-        num_warps=config["num_warps"], **options)
+        HAS_MAP=expert_map is not None, num_warps=config["num_warps"], **options)
 
 
 def moe_gemv(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor,
-             w2: torch.Tensor, gate_up_config: dict, down_config: dict, launch_options: dict | None = None
-             ) -> torch.Tensor:
+             w2: torch.Tensor, gate_up_config: dict, down_config: dict, launch_options: dict | None = None,
+             expert_map: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, H] through each token's top_k experts (w13 [E, 2I, H], w2 [E, H, I]), weighted and summed -> [T, H];
-    configs: BLOCK_N, BLOCK_K, num_warps (each kernel its own); launch_options: e.g. PDL=True, launch_pdl=True."""
+    configs: BLOCK_N, BLOCK_K, num_warps (each kernel its own); launch_options: e.g. PDL=True, launch_pdl=True.
+    With `expert_map` [E_global] int32 (global id -> local id or -1) only the slots of local experts are summed."""
     num_tokens, top_k = topk_ids.shape
     act = torch.empty(num_tokens * top_k, w13.shape[1] // 2, dtype=x.dtype, device=x.device)     # [T * top_k, I]
     out = torch.empty(num_tokens, w13.shape[2], dtype=x.dtype, device=x.device)                  # [T, H]
     options = launch_options or {}
-    _launch_gate_up(x, w13, None, topk_ids, topk_weights, act, gate_up_config, top_k, False, options)
-    _launch_down(act, w2, topk_ids, topk_weights, out, down_config, top_k, None, options)
+    _launch_gate_up(x, w13, None, topk_ids, topk_weights, expert_map, act, gate_up_config, top_k, False, options)
+    _launch_down(act, w2, topk_ids, topk_weights, expert_map, out, down_config, top_k, None, options)
     return out
 
 
 def routed_moe_gemv(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
                     renormalize: bool, gate_up_config: dict, down_config: dict,
-                    residual: torch.Tensor | None = None, launch_options: dict | None = None) -> torch.Tensor:
+                    residual: torch.Tensor | None = None, launch_options: dict | None = None,
+                    expert_map: torch.Tensor | None = None) -> torch.Tensor:
     """`moe_gemv` with the routing (ember.kernels.moe_router's) done inside the gate_up kernel: the whole MoE
-    layer in two launches. router_logits [T, E] -> [T, H], plus `residual` [T, H] when given."""
+    layer in two launches. router_logits [T, E] -> [T, H], plus `residual` [T, H] when given; with `expert_map`,
+    this rank's share (router_logits cover every expert, w13 / w2 the local ones)."""
     num_tokens = x.shape[0]
     act = torch.empty(num_tokens * top_k, w13.shape[1] // 2, dtype=x.dtype, device=x.device)     # [T * top_k, I]
     ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=x.device)                     # [T, top_k]
@@ -196,8 +222,8 @@ def routed_moe_gemv(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Ten
     out = torch.empty(num_tokens, w13.shape[2], dtype=x.dtype, device=x.device)                  # [T, H]
     logits = router_logits if router_logits.stride(1) == 1 else router_logits.contiguous()
     options = launch_options or {}
-    _launch_gate_up(x, w13, logits, ids, weights, act, gate_up_config, top_k, renormalize, options)
+    _launch_gate_up(x, w13, logits, ids, weights, expert_map, act, gate_up_config, top_k, renormalize, options)
     if residual is not None and residual.stride(1) != 1:
         residual = residual.contiguous()
-    _launch_down(act, w2, ids, weights, out, down_config, top_k, residual, options)
+    _launch_down(act, w2, ids, weights, expert_map, out, down_config, top_k, residual, options)
     return out

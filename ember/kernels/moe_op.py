@@ -1,7 +1,12 @@
 """`ember::moe`: a mixture-of-experts MLP as one op that dynamo traces (a fake gives its output's shape), so the
 pieces around it compile with fullgraph=True and FULL CUDA graphs capture it in decode buckets.
 
-    moe(hidden [T, H], router_logits [T, E], w13 [E, 2I, H], w2 [E, H, I], top_k, renormalize, residual) -> [T, H]
+    moe(hidden [T, H], router_logits [T, E], w13 [E, 2I, H], w2 [E, H, I], top_k, renormalize, residual,
+        expert_map) -> [T, H]
+
+Under expert parallelism w13 / w2 hold the rank's E_local experts and `expert_map` [E] int32 maps each of the
+model's experts to its local id or -1: the routing is over all E logits, only the local experts' slots run, and
+the output is the rank's share of the weighted sum (zero for a token none of whose experts are local).
 
 On CUDA, by the launch table (ember.kernels.moe_configs) for the token count, either the decode path that reads
 only the chosen experts (ember.kernels.moe_gemv: two launches, the routing (softmax, top-k, renormalise) inside the
@@ -60,31 +65,39 @@ def launch_for(x: torch.Tensor, w13: torch.Tensor, top_k: int) -> MoeLaunch:
 
 
 def fused_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor,
-                  w2: torch.Tensor, launch: MoeLaunch | None = None) -> torch.Tensor:
+                  w2: torch.Tensor, launch: MoeLaunch | None = None, expert_map: torch.Tensor | None = None
+                  ) -> torch.Tensor:
     """x [T, H] through each token's chosen experts (topk_ids [T, top_k] int32, topk_weights [T, top_k] float32),
-    weighted and summed -> [T, H], with the kernels (interpreted for CPU tensors). `launch` overrides the table."""
+    weighted and summed -> [T, H], with the kernels (interpreted for CPU tensors). `launch` overrides the table;
+    `expert_map` (global id -> local id or -1): the slots of local experts only."""
     num_tokens, top_k = topk_ids.shape
     launch = launch or launch_for(x, w13, top_k)
     if launch.path == "gemv":
-        return moe_gemv(x, topk_weights, topk_ids, w13, w2, launch.gate_up, launch.down, pdl_options(x.device))
+        return moe_gemv(x, topk_weights, topk_ids, w13, w2, launch.gate_up, launch.down, pdl_options(x.device),
+                        expert_map)
     if launch.gate_up["BLOCK_M"] != launch.down["BLOCK_M"]:
         raise ValueError(f"the two grouped GEMMs must share BLOCK_M (the alignment's block), got "
                          f"{launch.gate_up['BLOCK_M']} and {launch.down['BLOCK_M']}")
-    sorted_slots, block_experts, _ = moe_align(topk_ids, w13.shape[0], launch.gate_up["BLOCK_M"])
+    sorted_slots, block_experts, _ = moe_align(topk_ids, w13.shape[0], launch.gate_up["BLOCK_M"], expert_map)
     act = moe_gate_up(x, w13, sorted_slots, block_experts, top_k, launch.gate_up)        # [capacity, I]
-    out = moe_down(act, w2, sorted_slots, block_experts, topk_weights, launch.down)       # [T * top_k, H]
+    out = moe_down(act, w2, sorted_slots, block_experts, topk_weights, launch.down,       # [T * top_k, H]
+                   zero_rows=expert_map is not None)
     return out if top_k == 1 else out.view(num_tokens, top_k, -1).sum(dim=1)
 
 
 def _check(hidden: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
-           residual: torch.Tensor | None) -> None:
+           residual: torch.Tensor | None, expert_map: torch.Tensor | None) -> None:
     num_tokens, size = hidden.shape
-    num_experts, two_i, h = w13.shape
-    if (h != size or w2.shape != (num_experts, size, two_i // 2) or router_logits.shape != (num_tokens, num_experts)
+    local, two_i, h = w13.shape
+    num_experts = router_logits.shape[-1] if expert_map is not None else local
+    if (h != size or w2.shape != (local, size, two_i // 2) or router_logits.shape != (num_tokens, num_experts)
             or two_i % 2):
         raise ValueError(f"moe needs hidden [T, H], router_logits [T, E], w13 [E, 2I, H] and w2 [E, H, I]; got "
                          f"{tuple(hidden.shape)}, {tuple(router_logits.shape)}, {tuple(w13.shape)}, "
                          f"{tuple(w2.shape)}")
+    if expert_map is not None and (expert_map.shape != (num_experts,) or expert_map.dtype != torch.int32):
+        raise ValueError(f"the expert map must be [{num_experts}] int32 (one local id or -1 for each of the router's "
+                         f"experts), got {tuple(expert_map.shape)} {expert_map.dtype}")
     if not 1 <= top_k <= num_experts:
         raise ValueError(f"top_k must be between 1 and the {num_experts} experts, got {top_k}")
     if residual is not None and (residual.shape != hidden.shape or residual.dtype != hidden.dtype):
@@ -97,33 +110,39 @@ def _check(hidden: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor,
 
 @define("moe")
 def _moe_op(hidden: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
-            renormalize: bool, residual: torch.Tensor | None = None) -> torch.Tensor:
+            renormalize: bool, residual: torch.Tensor | None = None, expert_map: torch.Tensor | None = None
+            ) -> torch.Tensor:
     """A sparse MoE MLP with SiLU-gated experts: the kernels or the torch reference (see set_moe_kernels); with
-    `residual` [T, H], the output plus it, rounded as the unfused add rounds."""
+    `residual` [T, H], the output plus it, rounded as the unfused add rounds; with `expert_map`, this rank's
+    share (the module docstring)."""
     if not moe_kernels(hidden.device):
         topk_weights, topk_ids = route_reference(router_logits, top_k, renormalize)
-        out = moe_reference(hidden, topk_weights, topk_ids, w13, w2)
+        out = moe_reference(hidden, topk_weights, topk_ids, w13, w2, expert_map)
         return out if residual is None else out + residual
-    _check(hidden, router_logits, w13, w2, top_k, residual)
+    _check(hidden, router_logits, w13, w2, top_k, residual, expert_map)
     if hidden.shape[0] == 0:
         return hidden.new_empty(hidden.shape)
     hidden = hidden if hidden.stride(1) == 1 else hidden.contiguous()
     launch = launch_for(hidden, w13, top_k)
     if launch.path == "gemv":          # the routing inside the first GEMV, the residual in the second's epilogue
         return routed_moe_gemv(hidden, router_logits, w13, w2, top_k, renormalize, launch.gate_up, launch.down,
-                               residual, pdl_options(hidden.device))
+                               residual, pdl_options(hidden.device), expert_map)
     topk_weights, topk_ids = route(router_logits, top_k, renormalize)
-    out = fused_experts(hidden, topk_weights, topk_ids, w13, w2, launch)
+    out = fused_experts(hidden, topk_weights, topk_ids, w13, w2, launch, expert_map)
     return out if residual is None else out + residual
 
 
 @register_fake("moe")
-def _moe_fake(hidden, router_logits, w13, w2, top_k, renormalize, residual=None):
+def _moe_fake(hidden, router_logits, w13, w2, top_k, renormalize, residual=None, expert_map=None):
     return hidden.new_empty(hidden.shape)
 
 
 def moe(hidden: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
-        renormalize: bool, residual: torch.Tensor | None = None) -> torch.Tensor:
+        renormalize: bool, residual: torch.Tensor | None = None, expert_map: torch.Tensor | None = None
+        ) -> torch.Tensor:
     """hidden [T, H] -> [T, H] (plus `residual`) through `ember::moe` (the module docstring). Models call it
-    without a residual; the residual_epilogue pass folds the add after it in."""
-    return torch.ops.ember.moe(hidden, router_logits, w13, w2, top_k, renormalize, residual)
+    without a residual; the residual_epilogue pass folds the add after it in. `expert_map` only where a rank holds
+    a share of the experts (the call is then as without it, plus the map)."""
+    if expert_map is None:
+        return torch.ops.ember.moe(hidden, router_logits, w13, w2, top_k, renormalize, residual)
+    return torch.ops.ember.moe(hidden, router_logits, w13, w2, top_k, renormalize, residual, expert_map)

@@ -93,7 +93,7 @@ def _with_residual(graph: Graph, found: tuple, residual: Node, before: Node) -> 
         new.meta["val"] = call.fake()
         return new
     with graph.inserting_before(before):
-        new = graph.call_function(source.target, tuple(source.args[:6]) + (residual,))
+        new = graph.call_function(source.target, tuple(source.args[:6]) + (residual,) + tuple(source.args[7:]))
     new.meta["val"] = torch.empty_like(value(source))
     return new
 
