@@ -93,6 +93,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shard-local-sampling", action=argparse.BooleanOptionalAction, default=True,
                    help="under tensor parallelism, a step that needs no whole row of logits (temperature, greedy, "
                         "grammar) samples each rank's vocabulary range instead of gathering the logits")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="under tensor parallelism, place whole MoE experts on the ranks (E/N each) instead of "
+                        "splitting every expert's intermediate dimension; attention stays tensor-parallel")
     p.add_argument("--model-impl", default="auto", choices=["auto", "ember", "transformers"],
                    help="ember's own implementation of the model family, or its transformers code with ember's "
                         "paged attention (auto: ember's where it has one; `ember models` lists them)")
@@ -118,7 +121,7 @@ def engine_kwargs(args) -> dict:
                 attention_backend_options=dict(args.attention_backend_options) or None, tokenizer=args.tokenizer,
                 tokenizer_mode=args.tokenizer_mode, tokenizer_revision=args.tokenizer_revision,
                 tensor_parallel_size=args.tensor_parallel_size, symm_mem_all_reduce=args.symm_mem_all_reduce,
-                shard_local_sampling=args.shard_local_sampling,
+                shard_local_sampling=args.shard_local_sampling, enable_expert_parallel=args.enable_expert_parallel,
                 speculative_config=speculative_json(args.speculative_config), model_impl=args.model_impl)
 
 

@@ -140,6 +140,9 @@ class ParallelConfig:
     # range and all-gathers a few partials a row instead of the [N, V] logits (ember.runner.sampler.shard_local);
     # False gathers the logits for every step (the A/B switch)
     shard_local_sampling: bool = True
+    # MoE layers place whole experts on the ranks (rank r: experts [r E/N, (r+1) E/N)) instead of splitting every
+    # expert's intermediate dimension; attention stays tensor-parallel (ember.models.layers.moe)
+    enable_expert_parallel: bool = False
 
     def validate(self, device_type: str) -> None:
         """Raise ValueError naming the value when the degrees cannot be served on `device_type`."""
@@ -155,6 +158,12 @@ class ParallelConfig:
                              f"{torch.cuda.device_count()}; lower it or make more GPUs visible (CUDA_VISIBLE_DEVICES)")
         if not isinstance(self.shard_local_sampling, bool):
             raise ValueError(f"shard_local_sampling {self.shard_local_sampling!r} must be True or False")
+        if not isinstance(self.enable_expert_parallel, bool):
+            raise ValueError(f"enable_expert_parallel {self.enable_expert_parallel!r} must be True or False")
+        if self.enable_expert_parallel and tp == 1:
+            raise ValueError("enable_expert_parallel places the experts over the tensor-parallel ranks, and "
+                             "tensor_parallel_size is 1; set tensor_parallel_size to 2 or more, or leave expert "
+                             "parallelism off")
         if self.symm_mem_all_reduce and device_type != "cuda":
             raise ValueError("symm_mem_all_reduce needs CUDA; turn it off on the CPU, where gloo reduces")
 

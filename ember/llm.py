@@ -94,7 +94,7 @@ def engine_setup(model: str | None = None, *, dtype: str = "auto", device: str =
                  cudagraph_capture: str = "eager", jit_warmup: bool | None = None,
                  triton_compile_workers: int | None = None, tensor_parallel_size: int = 1,
                  data_parallel_size: int = 1, worker_timeout_s: float = 600.0, symm_mem_all_reduce: bool | None = None,
-                 shard_local_sampling: bool = True,
+                 shard_local_sampling: bool = True, enable_expert_parallel: bool = False,
                  trust_remote_code: bool = False, revision: str | None = None, download_dir: str | None = None,
                  quantization: str | None = None, kv_cache_dtype: str = "auto",
                  speculative_config: dict | None = None, model_impl: str = "auto") -> EngineSetup:
@@ -144,7 +144,8 @@ def engine_setup(model: str | None = None, *, dtype: str = "auto", device: str =
         attention_backend_options=tuple(sorted(dict(attention_backend_options or {}).items())),
         parallel=ParallelConfig(tensor_parallel_size, data_parallel_size, worker_timeout_s=worker_timeout_s,
                                 symm_mem_all_reduce=symm_mem_all_reduce,
-                                shard_local_sampling=shard_local_sampling),
+                                shard_local_sampling=shard_local_sampling,
+                                enable_expert_parallel=enable_expert_parallel),
         speculative=speculative,
     ).resolve()
     if tokenizer_path is None and hf_config is None:     # the model folder's own
@@ -184,7 +185,7 @@ class LLM:
                  triton_compile_workers: int | None = None, tensor_parallel_size: int = 1,
                  data_parallel_size: int = 1, engine_process: bool = False,
                  worker_timeout_s: float = 600.0, symm_mem_all_reduce: bool | None = None,
-                 shard_local_sampling: bool = True,
+                 shard_local_sampling: bool = True, enable_expert_parallel: bool = False,
                  trust_remote_code: bool = False, revision: str | None = None, download_dir: str | None = None,
                  quantization: str | None = None, kv_cache_dtype: str = "auto",
                  speculative_config: dict | None = None, model_impl: str = "auto",
@@ -207,6 +208,7 @@ class LLM:
             triton_compile_workers=triton_compile_workers, tensor_parallel_size=tensor_parallel_size,
             data_parallel_size=data_parallel_size, worker_timeout_s=worker_timeout_s,
             symm_mem_all_reduce=symm_mem_all_reduce, shard_local_sampling=shard_local_sampling,
+            enable_expert_parallel=enable_expert_parallel,
             trust_remote_code=trust_remote_code, revision=revision,
             download_dir=download_dir, quantization=quantization, kv_cache_dtype=kv_cache_dtype,
             speculative_config=speculative_config, model_impl=model_impl)

@@ -119,14 +119,15 @@ def tensor_parallel() -> TensorParallelInfo:
     return _joined if _joined is not None else TensorParallelInfo()
 
 
-def joined_shard(tensor_parallel_size: int) -> tuple[TensorParallelInfo, ShardSpec]:
-    """This process's rank and the model shard it holds; RuntimeError when its group is not of the configured size
-    (a runner of a tensor-parallel engine starts only in a process that joined the group: `make_executor`)."""
+def joined_shard(tensor_parallel_size: int, expert_parallel: bool = False) -> tuple[TensorParallelInfo, ShardSpec]:
+    """This process's rank and the model shard it holds (whole experts where `expert_parallel`); RuntimeError when
+    its group is not of the configured size (a runner of a tensor-parallel engine starts only in a process that
+    joined the group: `make_executor`)."""
     info = tensor_parallel()
     if info.size != tensor_parallel_size:
         raise RuntimeError(f"tensor_parallel_size {tensor_parallel_size}, but this process is rank {info.rank} of "
                            f"{info.size}; start tensor-parallel runners through ember.executor")
-    return info, ShardSpec(info.rank, info.size)
+    return info, ShardSpec(info.rank, info.size, expert_parallel)
 
 
 def init_tensor_parallel(rank: int, size: int, local_rank: int, device_type: str, store, timeout_s: float,

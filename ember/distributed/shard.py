@@ -7,7 +7,9 @@ parallel layers read `current_shard()` once, in their constructors, and size the
   head is replicated on `size / num_kv_heads` consecutive ranks, whose query heads are exactly its group
   (`kv_heads`);
 - the vocabulary splits into equal ranges of ceil(V / size) rows, the last one padded (`vocab_range`);
-- column-parallel projections split their output rows, row-parallel ones their input columns.
+- column-parallel projections split their output rows, row-parallel ones their input columns;
+- a mixture of experts splits each expert's intermediate dimension, or, with `expert_parallel`, places whole
+  experts on the ranks (ember.models.layers.moe).
 
 Each parameter records what it reads of a checkpoint tensor as a `CheckpointSlice` (`param.checkpoint_slice`), so
 the loader reads only that range of the file.
@@ -23,9 +25,11 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class ShardSpec:
-    """Rank `rank` of `size` tensor-parallel ranks; (0, 1) holds the whole model."""
+    """Rank `rank` of `size` tensor-parallel ranks; (0, 1) holds the whole model. `expert_parallel`: MoE layers hold
+    E / size whole experts each instead of every expert's share of the intermediate dimension."""
     rank: int = 0
     size: int = 1
+    expert_parallel: bool = False
 
     def __post_init__(self):
         if self.size < 1 or not 0 <= self.rank < self.size:

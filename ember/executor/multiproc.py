@@ -243,7 +243,9 @@ def _check_shardable(config: EngineConfig, model_path: str, hf_config) -> None:
     device = torch.device(config.device)
     dtype = resolve_dtype(config.model.dtype, device, hf_config)
     quant = resolve_quant_config(hf_config, config.model.quantization, dtype, device)
-    build_on_meta(hf_config, dtype, quant, ShardSpec(0, config.parallel.tensor_parallel_size), config.model.model_impl)
+    parallel = config.parallel
+    build_on_meta(hf_config, dtype, quant, ShardSpec(0, parallel.tensor_parallel_size, parallel.enable_expert_parallel),
+                  config.model.model_impl)
 
 
 class _WatchedOutput:

@@ -109,7 +109,8 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 def build_on_meta(config, dtype: torch.dtype, quant: QuantConfig | None = None,
                   shard: ShardSpec = ShardSpec(), model_impl: str = "auto") -> nn.Module:
     """Construct the config's model (the class `model_impl` picks: ember's own or the transformers fallback; or its
-    tensor-parallel `shard`) with every parameter on the meta device in `dtype` (no memory, no init); with `quant`,
+    tensor-parallel `shard`, whose experts are whole under expert parallelism: refused for a model without any)
+    with every parameter on the meta device in `dtype` (no memory, no init); with `quant`,
     the linear layers it quantizes are fp8 layers (ember.models.layers.scaled_linear), sharded as the layers they
     replace."""
     model_cls = resolve_model_class(config, model_impl)
@@ -122,6 +123,11 @@ def build_on_meta(config, dtype: torch.dtype, quant: QuantConfig | None = None,
             from ember.models.layers.moe import refuse_quantized_experts   # its kernels only where a model has MoE
             refuse_quantized_experts(model, quant)
             quantize_linear_layers(model, quant)
+    if shard.expert_parallel and shard.size > 1 and not any(getattr(m, "expert_parallel", False)
+                                                            for m in model.modules()):
+        raise ValueError(f"enable_expert_parallel places a mixture-of-experts model's experts on the ranks, and "
+                         f"{type(model).__name__} has no experts; leave expert parallelism off (tensor parallelism "
+                         f"shards it)")
     return model
 
 
@@ -192,6 +198,9 @@ def _plan(model: nn.Module, config, files: list[Path]) -> dict[str, tuple[Path, 
             for name in f.keys():
                 target, shard_id = _target_of(name, packed, mapper)
                 kv_scale = None if target in params else _kv_scale_target(name, attention_paths)
+                holds = getattr(params.get(target), "holds_shard", None)
+                if holds is not None and not holds(shard_id):     # another rank's (its experts): never read here
+                    continue
                 if target in params:
                     plan.setdefault(name, (file, target, shard_id))
                 elif kv_scale is not None:

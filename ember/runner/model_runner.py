@@ -79,7 +79,8 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.model.dtype, self.device, self.hf_config)
         self.quant = resolve_quant_config(self.hf_config, config.model.quantization, self.dtype, self.device)
         free_dropped_engines(self.device)
-        self.tp, shard = joined_shard(config.parallel.tensor_parallel_size)   # this process's rank and its shard
+        self.tp, shard = joined_shard(config.parallel.tensor_parallel_size,   # this process's rank and its shard
+                                      config.parallel.enable_expert_parallel)
         self.model = build_model(model_path, self.hf_config, self.dtype, self.device, load_format, config.model.seed,
                                  self.quant, shard, config.model.model_impl)
         self.vocab_size = self.hf_config.vocab_size

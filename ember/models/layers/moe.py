@@ -15,6 +15,12 @@ those rows of each expert's gate and of its up projection in w13 [E, 2I/N, H], t
 projection in w2 [E, H, I/N]. The router is replicated, so every rank routes alike; the op runs unchanged on the
 slices, and its output, a partial sum on each rank, is all-reduced once, as after a row-parallel linear. Each
 parameter's `checkpoint_slice` names the rows (gate / up) or columns (down) a rank reads of an expert's tensor.
+
+Under expert parallelism (`ShardSpec.expert_parallel`) rank r holds whole experts instead, [r E/N, (r+1) E/N), at
+full width: w13 [E/N, 2I, H], w2 [E/N, H, I]. The router is replicated and routes over all E experts; the op runs
+only the token-slots of the rank's experts (its `expert_map`, global id -> local id or -1) and its output, the
+rank's share of the weighted sum, is all-reduced once as under TP. Each parameter's `holds_shard` tells the loader
+which per-expert tensors it reads at all (the rank's experts'); a stacked tensor is read by its expert range.
 """
 
 from __future__ import annotations
@@ -60,23 +66,53 @@ def expert_checkpoint_target(name: str, projections: dict[str, tuple[str, int | 
 
 
 class FusedMoE(nn.Module):
-    """Every expert's weights as two stacked parameters (see the module docstring): this rank's share of each
-    expert's intermediate dimension, the whole of it on one rank. `intermediate_size` is the model's;
-    `self.intermediate_size` this rank's."""
+    """The experts' weights as two stacked parameters (see the module docstring): this rank's share of each
+    expert's intermediate dimension, the whole of it on one rank; or, under expert parallelism, this rank's whole
+    experts. `num_experts` and `intermediate_size` are the model's; `self.num_local_experts` (from
+    `self.first_expert`) and `self.intermediate_size` this rank's."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
         super().__init__()
         spec = current_shard()
-        local = split(intermediate_size, spec, "the MoE experts' intermediate size")
+        self.expert_parallel = spec.expert_parallel and spec.size > 1
+        if self.expert_parallel:
+            if num_experts % spec.size:
+                raise ValueError(f"the MoE layer's {num_experts} experts cannot be split evenly over "
+                                 f"tensor_parallel_size {spec.size} ranks (enable_expert_parallel); choose a "
+                                 f"tensor_parallel_size that divides {num_experts}, or leave expert parallelism off")
+            local, experts = intermediate_size, num_experts // spec.size
+        else:
+            local, experts = split(intermediate_size, spec, "the MoE experts' intermediate size"), num_experts
         self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, local
-        self.full_intermediate_size, self.first_column = intermediate_size, spec.rank * local
-        self.w13 = make_param((num_experts, 2 * local, hidden_size), self._load_w13)       # [E, 2I/N, H]
-        self.w2 = make_param((num_experts, hidden_size, local), self._load_w2)             # [E, H, I/N]
-        self.w13.missing_shards = lambda got: self._missing(got, [(e, h) for e in range(num_experts) for h in (0, 1)])
-        self.w2.missing_shards = lambda got: self._missing(got, list(range(num_experts)))
-        if spec.size > 1:
+        self.num_local_experts, self.first_expert = experts, spec.rank * experts if self.expert_parallel else 0
+        self.full_intermediate_size = intermediate_size
+        self.first_column = 0 if self.expert_parallel else spec.rank * local
+        self.w13 = make_param((experts, 2 * local, hidden_size), self._load_w13)           # [E/N or E, 2I/N or 2I, H]
+        self.w2 = make_param((experts, hidden_size, local), self._load_w2)                 # [E/N or E, H, I/N or I]
+        mine = range(self.first_expert, self.first_expert + experts)
+        self.w13.missing_shards = lambda got: self._missing(got, [(e, h) for e in mine for h in (0, 1)])
+        self.w2.missing_shards = lambda got: self._missing(got, list(mine))
+        self.register_buffer("expert_map", None, persistent=False)     # [E] int32 under expert parallelism
+        if self.expert_parallel:
+            self.w13.holds_shard = lambda shard_id: shard_id is None or shard_id[0] in mine
+            self.w2.holds_shard = lambda shard_id: shard_id is None or shard_id in mine
+            self.w13.checkpoint_slice = self.w2.checkpoint_slice = self._experts_slice
+        elif spec.size > 1:
             self.w13.checkpoint_slice = self._w13_slice
             self.w2.checkpoint_slice = self._w2_slice
+
+    def init_buffers(self, device: torch.device) -> None:
+        """Under expert parallelism, the map from the model's expert ids to this rank's (-1: held elsewhere)."""
+        if self.expert_parallel:
+            ids = torch.arange(self.num_experts, dtype=torch.int32) - self.first_expert                 # [E]
+            held = (ids >= 0) & (ids < self.num_local_experts)
+            self.expert_map = torch.where(held, ids, -1).to(device=device, dtype=torch.int32)
+
+    def _experts_slice(self, shard_id) -> CheckpointSlice | None:
+        """Under expert parallelism: an expert's own tensor is read whole; a stacked one by this rank's experts."""
+        if shard_id is not None:
+            return None
+        return CheckpointSlice(0, self.first_expert, self.num_local_experts, self.num_experts)
 
     def _slice(self, dim: int) -> CheckpointSlice:
         return CheckpointSlice(dim, self.first_column, self.intermediate_size, self.full_intermediate_size)
@@ -91,9 +127,20 @@ class FusedMoE(nn.Module):
         return self._slice(1 if shard_id is not None else 2)
 
     def _expert(self, expert: int) -> int:
+        """The local index of the model's expert `expert`."""
         if not 0 <= expert < self.num_experts:
             raise ValueError(f"expert {expert} is out of range for {self.num_experts} experts")
-        return expert
+        local = expert - self.first_expert
+        if not 0 <= local < self.num_local_experts:
+            raise ValueError(f"expert {expert} is not one of this rank's experts [{self.first_expert}, "
+                             f"{self.first_expert + self.num_local_experts})")
+        return local
+
+    def _my_experts(self, loaded: torch.Tensor) -> torch.Tensor:
+        """This rank's experts of a stacked tensor handed whole (as it is otherwise)."""
+        if self.num_local_experts == self.num_experts or loaded.shape[0] != self.num_experts:
+            return loaded
+        return loaded.narrow(0, self.first_expert, self.num_local_experts)
 
     def _mine(self, loaded: torch.Tensor, dim: int) -> torch.Tensor:
         """This rank's range of the intermediate dimension `dim` of a tensor handed whole (as it is)."""
@@ -104,23 +151,23 @@ class FusedMoE(nn.Module):
 
     def _load_w13(self, param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
         if shard_id is None:
-            full = self.full_intermediate_size
+            loaded, full = self._my_experts(loaded), self.full_intermediate_size
             if full != self.intermediate_size and loaded.dim() == 3 and loaded.shape[1] == 2 * full:
                 loaded = torch.cat([self._mine(loaded[:, :full], 1), self._mine(loaded[:, full:], 1)], dim=1)
             default_weight_loader(param, loaded)
             return
         expert, half = shard_id
         size = self.intermediate_size
-        target = param.data[self._expert(expert)].narrow(0, half * size, size)                       # [I/N, H]
+        target = param.data[self._expert(expert)].narrow(0, half * size, size)                       # [I/N or I, H]
         loaded = self._mine(loaded, 0)
         check_shape(param, loaded, target.shape)
         target.copy_(loaded)
 
     def _load_w2(self, param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
         if shard_id is None:
-            default_weight_loader(param, self._mine(loaded, 2))
+            default_weight_loader(param, self._mine(self._my_experts(loaded), 2))
             return
-        target = param.data[self._expert(shard_id)]                                                  # [H, I/N]
+        target = param.data[self._expert(shard_id)]                                                  # [H, I/N or I]
         loaded = self._mine(loaded, 1)
         check_shape(param, loaded, target.shape)
         target.copy_(loaded)
@@ -133,15 +180,17 @@ class FusedMoE(nn.Module):
 
     def extra_repr(self) -> str:
         shard = "" if self.intermediate_size == self.full_intermediate_size else f" of {self.full_intermediate_size}"
-        return f"experts={self.num_experts}, hidden={self.hidden_size}, intermediate={self.intermediate_size}{shard}"
+        experts = (f"{self.num_experts}" if not self.expert_parallel else
+                   f"[{self.first_expert}, {self.first_expert + self.num_local_experts}) of {self.num_experts}")
+        return f"experts={experts}, hidden={self.hidden_size}, intermediate={self.intermediate_size}{shard}"
 
 
 class SparseMoeBlock(nn.Module):
     """router -> top_k experts per token -> their outputs summed with the routing weights (renormalised to sum to
     one where `renormalize`). Under tensor parallelism the router is replicated and the experts hold this rank's
-    share of the intermediate dimension: the op's output is a partial sum, all-reduced once here, before the
-    residual add (which then stays outside the op: the residual_epilogue pass folds it only into an op it directly
-    follows)."""
+    share of the intermediate dimension, or under expert parallelism this rank's whole experts: either way the op's
+    output is a partial sum, all-reduced once here, before the residual add (which then stays outside the op: the
+    residual_epilogue pass folds it only into an op it directly follows)."""
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int, renormalize: bool,
                  hidden_act: str = "silu"):
@@ -166,7 +215,8 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H]."""
-        out = moe(x, self.gate(x), self.experts.w13, self.experts.w2, self.top_k, self.renormalize)
+        experts = self.experts
+        out = moe(x, self.gate(x), experts.w13, experts.w2, self.top_k, self.renormalize, None, experts.expert_map)
         return out if self.tp_size == 1 else all_reduce(out, TP_GROUP)
 
     def extra_repr(self) -> str:
