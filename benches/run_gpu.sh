@@ -36,6 +36,8 @@
 #                                         # checkpoint instead, its real acceptance at TP=2 against plain decoding
 #   bash benches/run_gpu.sh tp4           # 4 GPUs: Llama-3.1-70B TP=4 cold and warm start-up, batch 1, throughput
 #   bash benches/run_gpu.sh moe_tp2       # 2 GPUs: the sharded-experts GPU test, Mixtral-8x7B TP=2 batch 1, throughput
+#   bash benches/run_gpu.sh moe_ep2       # 2 GPUs: the expert-parallel GPU test, Mixtral-8x7B throughput TP=2 with
+#                                         # expert parallelism and without (< 10 min)
 # Each part's own switches are described above its function.
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -479,6 +481,24 @@ part_moe_tp2() {
   done
 }
 
+# moe_ep2 (2 GPUs, at most 10 min): the expert-parallel GPU test (fp32 tokens of two ranks, each 4 whole experts,
+# against one under FULL graphs), then the Mixtral-8x7B config's nano-vllm throughput at TP=2 with
+# --enable-expert-parallel and without, on the same machine.
+part_moe_ep2() {
+  local f
+  timed moe_ep2_test 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_tensor_parallel_gpu.py \
+    -k expert_parallelism
+  timed thr_mixtral_ep2 220 python3 -m ember bench throughput --config mixtral-8x7b --tensor-parallel-size 2 \
+    --enable-expert-parallel --json "$OUT/thr_mixtral_ep2.json"
+  timed thr_mixtral_tp2 220 python3 -m ember bench throughput --config mixtral-8x7b --tensor-parallel-size 2 \
+    --json "$OUT/thr_mixtral_tp2.json"
+  echo "== summary"
+  grep -h "passed\|failed" "$OUT/moe_ep2_test.log" | tail -1
+  for f in thr_mixtral_ep2 thr_mixtral_tp2; do
+    echo "-- $f"; grep -h "output \|start-up\|Error" "$OUT/$f.log" | head -6
+  done
+}
+
 # moe: the MoE kernel GPU tests (not the model parity tests: tests/gpu/run_parts.sh 5), the MoE layer alone against
 # its floor and a loop over experts, then batch-1 decode of the Qwen3-30B-A3B config with a step profile.
 part_moe() {
@@ -625,7 +645,7 @@ part=${1:-}
 [ $# -gt 0 ] && shift
 case "$part" in
   decode|throughput|headline|serve|serve_dp|startup|flash|fusion|ab|moe|moe_sweep|moe_throughput|fp8|fp8_gemv|\
-  gemv_rows|gemv_tp|fallback|structured|structured_tp2|spec_tp2|tp2|tp2_collectives|tp2_tests|tp2_startup|tp2_sampling|tp4|moe_tp2) mkdir -p "$OUT" ;;
+  gemv_rows|gemv_tp|fallback|structured|structured_tp2|spec_tp2|tp2|tp2_collectives|tp2_tests|tp2_startup|tp2_sampling|tp4|moe_tp2|moe_ep2) mkdir -p "$OUT" ;;
 esac
 case "$part" in
   decode) part_decode ;;
@@ -655,8 +675,9 @@ case "$part" in
   spec_tp2) part_spec_tp2 ;;
   tp4) part_tp4 ;;
   moe_tp2) part_moe_tp2 ;;
+  moe_ep2) part_moe_ep2 ;;
   *) echo "usage: bash benches/run_gpu.sh decode|throughput|headline|serve|serve_dp|startup [MODEL ...]|flash|fusion|ab|" \
           "moe|moe_sweep [CONFIG]|moe_throughput|fp8|fp8_gemv|gemv_rows|fallback [qwen3|llama|pythia]|structured|" \
-          "tp2_collectives|tp2|tp2_sampling|structured_tp2|spec_tp2|tp4|moe_tp2" >&2
+          "tp2_collectives|tp2|tp2_sampling|structured_tp2|spec_tp2|tp4|moe_tp2|moe_ep2" >&2
      exit 2 ;;
 esac

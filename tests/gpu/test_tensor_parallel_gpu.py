@@ -8,7 +8,8 @@ logits no further from float32 than one rank's (times 1.15), top-1 agreement on 
 greedy bf16 tokens equal NCCL's under FULL graphs, logits as close to one rank's as NCCL's are. A Mixtral-shaped
 model (8 experts of hidden 4096, each rank half of every expert's intermediate dimension): float32 greedy tokens of
 two ranks equal one rank's under FULL graphs (the MoE kernels' decode GEMVs and grouped GEMMs on the sharded experts,
-and the block's all-reduce, captured). Shard-local sampling in FULL graphs: float32 seeded temperature and greedy
+and the block's all-reduce, captured), and with expert parallelism (each rank 4 whole experts, the expert map in the
+kernels). Shard-local sampling in FULL graphs: float32 seeded temperature and greedy
 tokens equal the gathered logits' and one rank's. Structured output in FULL graphs: a batch mixing JSON-schema,
 regex, choice and free rows gives one rank's float32 greedy tokens on two ranks, split and whole, shard-local and
 gathered (rank 0's bitmask broadcast inside the split tail's graph). N-gram speculation on two ranks (float32, FULL and
@@ -223,6 +224,27 @@ def test_float32_tokens_of_two_ranks_with_sharded_experts_under_full_graphs(mixt
     assert (one_i, two_i) == (4096, 2048)
     assert all(len(t) == 32 for t in two)
     assert two == one
+
+
+def _experts_batch_and_single(llm):
+    experts = llm.engine.runner.model.model.layers[0].mlp.experts
+    return (experts.w13.shape[0], experts.w2.shape[2]), _greedy(llm), _greedy(llm, (9,))
+
+
+def test_float32_tokens_of_two_ranks_with_expert_parallelism_under_full_graphs(mixtral_folder):
+    # each rank 4 of the 8 experts at full width; four requests decode through the grouped GEMM on the rank's
+    # experts, one request through the decode GEMVs, which skip the other rank's slots
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        one, two = (_run(mixtral_folder, tp, _experts_batch_and_single, dtype="float32", cudagraph_mode="full",
+                         **({"enable_expert_parallel": True} if tp == 2 else {}))
+                    for tp in (1, 2))
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved
+    assert (one[0], two[0]) == ((8, 4096), (4, 4096))
+    assert all(len(t) == 32 for t in two[1]) and len(two[2][0]) == 32
+    assert two[1:] == one[1:]
 
 
 def _seeded(llm):
