@@ -139,3 +139,59 @@ def test_op_routes_over_every_expert_and_runs_the_local_ones(num_tokens, path, k
     with pytest.raises(ValueError, match=r"the expert map must be \[32\] int32.*got \(16,\) torch.int64"):
         moe_op.set_moe_kernels("kernels")
         moe_op.moe(x, logits, w13[16:], w2[16:], 2, True, None, expert_map[16:].long())
+
+
+# ---- the code an H100 runs (compiled on the CPU: the interpreter does not check it) ------------------------------
+def _sm90_ptx(kernel, dtypes: dict, constexprs: dict) -> str:
+    """PTX of `kernel` for an H100 as a launch specialises it: pointers (typed by `dtypes`, else bf16) and the
+    integer arguments (sizes and strides, all multiples of 16 in a real layer's shape) marked divisible by 16."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    fn = kernel.fn
+    names = fn.__code__.co_varnames[:fn.__code__.co_argcount]
+    constexprs = {**{name: False for name in ("PDL",) if name in names}, **constexprs}
+    signature = {name: "constexpr" if name in constexprs else dtypes.get(name, "*bf16") if name.endswith("_ptr")
+                 else "i32" for name in names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(names) if name not in constexprs}
+    compiled = triton.compile(ASTSource(fn=triton.runtime.jit.JITFunction(fn), signature=signature,
+                                        constexprs=constexprs, attrs=attrs),
+                              target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=1))
+    return compiled.asm["ptx"]
+
+
+def test_sm90_decode_gemvs_keep_16_byte_weight_loads_with_the_map():
+    """The down GEMV masks the lanes of experts held elsewhere: the mask is uniform along K, so the weight tiles
+    still stream as 16-byte loads, as many as without the map (a narrower load would cut the decode path's
+    bandwidth); the map itself is a few 4-byte reads a program, in both GEMVs."""
+    import re
+
+    from ember.kernels.moe_gemv import _down_gemv_kernel, _gate_up_gemv_kernel
+    ints = {"ids_ptr": "*i32", "expert_map_ptr": "*i32", "weights_ptr": "*fp32", "logits_ptr": "*bf16"}
+    loads = {}
+    for has_map in (False, True):
+        down = _sm90_ptx(_down_gemv_kernel, ints, dict(TOP_K=2, K_P2=2, BLOCK_N=16, BLOCK_K=256, EVEN_K=True,
+                                                       HAS_RESIDUAL=True, HAS_MAP=has_map))
+        gate_up = _sm90_ptx(_gate_up_gemv_kernel, ints, dict(TOP_K=2, BLOCK_N=8, BLOCK_K=256, EVEN_K=True,
+                                                             ROUTE=True, E_P2=8, RENORMALIZE=True, HAS_MAP=has_map))
+        for name, ptx in (("down", down), ("gate_up", gate_up)):
+            found = re.findall(r"ld\.global[^\n;]*", ptx)
+            loads[name, has_map] = (sum(".v4." in line for line in found), sum(".v4." not in line for line in found))
+    # a K step's weight tiles over 128 threads at 16 bytes a load: down [2, 16, 256] bf16, gate_up 2 x [8, 256]
+    assert loads["down", False][0] == loads["down", True][0] == 2 * 16 * 256 * 2 // (128 * 16)
+    assert loads["gate_up", False][0] == loads["gate_up", True][0] == 2 * 8 * 256 * 2 // (128 * 16)
+    assert loads["down", True][1] > loads["down", False][1] and loads["gate_up", True][1] > loads["gate_up", False][1]
+
+
+def test_sm90_alignment_compiles_with_the_map():
+    from ember.kernels.moe_align import _count_kernel, _scatter_kernel
+    ints = {name: "*i32" for name in ("topk_ids_ptr", "expert_map_ptr", "chunk_counts_ptr", "chunk_base_ptr",
+                                      "totals_ptr", "sorted_ptr", "block_experts_ptr", "num_padded_ptr")}
+    count = _sm90_ptx(_count_kernel, ints, dict(CHUNK=64, E_P2=8, HAS_MAP=True))
+    scatter = _sm90_ptx(_scatter_kernel, ints, dict(CHUNK=64, E_P2=8, BLOCK_M=16, BLOCK_TILE=64, HAS_MAP=True))
+    # each reads a slot's expert, then the map at it (a gather the unmapped kernels do not have)
+    for ptx in (count, scatter):
+        assert ptx.count("ld.global") > _sm90_ptx(_count_kernel if ptx is count else _scatter_kernel, ints,
+                                                  dict(CHUNK=64, E_P2=8, HAS_MAP=False,
+                                                       **({} if ptx is count else dict(BLOCK_M=16, BLOCK_TILE=64)))
+                                                  ).count("ld.global")
