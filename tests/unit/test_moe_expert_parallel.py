@@ -1,7 +1,8 @@
 """Expert parallelism (float32, CPU): attention tensor-parallel, rank r of two holding experts [4r, 4r + 4) of 8 at full
 width. Each rank reads only its experts' tensors (per-expert and stacked checkpoints); the ranks' shares sum to the
 whole block's output, also when every token routes to one rank's experts; the residual add stays after the one
-all-reduce and the fusion passes keep the expert map; what cannot run is refused at start-up with the values; and,
+all-reduce and the fusion passes keep the expert map; what cannot run is refused at start-up with the values; the
+launch table is looked up by a rank's shape and the roofline counts a rank's experts; and,
 over gloo in two processes, Qwen3-MoE and Mixtral give one rank's greedy tokens and logits with chunked prefill,
 with layer 0 routing every token to rank 0's experts (rank 1's get none)."""
 
@@ -241,3 +242,31 @@ def test_the_roofline_counts_a_ranks_whole_experts():
     shard = build_on_meta(cfg, torch.bfloat16, None, ShardSpec(0, 2, True))
     assert shard.model.layers[0].mlp.experts.w13.shape == (4, 2 * 14336, 4096)
     assert expert_bytes(shard, 1) == [(4 * expert, expert)]
+
+
+def test_the_launch_table_is_looked_up_by_a_ranks_whole_experts(tmp_path, monkeypatch):
+    """An expert-parallel rank of Mixtral-8x7B (4 experts of intermediate 14336) takes the table's entry for that
+    shape as for any; at four ranks (2 experts) the table has none and the constants decide."""
+    import json
+
+    from ember.kernels import moe_configs as MC
+    from ember.kernels.moe_op import CPU_SMS, launch_for
+    from ember.models.bundled import bundled_config
+    cfg = bundled_config("mixtral-8x7b", num_hidden_layers=1)
+    w13 = [build_on_meta(cfg, torch.bfloat16, None, ShardSpec(0, n, True)).model.layers[0].mlp.experts.w13
+           for n in (2, 4)]
+    assert [tuple(w.shape) for w in w13] == [(4, 28672, 4096), (2, 28672, 4096)]
+    tiles = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, GROUP_M=1, num_warps=4, num_stages=3)
+    entry = dict(experts=4, hidden=4096, intermediate=14336, top_k=2, gemv_max_tokens=1,
+                 grouped=[{"tokens": 64, "gate_up": tiles, "down": tiles}])
+    path = tmp_path / "moe_configs.json"
+    path.write_text(json.dumps({"num_sms": CPU_SMS, "element_size": 2, "shapes": [entry]}))
+    monkeypatch.setattr(MC, "_table", lambda: MC.load_table(path))
+    MC.moe_launch.cache_clear()
+    try:
+        x = torch.empty(64, 4096, dtype=torch.bfloat16)
+        assert launch_for(x, w13[0], 2) == MC.MoeLaunch("grouped", tiles, tiles)
+        assert launch_for(x, w13[1], 2) == MC.fallback_launch(MC.MoeShape(64, 2, 4096, 14336, 2, 2, CPU_SMS))
+        assert launch_for(x, w13[1], 2).gate_up["BLOCK_M"] == 32             # not the entry's 16
+    finally:
+        MC.moe_launch.cache_clear()
