@@ -332,15 +332,15 @@ part_tp2_collectives() {
 
 # tp2_tests [1|2] (at most 8 min each): the two-GPU tests, verbose and unbuffered (`-s`: a test's figures print as
 # it ends), with each test's time (a test still running after 300 s prints every thread's stack). Each engine runs in
-# a process of its own (about a minute a test on H200s), so the 13 tests come in two parts: 1, logits and tokens
-# against one rank and the one-shot all-reduce (7 tests); 2, sharded experts, sampling, structured output and
-# n-gram speculation (6 tests; the structured test needs jsonschema, installed here from .whl where there is one);
-# no argument runs both in one call.
+# a process of its own (about a minute a test on H200s), so the 14 tests come in two parts: 1, logits and tokens
+# against one rank and the one-shot all-reduce (7 tests); 2, sharded experts, expert parallelism, sampling,
+# structured output and n-gram speculation (7 tests; the structured test needs jsonschema, installed here from .whl
+# where there is one); no argument runs both in one call.
 part_tp2_tests() {
   local sel=""
   case "${1:-}" in
     1) sel="logits or float32_tokens_of_two_ranks_under or engine_core or symmetric" ;;
-    2) sel="experts or shard_local or structured or ngram" ;;
+    2) sel="experts or expert_parallelism or shard_local or structured or ngram" ;;
   esac
   [ -d .whl ] && python3 -m pip install -q --no-index --find-links .whl jsonschema 2>&1 | grep -v WARNING | tail -1
   timed tp_gpu_tests${1:-} 470 python3 -m pytest -v -s -m gpu -p no:cacheprovider --durations=0 \
