@@ -149,6 +149,21 @@ def timed(llm, prompts, params) -> tuple[float, list[list[int]]]:
     return time.perf_counter() - start, [o.outputs[0].token_ids for o in outs]
 
 
+def spec_timed(spec, prompts, params, expected) -> tuple[float, dict]:
+    """`timed` on a speculating engine: (seconds, the run's figures: tokens/s, whether every output equals
+    `expected(prompt)`, the acceptance rate, the mean acceptance length and the steps, from the engine's counters
+    over the run)."""
+    s = spec.engine.stats
+    drafted, accepted, verified, steps = s.num_draft_tokens, s.num_accepted_tokens, s.num_verified_requests, s.num_steps
+    elapsed, outs = timed(spec, prompts, params)
+    accepted = s.num_accepted_tokens - accepted
+    return elapsed, {"tok_s": sum(len(o) for o in outs) / elapsed,
+                     "greedy_tokens_match": all(expected(p) == o for p, o in zip(prompts, outs)),
+                     "acceptance_rate": accepted / max(s.num_draft_tokens - drafted, 1),
+                     "mean_acceptance_length": 1 + accepted / max(s.num_verified_requests - verified, 1),
+                     "steps": s.num_steps - steps}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="llama-3.1-8b", help="a bundled config")
@@ -274,21 +289,12 @@ def async_spec_runs(spec, plain_rows: list[dict], prompts, recorded, params, k: 
     `DeviceReplay` at `acceptance_length`; each row is `plain_rows`' row with these figures."""
     verifier = spec.engine.runner.verifier
     verifier.propose = DeviceReplay(next_token, k, acceptance_length - 1, vocab, spec.engine.runner.device)
-    output_len = params.max_tokens
     timed(spec, prompts[:1], SamplingParams(max_tokens=8, ignore_eos=True))
     rows = []
     for plain in plain_rows:
         r = dict(plain, scheduling="async")
-        b = r["batch"]
-        s = spec.engine.stats
-        before = (s.num_draft_tokens, s.num_accepted_tokens, s.num_verified_requests, s.num_steps)
-        elapsed, outs = timed(spec, prompts[:b], params)
-        same = all(recorded[tuple(p)][len(p):] == o for p, o in zip(prompts[:b], outs))
-        verified = s.num_verified_requests - before[2]
-        r.update(spec_async_tok_s=b * output_len / elapsed, greedy_tokens_match=same,
-                 acceptance_rate=(s.num_accepted_tokens - before[1]) / max(s.num_draft_tokens - before[0], 1),
-                 mean_acceptance_length=1 + (s.num_accepted_tokens - before[1]) / max(verified, 1),
-                 steps=s.num_steps - before[3])
+        _, run = spec_timed(spec, prompts[:r["batch"]], params, lambda p: recorded[tuple(p)][len(p):])
+        r.update(run, spec_async_tok_s=run.pop("tok_s"))
         r["speedup_vs_async"] = r["spec_async_tok_s"] / r["plain_async_tok_s"]
         print(json.dumps(r), flush=True)
         rows.append(r)
@@ -311,10 +317,13 @@ def draft_run(model: str, draft: str, batch_sizes: list[int], k: int, prompt_len
     vocab = plain.engine.vocab_size
     prompts = [rng.integers(1, vocab, prompt_len).tolist() for _ in range(largest)]
     timed(plain, prompts[:1], SamplingParams(max_tokens=8, ignore_eos=True))          # warm-up
+    def identity_chain(prompt):
+        return [prompt[-1]] * output_len        # the identity chain's greedy output
+
     rows = []
     for b in batch_sizes:
         elapsed, outs = timed(plain, prompts[:b], params)
-        if any(o != [p[-1]] * len(o) for p, o in zip(prompts[:b], outs)):
+        if any(o != identity_chain(p) for p, o in zip(prompts[:b], outs)):
             raise RuntimeError(f"batch {b}: a greedy output left the identity chain")
         rows.append({"batch": b, "plain_async_tok_s": b * output_len / elapsed})
     release_engine(plain)
@@ -340,18 +349,10 @@ def draft_run(model: str, draft: str, batch_sizes: list[int], k: int, prompt_len
     proposer.propose_batch = timed_propose
     timed(spec, prompts[:1], SamplingParams(max_tokens=8, ignore_eos=True))
     for r in rows:
-        b = r["batch"]
-        s = spec.engine.stats
-        before = (s.num_draft_tokens, s.num_accepted_tokens, s.num_verified_requests, s.num_steps)
         draft_time[:] = [0.0, 0]
-        elapsed, outs = timed(spec, prompts[:b], params)
-        steps = s.num_steps - before[3]
-        r.update(spec_tok_s=b * output_len / elapsed,
-                 greedy_tokens_match=all(o == [p[-1]] * len(o) for p, o in zip(prompts[:b], outs)),
-                 acceptance_rate=(s.num_accepted_tokens - before[1]) / max(s.num_draft_tokens - before[0], 1),
-                 mean_acceptance_length=1 + (s.num_accepted_tokens - before[1])
-                 / max(s.num_verified_requests - before[2], 1),
-                 steps=steps, draft_calls=draft_time[1],
+        elapsed, run = spec_timed(spec, prompts[:r["batch"]], params, identity_chain)
+        steps = run["steps"]
+        r.update(run, spec_tok_s=run.pop("tok_s"), draft_calls=draft_time[1],
                  draft_call_ms=1e3 * draft_time[0] / max(draft_time[1], 1),
                  step_without_draft_ms=1e3 * (elapsed - draft_time[0]) / max(steps, 1))
         r["speedup_vs_async"] = r["spec_tok_s"] / r["plain_async_tok_s"]
@@ -367,16 +368,9 @@ def draft_run(model: str, draft: str, batch_sizes: list[int], k: int, prompt_len
         peak_greedy(spec.engine.scheduler.proposer.runner.model, identity=True)
         timed(spec, prompts[:1], SamplingParams(max_tokens=8, ignore_eos=True))
         for r in rows:
-            b = r["batch"]
-            s = spec.engine.stats
-            before = (s.num_draft_tokens, s.num_accepted_tokens, s.num_verified_requests, s.num_steps)
-            elapsed, outs = timed(spec, prompts[:b], params)
-            steps = s.num_steps - before[3]
-            r.update(spec_async_tok_s=b * output_len / elapsed,
-                     spec_async_greedy_tokens_match=all(o == [p[-1]] * len(o) for p, o in zip(prompts[:b], outs)),
-                     spec_async_acceptance_rate=(s.num_accepted_tokens - before[1])
-                     / max(s.num_draft_tokens - before[0], 1),
-                     spec_async_steps=steps, spec_async_step_ms=1e3 * elapsed / max(steps, 1))
+            elapsed, run = spec_timed(spec, prompts[:r["batch"]], params, identity_chain)
+            r.update({f"spec_async_{key}": value for key, value in run.items()},
+                     spec_async_step_ms=1e3 * elapsed / max(run["steps"], 1))
             r["spec_async_speedup_vs_async"] = r["spec_async_tok_s"] / r["plain_async_tok_s"]
             print(json.dumps(r), flush=True)
         release_engine(spec)
@@ -398,15 +392,8 @@ def spec_runs(spec, plain_rows: list[dict], buckets: bool, prompts, recorded, pa
         elapsed, outs = timed(spec, prompts[:b], params)
         r["plain_sync_tok_s"] = b * output_len / elapsed
         sched.proposer = ReplayProposer(recorded, k, acceptance_length - 1, vocab, prompt_len)
-        s = spec.engine.stats
-        before = (s.num_draft_tokens, s.num_accepted_tokens, s.num_verified_requests, s.num_steps)
-        elapsed, outs = timed(spec, prompts[:b], params)
-        same = all(recorded[tuple(p)][len(p):] == o for p, o in zip(prompts[:b], outs))
-        verified = s.num_verified_requests - before[2]
-        r.update(spec_tok_s=b * output_len / elapsed, greedy_tokens_match=same,
-                 acceptance_rate=(s.num_accepted_tokens - before[1]) / max(s.num_draft_tokens - before[0], 1),
-                 mean_acceptance_length=1 + (s.num_accepted_tokens - before[1]) / max(verified, 1),
-                 steps=s.num_steps - before[3])
+        _, run = spec_timed(spec, prompts[:b], params, lambda p: recorded[tuple(p)][len(p):])
+        r.update(run, spec_tok_s=run.pop("tok_s"))
         r["speedup_vs_async"] = r["spec_tok_s"] / r["plain_async_tok_s"]
         # how a verify step of b requests with k proposals each runs, and the plain decode step beside it
         dispatcher = spec.engine.runner.dispatcher

@@ -92,3 +92,35 @@ def streamed_run(engine, prompt, params) -> tuple[list[int], list[int]]:
                 inside += list(range(seen + 1, len(tokens)))      # arrived after another token of its step
                 seen = len(tokens)
     return tokens, inside
+
+
+def greedy(max_tokens: int, **options):
+    """Greedy decoding of exactly `max_tokens` tokens (ignore_eos), with further `SamplingParams` options."""
+    from ember import SamplingParams
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **options)
+
+
+def check_stop_token_and_max_tokens(llm, reference, stop_index: int, lengths) -> None:
+    """On `llm` (speculating), a stop token taken from `reference[0][stop_index]` ends the output at its first
+    occurrence and nothing after it; `max_tokens` n of `lengths` gives the first n tokens of the first two prompts.
+    `reference` holds the plain greedy outputs of `PROMPTS`."""
+    ref = reference[0]
+    stop = ref[stop_index]
+    params = greedy(len(ref), stop_token_ids=[stop])
+    out = llm.generate([{"prompt_token_ids": PROMPTS[0]}], params, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == ref[:ref.index(stop) + 1] and out.finish_reason == "stop"
+    for n in lengths:
+        assert generate_tokens(llm, PROMPTS[:2], greedy(n)) == [r[:n] for r in reference[:2]]
+
+
+def check_stop_string_inside_an_accepted_run(llm, reference) -> None:
+    """On `llm` (speculating, with `save_word_tokenizer`'s tokenizer), a stop string that first occurs inside an
+    accepted run ends the output right after it, its text included."""
+    tokens, inside = streamed_run(llm.engine, PROMPTS[0], greedy(len(reference[0])))
+    assert tokens == reference[0] and inside
+    words = llm.tokenizer.decode(tokens).split(" ")
+    i = next(i for i in inside if words.index(words[i]) == i)       # a word first seen inside an accepted run
+    params = greedy(len(tokens), stop=[" " + words[i]], include_stop_str_in_output=True)
+    got = llm.generate([{"prompt_token_ids": PROMPTS[0]}], params, use_tqdm=False)[0].outputs[0]
+    assert got.finish_reason == "stop" and got.token_ids == tokens[:i + 1]
+    assert got.text.split() == words[:i + 1] and got.text.endswith(" " + words[i])

@@ -6,8 +6,9 @@ step before them has reached the host."""
 import pytest
 
 from ember import LLM, SamplingParams
-from tests.helpers.spec_cases import (PROMPTS, generate_tokens, num_overlapped, record_launches, save_llama,
-                                      save_word_tokenizer, streamed_run)
+from tests.helpers.spec_cases import (PROMPTS, check_stop_string_inside_an_accepted_run,
+                                      check_stop_token_and_max_tokens, generate_tokens, num_overlapped,
+                                      record_launches, save_llama, save_word_tokenizer)
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
@@ -68,30 +69,11 @@ def test_chunked_prefill_and_preemption(path, reference):
 
 
 def test_stop_token_and_max_tokens_inside_an_accepted_run(spec, reference):
-    ref = reference[0]
-    stop = ref[28]
-    first = ref.index(stop)
-    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, stop_token_ids=[stop])
-    out = spec.generate([{"prompt_token_ids": PROMPTS[0]}], params, use_tqdm=False)[0].outputs[0]
-    assert out.token_ids == ref[:first + 1] and out.finish_reason == "stop"
-    for n in (1, 2, 7, 13):
-        got = _tokens(spec, PROMPTS[:2], SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
-        assert got == [r[:n] for r in reference[:2]]
+    check_stop_token_and_max_tokens(spec, reference, 28, (1, 2, 7, 13))
 
 
 def test_stop_string_inside_an_accepted_run(spec, reference):
-    engine, tok = spec.engine, spec.tokenizer
-    tokens, inside = streamed_run(engine, PROMPTS[0], GREEDY)
-    assert tokens == reference[0] and inside
-    text = tok.decode(tokens)
-    words = text.split(" ")
-    # a word that first occurs inside an accepted run: the output stops right after it
-    i = next(i for i in inside if words.index(words[i]) == i)
-    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, stop=[" " + words[i]],
-                            include_stop_str_in_output=True)
-    got = spec.generate([{"prompt_token_ids": PROMPTS[0]}], params, use_tqdm=False)[0].outputs[0]
-    assert got.finish_reason == "stop" and got.token_ids == tokens[:i + 1]
-    assert got.text.split() == words[:i + 1] and got.text.endswith(" " + words[i])
+    check_stop_string_inside_an_accepted_run(spec, reference)
 
 
 def test_defaults(path, monkeypatch):

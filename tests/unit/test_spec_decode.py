@@ -14,7 +14,7 @@ import ember.graphs.dispatcher as dispatcher_module
 from ember.graphs.dispatcher import CudaGraphDispatcher
 from ember.graphs.modes import CUDAGraphMode
 from ember.speculative_config import SpeculativeConfig
-from tests.helpers.spec_cases import PROMPTS, generate_tokens, save_llama
+from tests.helpers.spec_cases import PROMPTS, check_stop_token_and_max_tokens, generate_tokens, save_llama
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
@@ -76,15 +76,7 @@ def test_chunked_prefill_and_preemption(path, reference):
 
 def test_stop_token_and_max_tokens_inside_an_accepted_run(spec, reference):
     # a stop token from late in a completion: the output ends at its first occurrence, nothing after it
-    ref = reference[0]
-    stop = ref[28]
-    first = ref.index(stop)
-    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, stop_token_ids=[stop])
-    out = spec.generate([{"prompt_token_ids": PROMPTS[0]}], params, use_tqdm=False)[0].outputs[0]
-    assert out.token_ids == ref[:first + 1] and out.finish_reason == "stop"
-    for n in (1, 2, 7, 13):
-        got = _tokens(spec, PROMPTS[:2], SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
-        assert got == [r[:n] for r in reference[:2]]
+    check_stop_token_and_max_tokens(spec, reference, 28, (1, 2, 7, 13))
 
 
 def test_disable_by_batch_size_stops_proposing(path, reference):

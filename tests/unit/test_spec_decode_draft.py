@@ -11,7 +11,8 @@ from ember import LLM, SamplingParams
 from ember.spec_decode.draft_model import check_draft
 from ember.speculative_config import SpeculativeConfig
 from tests.helpers.model_harness import tiny_config
-from tests.helpers.spec_cases import PROMPTS, draft_config as _draft, generate_tokens, save_llama, save_noisy_llama
+from tests.helpers.spec_cases import (PROMPTS, check_stop_token_and_max_tokens, draft_config as _draft,
+                                      generate_tokens, save_llama, save_noisy_llama)
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
@@ -110,15 +111,7 @@ def test_sampling_is_reproducible_and_respects_max_tokens(self_draft):
 
 
 def test_stop_token_and_max_tokens_inside_an_accepted_run(self_draft, reference):
-    ref = reference[0]
-    stop = ref[17]
-    first = ref.index(stop)
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop_token_ids=[stop])
-    out = self_draft.generate([{"prompt_token_ids": PROMPTS[0]}], params, use_tqdm=False)[0].outputs[0]
-    assert out.token_ids == ref[:first + 1] and out.finish_reason == "stop"
-    for n in (1, 2, 7):
-        got = _tokens(self_draft, PROMPTS[:2], SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
-        assert got == [r[:n] for r in reference[:2]]
+    check_stop_token_and_max_tokens(self_draft, reference, 17, (1, 2, 7))
 
 
 @pytest.mark.parametrize("spec, message", [

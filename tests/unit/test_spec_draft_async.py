@@ -7,9 +7,10 @@ import pytest
 
 from ember import LLM, SamplingParams
 from ember.spec_decode.draft_device import DeviceDraftProposer
-from tests.helpers.spec_cases import (PROMPTS, draft_config as _draft, generate_tokens, num_overlapped,
-                                      record_launches, save_llama, save_noisy_llama, save_word_tokenizer,
-                                      streamed_run)
+from tests.helpers.spec_cases import (PROMPTS, check_stop_string_inside_an_accepted_run,
+                                      check_stop_token_and_max_tokens, draft_config as _draft, generate_tokens,
+                                      num_overlapped, record_launches, save_llama, save_noisy_llama,
+                                      save_word_tokenizer)
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
@@ -94,26 +95,8 @@ def test_prefix_hits_equal_plain_decoding(self_draft, reference):
 
 
 def test_stop_token_max_tokens_and_stop_string_inside_an_accepted_run(self_draft, reference):
-    ref = reference[0]
-    stop = ref[17]
-    first = ref.index(stop)
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop_token_ids=[stop])
-    out = self_draft.generate([{"prompt_token_ids": PROMPTS[0]}], params, use_tqdm=False)[0].outputs[0]
-    assert out.token_ids == ref[:first + 1] and out.finish_reason == "stop"
-    for n in (1, 2, 7):
-        got = _tokens(self_draft, PROMPTS[:2], SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
-        assert got == [r[:n] for r in reference[:2]]
-    engine, tok = self_draft.engine, self_draft.tokenizer
-    tokens, inside = streamed_run(engine, PROMPTS[0], GREEDY)
-    assert tokens == ref and inside
-    words = tok.decode(tokens).split(" ")
-    # a word that first occurs inside an accepted run: the output stops right after it
-    i = next(i for i in inside if words.index(words[i]) == i)
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop=[" " + words[i]],
-                            include_stop_str_in_output=True)
-    got = self_draft.generate([{"prompt_token_ids": PROMPTS[0]}], params, use_tqdm=False)[0].outputs[0]
-    assert got.finish_reason == "stop" and got.token_ids == tokens[:i + 1]
-    assert got.text.endswith(" " + words[i])
+    check_stop_token_and_max_tokens(self_draft, reference, 17, (1, 2, 7))
+    check_stop_string_inside_an_accepted_run(self_draft, reference)
     assert _free_again(self_draft)
 
 
