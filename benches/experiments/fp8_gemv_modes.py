@@ -23,6 +23,7 @@ from ember.kernels import gemv_config as GC
 from ember.kernels.fp8 import quantize_rows
 from ember.kernels.gemv import gemv
 from ember.kernels.gemv_config import gemv_config
+from ember.kernels import gemv_fp8 as GF
 from ember.kernels.gemv_fp8 import gemv_fp8, round_rows, set_row_prepass
 
 SHAPES = {"8b qkv": (6144, 4096), "8b o": (4096, 4096), "8b gate_up": (28672, 4096), "8b down": (4096, 14336),
@@ -51,13 +52,31 @@ def _tile(cfg: dict) -> str:
     return f"{'tc' if cfg['USE_DOT'] else 'cc'} {cfg['BLOCK_N']}x{cfg['BLOCK_K']}/s{cfg['SPLIT_K']}"
 
 
+def round_rows_warps(row_counts, eager: bool) -> None:
+    """`round_rows` alone on the 8B's rows (4096 with the norm, 14336 without) under each warp count."""
+    dev = torch.device("cuda")
+    for k, norm in ((4096, True), (14336, False)):
+        nw = 1 + 0.1 * torch.randn(k, device=dev, dtype=torch.bfloat16) if norm else None
+        for m in row_counts:
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            for warps in (1, 2, 4, 8, 16):
+                GF.ROW_WARPS = warps
+                us = time_us([lambda: round_rows(x, nw)], eager)
+                print(f"round_rows K={k:5d} M={m:2d} norm={int(norm)} warps={warps:2d} {us:6.2f} us", flush=True)
+    GF.ROW_WARPS = 4
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--fused", action="store_true", help="RMSNorm prologue on qkv and gate_up, gate_up gated")
     ap.add_argument("--shapes", action="store_true", help="one-row launch shapes of the rounded dynamic path")
     ap.add_argument("--eager", action="store_true", help="back-to-back launches instead of a CUDA graph")
+    ap.add_argument("--round-rows", action="store_true",
+                    help="only `round_rows`, under each ROW_WARPS (the block stays: it fixes the sums' order)")
     args = ap.parse_args()
+    if args.round_rows:
+        return round_rows_warps(args.rows, args.eager)
     dev = torch.device("cuda")
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     src, dst = (torch.empty(1 << 28, dtype=torch.uint8, device=dev) for _ in range(2))

@@ -39,6 +39,7 @@ FP8 = torch.float8_e4m3fn
 ACTIVATIONS = {"none": 0, "dynamic": 1, "static": 2}     # how x is rounded to e4m3 (ACT_QUANT)
 ROUNDED = 3                  # ACT_QUANT of a GEMV on `round_rows`' output
 ROW_BLOCK = 1024             # elements a step of `round_rows` (quantize_rows_fp8's, for the same sums)
+ROW_WARPS = 4                # warps of a `round_rows` program
 
 _row_prepass = os.environ.get("EMBER_FP8_ROW_PREPASS", "1") != "0"      # an A/B switch (module docstring)
 
@@ -117,7 +118,7 @@ def round_rows(x: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: fl
     _kernel(_round_rows_kernel, x.device)[(m,)](
         x, norm_weight if norm_weight is not None else x, static, out, scale, k, x.stride(0), out.stride(0),
         float(eps), BLOCK=block, STEPS=triton.cdiv(k, block), NORM=norm_weight is not None,
-        STATIC=static_scale is not None, EXACT_E4M3=x.device.type == "cpu", num_warps=4,
+        STATIC=static_scale is not None, EXACT_E4M3=x.device.type == "cpu", num_warps=ROW_WARPS,
         **pdl_options(x.device))
     return out, scale
 

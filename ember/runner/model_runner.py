@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 
 import numpy as np
 import torch
@@ -19,6 +19,7 @@ import torch
 from ember.attention_backends.base import StepBounds
 from ember.attention_backends.op import ForwardContext, forward_context
 from ember.config import EngineConfig, cache_dir, resolve_dtype
+from ember.distributed.ops import finish_setup
 from ember.distributed.parallel_state import TP_GROUP, joined_shard
 from ember.graphs.buckets import resolve_capture_sizes
 from ember.graphs.compile import compile_cache_key, compile_model
@@ -79,10 +80,10 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.model.dtype, self.device, self.hf_config)
         self.quant = resolve_quant_config(self.hf_config, config.model.quantization, self.dtype, self.device)
         free_dropped_engines(self.device)
-        self.tp, shard = joined_shard(config.parallel.tensor_parallel_size,   # this process's rank and its shard
-                                      config.parallel.enable_expert_parallel)
+        self.tp, self.shard = joined_shard(config.parallel.tensor_parallel_size,   # this process's rank and shard
+                                           config.parallel.enable_expert_parallel)
         self.model = build_model(model_path, self.hf_config, self.dtype, self.device, load_format, config.model.seed,
-                                 self.quant, shard, config.model.model_impl)
+                                 self.quant, self.shard, config.model.model_impl)
         self.vocab_size = self.hf_config.vocab_size
         self.times.load_s = time.perf_counter() - t0
 
@@ -150,6 +151,7 @@ class ModelRunner:
                                                    self.num_blocks, self.max_num_tokens)
         self._log_capacity()
         self.layer_states = allocate_kv_caches(self.attn, self.num_blocks, self.device, tail_offset)
+        finish_setup()      # the one-shot all-reduce's peers meet, its buffer allocated beside the load and compile
         if self.graphs is not None:
             self._capture()
         if config.compile.jit_warmup or (config.compile.jit_warmup is None and self.device.type == "cuda"):
@@ -182,7 +184,7 @@ class ModelRunner:
                                  settings={"capture_sizes": list(self.capture_sizes), "prefill_skip": self.skip_prefill,
                                            "quantization": repr(self.quant),
                                            "disabled_fusions": list(self.config.compile.disabled_fusions),
-                                           "tensor_parallel": [self.tp.rank, self.tp.size],   # a rank's own shard
+                                           "tensor_parallel": astuple(self.shard),   # a rank's own shard
                                            # which layers hand q and k to their backend unrotated (traced code)
                                            "fuse_rope": sorted(n for n, a in self.attn.layers.items() if a.fuse_rope),
                                            **compile_identity(self.model)})

@@ -30,7 +30,7 @@ import gc
 import json
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from pathlib import Path
 
 import torch
@@ -242,7 +242,7 @@ def _marker(runner) -> Path:
                 "capture": c.compile.cudagraph_capture, "jit_warmup": c.compile.jit_warmup,
                 "disabled_fusions": list(c.compile.disabled_fusions), "backend": c.attention_backend,
                 "backend_options": list(c.attention_backend_options), "block_size": c.cache.block_size,
-                "triton_cache": str(knobs.cache.dir), "tensor_parallel": [runner.tp.rank, runner.tp.size],
+                "triton_cache": str(knobs.cache.dir), "tensor_parallel": astuple(runner.shard),
                 **compile_identity(runner.model)}
     key = compile_cache_key(runner.hf_config.to_dict(), runner.dtype, device=runner.device, settings=settings)
     return cache_dir() / "triton-precompiled" / key
