@@ -18,8 +18,8 @@ import torch
 
 from ember.kernels.library import define, register_fake
 
-__all__ = ["all_gather", "all_reduce", "broadcast_", "finish_setup", "group_size", "register_group",
-           "unregister_group", "vocab_shard_embedding"]
+__all__ = ["all_gather", "all_reduce", "broadcast_", "group_size", "register_group", "unregister_group",
+           "vocab_shard_embedding"]
 
 
 @dataclass
@@ -28,7 +28,6 @@ class _Group:
     process_group: object
     size: int
     one_shot: object | None = None      # ember.distributed.symm_mem.OneShotAllReduce
-    pending: object | None = None       # ember.distributed.symm_mem.PendingOneShot, until `finish_setup`
 
 
 _groups: dict[str, _Group] = {}
@@ -37,12 +36,10 @@ _groups: dict[str, _Group] = {}
 def register_group(name: str, process_group, device: torch.device | None = None,
                    symm_mem_all_reduce: bool | None = False) -> None:
     """Make `process_group` the group the ops call `name`; with `symm_mem_all_reduce` (CUDA `device` only), small
-    all-reduces over it take the symmetric-memory one-shot kernel once `finish_setup` has run (its buffer is
-    allocated meanwhile; NCCL until then); None: `symm_mem.one_shot_by_default` decides (a collective: every rank
-    decides alike)."""
+    all-reduces over it take the symmetric-memory one-shot kernel; None: `symm_mem.one_shot_by_default` decides
+    (a collective: every rank decides alike)."""
     import torch.distributed as dist
     group = _Group(process_group, dist.get_world_size(process_group))
-    required = symm_mem_all_reduce is True
     if symm_mem_all_reduce is None:
         from ember.distributed.symm_mem import one_shot_by_default
         symm_mem_all_reduce = one_shot_by_default(process_group, device)
@@ -53,24 +50,13 @@ def register_group(name: str, process_group, device: torch.device | None = None,
             raise ValueError(f"symm_mem_all_reduce=True cannot be met: {reason}; leave it unset (NCCL then) or "
                              f"start the engine in a fresh process")
     if symm_mem_all_reduce:
-        from ember.distributed.symm_mem import PendingOneShot
-        group.pending = PendingOneShot(process_group, device, required=required)
+        from ember.distributed.symm_mem import OneShotAllReduce
+        group.one_shot = OneShotAllReduce(process_group, device)
     _groups[name] = group
 
 
-def finish_setup() -> None:
-    """Meet the peers of every group whose one-shot buffer is pending (a collective: every rank calls it at the same
-    point of its start, before any CUDA graph captures an all-reduce); a no-op for the others."""
-    for group in _groups.values():
-        if group.pending is not None:
-            pending, group.pending = group.pending, None
-            group.one_shot = pending.finish()
-
-
 def unregister_group(name: str) -> None:
-    group = _groups.pop(name, None)
-    if group is not None and group.pending is not None:
-        group.pending.wait()            # no allocation left running into the group's teardown
+    _groups.pop(name, None)
 
 
 def _group(name: str) -> _Group:

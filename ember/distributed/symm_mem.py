@@ -17,8 +17,6 @@ a CUDA graph's capture and its replays take the same path. `MAX_BYTES` is the cr
 from __future__ import annotations
 
 import logging
-import os
-import threading
 
 import torch
 
@@ -34,18 +32,19 @@ _rendezvoused: set[str] = set()
 
 class OneShotAllReduce:
     """A symmetric buffer of `max_bytes` in `dtype` on `device`, set up on every rank of `process_group` at once
-    (a collective); calling it reduces one message through the buffer. `buffer`: one `allocate` made already."""
+    (a collective); calling it reduces one message through the buffer."""
 
     def __init__(self, process_group, device: torch.device, max_bytes: int = MAX_BYTES,
-                 dtype: torch.dtype = torch.bfloat16, buffer: torch.Tensor | None = None):
+                 dtype: torch.dtype = torch.bfloat16):
         import torch.distributed._symmetric_memory as symm
         if device is None or device.type != "cuda":
             raise ValueError(f"the symmetric-memory all-reduce needs a CUDA device, got {device}")
         self.group_name = process_group.group_name
         self.dtype, self.max_bytes = dtype, max_bytes
+        _use_peer_to_peer_backend(symm, device)
         if _torch_before(2, 8):         # symmetric memory is enabled per group before torch 2.8, always after
             symm.enable_symm_mem_for_group(self.group_name)
-        self.buffer = buffer if buffer is not None else allocate(device, max_bytes, dtype)     # [max_bytes / size]
+        self.buffer = symm.empty(max_bytes // dtype.itemsize, dtype=dtype, device=device)   # [max_bytes / size]
         _rendezvoused.add(self.group_name)
         symm.rendezvous(self.buffer, self.group_name)
         logger.info("all-reduces of at most %d bytes of %s take the symmetric-memory one-shot kernel", max_bytes,
@@ -60,59 +59,6 @@ class OneShotAllReduce:
         """The sum of `x` over the ranks, a new tensor; the kernel copies x into this rank's buffer itself."""
         slot = self.buffer.narrow(0, 0, x.numel()).view(x.shape)
         return torch.ops.symm_mem.one_shot_all_reduce_copy(slot, x, "sum", self.group_name)
-
-
-def allocate(device: torch.device, max_bytes: int = MAX_BYTES, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """A symmetric buffer of `max_bytes` in `dtype` on `device`, not yet mapped by any peer (a local call: no
-    collective). A process's first one sets torch's symmetric-memory allocator up: 2.4 s of an H200 rank's join
-    (`benches/experiments/tp_join.py`), 0.001 s for the next."""
-    import torch.distributed._symmetric_memory as symm
-    _use_peer_to_peer_backend(symm, device)
-    return symm.empty(max_bytes // dtype.itemsize, dtype=dtype, device=device)
-
-
-class PendingOneShot:
-    """A `OneShotAllReduce` whose buffer is allocated on a thread of its own, started here, while the rank goes on
-    (NCCL's connect, the load, the compile); `finish`, a collective every rank calls at the same point of its
-    start, waits for it and meets the peers. EMBER_SYMM_MEM_SETUP=serial allocates in `finish` instead (A/B runs)."""
-
-    def __init__(self, process_group, device: torch.device, required: bool):
-        self.process_group, self.device, self.required = process_group, device, required
-        self.buffer: torch.Tensor | None = None
-        self.error: BaseException | None = None
-        self.thread = None
-        if os.environ.get("EMBER_SYMM_MEM_SETUP", "overlap") != "serial":
-            self.thread = threading.Thread(target=self._allocate, name="ember-symm-alloc", daemon=True)
-            self.thread.start()
-
-    def _allocate(self) -> None:
-        try:
-            torch.cuda.set_device(self.device)          # the current device is a thread's own
-            self.buffer = allocate(self.device)
-        except Exception as e:          # noqa: BLE001 - said in `finish`, on every rank alike
-            self.error = e
-
-    def wait(self) -> None:
-        """The allocation's end (a rank leaving before `finish` waits for it too)."""
-        if self.thread is not None:
-            self.thread.join()
-        elif self.buffer is None and self.error is None:
-            self._allocate()
-
-    def finish(self) -> OneShotAllReduce | None:
-        """The one-shot all-reduce, once every rank's buffer is there (a collective); None where a rank's
-        allocation failed (every rank alike, said in the log; a ValueError where it was asked for)."""
-        import torch.distributed as dist
-        self.wait()
-        ok = torch.tensor([int(self.error is None)], dtype=torch.int64)
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.process_group)    # the group's host (gloo) backend
-        if not ok.item():
-            reason = f"a rank could not allocate its symmetric buffer ({self.error or 'on another rank'})"
-            if self.required:
-                raise ValueError(f"symm_mem_all_reduce=True cannot be met: {reason}")
-            logger.warning("the symmetric-memory all-reduce is off: %s; every all-reduce takes NCCL", reason)
-            return None
-        return OneShotAllReduce(self.process_group, self.device, buffer=self.buffer)
 
 
 def one_shot_by_default(process_group, device: torch.device | None) -> bool:

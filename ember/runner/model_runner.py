@@ -19,7 +19,6 @@ import torch
 from ember.attention_backends.base import StepBounds
 from ember.attention_backends.op import ForwardContext, forward_context
 from ember.config import EngineConfig, cache_dir, resolve_dtype
-from ember.distributed.ops import finish_setup
 from ember.distributed.parallel_state import TP_GROUP, joined_shard
 from ember.graphs.buckets import resolve_capture_sizes
 from ember.graphs.compile import compile_cache_key, compile_model
@@ -151,7 +150,6 @@ class ModelRunner:
                                                    self.num_blocks, self.max_num_tokens)
         self._log_capacity()
         self.layer_states = allocate_kv_caches(self.attn, self.num_blocks, self.device, tail_offset)
-        finish_setup()      # the one-shot all-reduce's peers meet, its buffer allocated beside the load and compile
         if self.graphs is not None:
             self._capture()
         if config.compile.jit_warmup or (config.compile.jit_warmup is None and self.device.type == "cuda"):
