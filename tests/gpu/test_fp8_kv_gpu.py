@@ -11,6 +11,7 @@ import torch.nn.functional as Fn
 
 import ember.attention_backends.flash.kernels as F
 import ember.attention_backends.triton_unified.kernels as K
+from tests.helpers.greedy_runs import same_until_a_near_tie
 from tests.helpers.paged_batches import BatchShape, reference_output, tolerance
 from tests.unit.test_fp8_kv_cache import fp8_batch
 
@@ -87,24 +88,6 @@ def test_unified_3d_fused_write_quantizes_the_new_keys(shape):
     assert torch.equal(written[:, 1:].nan_to_num(0), batch.expected_cache[:, 1:].nan_to_num(0))
 
 
-# random weights give nearly flat logits: a request's greedy run alone and in a batch (other graphs, other GEMM
-# shapes, the same bf16 numbers rounded in another order) may part at a near tie, never elsewhere; a cache read
-# wrongly in a batch gives other tokens at once, far from a tie
-NEAR_TIE = 0.05     # nats between the two candidates, in the run alone, where the two runs may part
-
-
-def _same_until_a_near_tie(alone, together) -> int:
-    """The tokens two greedy runs of one request share; where they part, the batch's token must be the run alone's
-    second choice, within NEAR_TIE of its first."""
-    for i, (a, b) in enumerate(zip(alone.token_ids, together.token_ids)):
-        if a != b:
-            top = alone.logprobs[i]
-            assert b in top, f"token {i}: the batch's {b} is not among the run alone's top two {sorted(top)}"
-            assert top[a].logprob - top[b].logprob <= NEAR_TIE, (i, top[a].logprob, top[b].logprob)
-            return i
-    return len(alone.token_ids)
-
-
 def test_engine_fp8_kv_cache_under_graphs():
     """Qwen3-0.6B's config with random weights, CUDA graphs and the fused decode write: the fp8 cache's logits stay
     close to the bf16 cache's, and a request's greedy output alone and in a batch agree up to a near tie."""
@@ -118,7 +101,7 @@ def test_engine_fp8_kv_cache_under_graphs():
         if kv == "fp8":
             together = [o.outputs[0] for o in llm.generate(prompts, greedy, use_tqdm=False)]
             alone = [llm.generate([p], greedy, use_tqdm=False)[0].outputs[0] for p in prompts[:2]]
-            shared = [_same_until_a_near_tie(a, t) for a, t in zip(alone, together)]
+            shared = [same_until_a_near_tie(a, t) for a, t in zip(alone, together)]
             print(f"greedy tokens shared alone and in a batch: {shared} of 24")
         del llm
     a, b = logits["auto"], logits["fp8"]
