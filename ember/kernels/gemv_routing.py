@@ -76,7 +76,7 @@ def _fp8_table() -> dict[tuple[int, int, bool], int]:
 @functools.lru_cache(maxsize=None)
 def gemv_fp8_max_rows(n: int, k: int, gated: bool) -> int:
     """The most rows the fp8 GEMV should take (against `torch._scaled_mm` or the block-scaled GEMM) for an e4m3
-    weight of `n` rows and `k` columns, from gemv_fp8_crossover.json, written on an H100 by
+    weight of `n` rows and `k` columns, from gemv_fp8_crossover.json, written on an H200 (132 SMs, an H100's count) by
 
         PYTHONPATH=. python benches/gemv_sweep.py crossover --fp8 --write
 
