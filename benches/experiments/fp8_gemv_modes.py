@@ -1,8 +1,8 @@
 """The fp8 GEMV at a few rows under its variants, against the bf16 GEMV on the same shape and copy bandwidth:
 weight-only (x in bf16) against dynamic per-row e4m3 activations, rounded once a call before the GEMV (`round_rows`,
 the default) or inside every GEMV program (`set_row_prepass(False)`, the earlier path), on CUDA cores or tensor
-cores (use_dot); `round_rows` alone; with --shapes, the one-row launch shapes (programs per SM, W tile bytes) of
-the rounded path.
+cores (use_dot); at one row, the word-wise kernel (ember.kernels.gemv_fp8_words); `round_rows` alone; with
+--shapes, the one-row launch shapes (programs per SM, W tile bytes) of the rounded path.
 
     PYTHONPATH=. python benches/experiments/fp8_gemv_modes.py [--rows 1 4] [--fused] [--shapes] [--eager]
 
@@ -24,6 +24,7 @@ from ember.kernels.fp8 import quantize_rows
 from ember.kernels.gemv import gemv
 from ember.kernels.gemv_config import gemv_config
 from ember.kernels import gemv_fp8 as GF
+from ember.kernels import gemv_fp8_words as words
 from ember.kernels.gemv_fp8 import gemv_fp8, round_rows, set_row_prepass
 
 SHAPES = {"8b qkv": (6144, 4096), "8b o": (4096, 4096), "8b gate_up": (28672, 4096), "8b down": (4096, 14336),
@@ -100,9 +101,10 @@ def main() -> None:
             rows = {"bf16 gemv": (time_us([lambda i=i: gemv(x, w16[i], norm_weight=nw, gated=gated)
                                            for i in range(copies)], args.eager), floor16, "")}
 
-            def fp8(label, act, dot, prepass, config=None):
+            def fp8(label, act, dot, prepass, config=None, word_wise=False):
                 cfg = config or gemv_config(m, n_out, k, sms, 1, use_dot=dot, gated=gated)
                 set_row_prepass(prepass)
+                words.set_enabled(word_wise)
                 try:
                     rows[label] = (time_us([lambda i=i: gemv_fp8(x, w8[i], s8[i], config=cfg, activations=act,
                                                                  norm_weight=nw, gated=gated)
@@ -111,11 +113,15 @@ def main() -> None:
                     print(f"{name} M={m} {label}: {type(e).__name__}: {str(e)[:120]}")
                 finally:
                     set_row_prepass(True)
+                    words.set_enabled(False)
 
             for dot in (False, True):
                 fp8(f"fp8 none dot={int(dot)}", "none", dot, True)
                 fp8(f"fp8 dynamic in-kernel dot={int(dot)}", "dynamic", dot, False)
                 fp8(f"fp8 dynamic rounded dot={int(dot)}", "dynamic", dot, True)
+            if m == 1:
+                fp8("fp8 none, word-wise", "none", False, True, word_wise=True)
+                fp8("fp8 dynamic rounded, word-wise", "dynamic", False, True, word_wise=True)
             rows["round_rows alone"] = (time_us([lambda: round_rows(x, nw)], args.eager), 0.0, "")
             if args.shapes and m == 1:
                 saved = GC.launch_shape, GC.PROGRAMS_PER_SM, GC.W_TILE_BYTES

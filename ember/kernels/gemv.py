@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 from ember.kernels.e4m3 import AMAX_FLOOR, E4M3_MAX, max_combine, scale_to_e4m3
+from ember.kernels import gemv_fp8_words as words
 from ember.kernels.gemv_config import CPU_SMS, GEMV_MAX_M, cached_config, gemv_config
 from ember.kernels.gemv_routing import tma_shape
 from ember.kernels.gemv_tma import gemv_tma, tma_applies
@@ -430,6 +431,11 @@ def launch_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     bias = bias.contiguous() if bias is not None else None
     norm_weight = norm_weight.contiguous() if norm_weight is not None else None
 
+    if (fp8_constexprs.get("W_SCALE") == 1 and fp8_constexprs.get("ACT_QUANT", 0) in (0, 3) and norm_weight is None
+            and out is None and out_dtype in (None, x.dtype) and words.enabled()
+            and words.applies(x, weight, config, residual)):
+        # one row of e4m3 weights, a word at a time (ember.kernels.gemv_fp8_words)
+        return words.gemv_fp8_words(x, weight, weight_scale, config, act_scale, bias, residual, gated)
     if M == 1 and not forced and weight_scale is None:
         shape = tma_shape(weight.shape[0], K, gated, _num_sms(x.device), x.element_size())
         if shape is not None and tma_applies(x, weight, N, shape):

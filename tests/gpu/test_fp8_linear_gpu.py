@@ -217,3 +217,27 @@ def test_online_fp8_engine_with_graphs_agrees_with_bf16():
     a, b = logits[None], logits["fp8"]
     assert F.cosine_similarity(a, b, dim=-1).min().item() >= 0.97
     assert ((a - b).norm() / a.norm()).item() <= 0.25
+
+
+@pytest.mark.parametrize("activations", ["none", "dynamic"])
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_word_wise_gemv_gives_the_general_kernels_row(name, activations, monkeypatch):
+    """One row through the word-wise fp8 GEMV (its inline PTX widening W and x a word at a time) against the
+    general kernel on the same row: float32 sums in another order, then one rounding to bfloat16."""
+    from ember.kernels import gemv_fp8_words as words
+    from ember.kernels.gemv_fp8 import gemv_fp8
+    weight, scale, x, norm_weight, gated, residual = _case(name, 1, None)
+    scale = scale.reshape(-1).float().contiguous()
+    kwargs = dict(residual=residual, gated=gated, activations=activations,
+                  norm_weight=norm_weight if activations == "dynamic" else None)
+    general = gemv_fp8(x, weight, scale, **kwargs)
+    calls, real = [], words.gemv_fp8_words
+    monkeypatch.setattr(words, "gemv_fp8_words", lambda *a, **k: calls.append(1) or real(*a, **k))
+    words.set_enabled(True)
+    try:
+        out = gemv_fp8(x, weight, scale, **kwargs)
+    finally:
+        words.set_enabled(False)
+    assert calls == [1]
+    step = general.float().abs().clamp_min(2 ** -8) * 2 ** -7
+    assert ((out.float() - general.float()).abs() <= step).all()
