@@ -3,8 +3,8 @@ count: y[1, N] = x[1, K] @ (W[N, K] e4m3 x row scales)^T, x in bfloat16 (rounded
 with its row scale, or as it is), with the GEMV's bias, SiLU·mul and residual epilogues.
 
 Why: a GEMV streaming 1-byte weights at an H100's or H200's copy bandwidth must finish each byte in about 8 issue
-slots of an SM's 128 a cycle, and the general kernel (ember.kernels.gemv) spends about 6.6-6.8 on sm_90 (its loop
-in SASS, `python benches/experiments/gemv_sass.py`): Triton widens e4m3 by taking every loaded word apart byte by
+slots of an SM's 128 a cycle, and the general kernel (ember.kernels.gemv) spends 5.6-6.4 on sm_90 with Triton 3.6
+(its loop in SASS, `python benches/experiments/gemv_sass.py`; this kernel 3.8-4.0): Triton widens e4m3 by taking every loaded word apart byte by
 byte and packing the pairs again for `cvt.rn.f16x2.e4m3x2` (PRMT, LOP3 and IMAD about 2.5 a byte), then widens x's
 bfloat16 values one at a time. Here W is loaded as int32 words (four e4m3 values) and x as int64 words (four
 bfloat16 values at the same K), and one inline-PTX block a word widens them: two `cvt.rn.f16x2.e4m3x2` on the
