@@ -53,6 +53,18 @@ def set_enabled(on: bool) -> None:
 
 
 @triton.jit
+def _e4m3_at(w, SHIFT: tl.constexpr):
+    """The e4m3 value in bits SHIFT..SHIFT+7 of int32 words, in float32 (Triton's conversions)."""
+    return ((w >> SHIFT) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _bf16_at(x, SHIFT: tl.constexpr):
+    """The bfloat16 value in bits SHIFT..SHIFT+15 of int64 words, in float32: the upper half of its float32."""
+    return (((x >> SHIFT) & 0xFFFF) << 16).to(tl.int32).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _e4m3_word(w, ASM: tl.constexpr):
     """int32 words of four e4m3 values (the lowest byte first) -> four float32 tensors of w's shape."""
     if ASM:
@@ -60,11 +72,7 @@ def _e4m3_word(w, ASM: tl.constexpr):
                                          dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True,
                                          pack=1)
     else:
-        b0 = (w & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        b1 = ((w >> 8) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        b2 = ((w >> 16) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        b3 = ((w >> 24) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        return b0, b1, b2, b3
+        return _e4m3_at(w, 0), _e4m3_at(w, 8), _e4m3_at(w, 16), _e4m3_at(w, 24)
 
 
 @triton.jit
@@ -75,12 +83,7 @@ def _bf16_word(x, ASM: tl.constexpr):
                                          dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True,
                                          pack=1)
     else:
-        # a bfloat16 value is the upper half of the float32 of the same value
-        a = ((x & 0xFFFF) << 16).to(tl.int32).to(tl.float32, bitcast=True)
-        b = (((x >> 16) & 0xFFFF) << 16).to(tl.int32).to(tl.float32, bitcast=True)
-        c = (((x >> 32) & 0xFFFF) << 16).to(tl.int32).to(tl.float32, bitcast=True)
-        d = (((x >> 48) & 0xFFFF) << 16).to(tl.int32).to(tl.float32, bitcast=True)
-        return a, b, c, d
+        return _bf16_at(x, 0), _bf16_at(x, 16), _bf16_at(x, 32), _bf16_at(x, 48)
 
 
 @triton.jit
