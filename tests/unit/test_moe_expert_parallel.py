@@ -270,3 +270,36 @@ def test_the_launch_table_is_looked_up_by_a_ranks_whole_experts(tmp_path, monkey
         assert launch_for(x, w13[1], 2).gate_up["BLOCK_M"] == 32             # not the entry's 16
     finally:
         MC.moe_launch.cache_clear()
+
+
+def test_compiled_graphs_and_triton_markers_are_keyed_by_expert_parallelism(monkeypatch):
+    """A rank holding whole experts must not load the graph of a rank holding every expert's share (its MoE calls
+    lack the expert map): both the compile cache key and the Triton warm-up marker name the whole shard."""
+    from ember.runner import model_runner, warmup
+
+    class Keyed(Exception):
+        pass
+
+    def capture(config, dtype, device=None, settings=None):
+        raise Keyed(settings["tensor_parallel"])
+    monkeypatch.setattr(model_runner, "compile_cache_key", capture)
+    monkeypatch.setattr("ember.graphs.artifacts.compile_cache_key", capture)
+    ns = types.SimpleNamespace
+
+    def keys(expert_parallel: bool):
+        runner = ns(modes=ns(compile_mode="default", cudagraph_mode=ns(name="NONE")), capture_sizes=[1],
+                    hf_config=ns(to_dict=dict), dtype=torch.float32, device=torch.device("cpu"), skip_prefill=False,
+                    quant=None, config=ns(compile=ns(disabled_fusions=(), cudagraph_capture="eager", jit_warmup=None),
+                                          attention_backend="auto", attention_backend_options=(),
+                                          cache=ns(block_size=16)),
+                    shard=ShardSpec(0, 2, expert_parallel), attn=ns(layers={}), model=torch.nn.Module(),
+                    max_num_tokens=8, max_num_reqs=2, table=ns(max_model_len=64))
+        found = []
+        for build in (lambda: model_runner.ModelRunner._build_forward(runner), lambda: warmup._marker(runner)):
+            with pytest.raises(Keyed) as keyed:
+                build()
+            found.append(keyed.value.args[0])
+        return found
+
+    assert keys(False) == [(0, 2, False)] * 2
+    assert keys(True) == [(0, 2, True)] * 2
