@@ -3,20 +3,17 @@ triton_unified, on 64-token pages), against transformers on the GPU (random weig
 layers trimmed): float32 greedy tokens equal, eager and FULL CUDA graphs alike; bf16 teacher-forced logits within
 the bound the other backends meet (see test_parity_gpu.py)."""
 
-import copy
 import gc
 
 import pytest
 import torch
-from tests.helpers.bf16_check import bf16_report
+from tests.helpers.bf16_check import check_teacher_forced
 
 from ember import LLM, SamplingParams
 from ember.models.bundled import bundled_config
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-BF16_ERR_RATIO = 1.25     # ember's bf16 error vs fp32 over transformers' bf16 error vs fp32
-TOP1_AGREEMENT = 0.98
 # backend name -> LLM arguments; the default engine must pick per_phase on 64-token pages by itself
 BACKENDS = {"flash": dict(attention_backend="flash", block_size=64), "per_phase": {}}
 COMMON = dict(max_model_len=512, gpu_memory_utilization=0.5)
@@ -83,18 +80,8 @@ def test_bfloat16_teacher_forced_logits(qwen3, backend):
     path, hf = qwen3
     llm = _llm(path, backend, dtype="bfloat16", enforce_eager=True)
     hf = hf.to("cuda", torch.float32).eval()
-    hf16 = copy.deepcopy(hf).to(torch.bfloat16)
-    got, ref16, ref32 = [], [], []
-    for tokens in _prompts(hf.config.vocab_size, (128, 160, 200, 256)):   # 744 positions
-        got.append(llm.engine.score(tokens))
-        ids = torch.tensor([tokens], device="cuda")
-        with torch.no_grad():
-            ref32.append(hf(ids).logits[0].float())
-            ref16.append(hf16(ids).logits[0].float())
-    r = bf16_report(torch.cat(got), torch.cat(ref16), torch.cat(ref32))
-    print(f"{backend} {hf.config.model_type} bf16: {r}")
-    assert r["rel_err_vs_fp32"] <= BF16_ERR_RATIO * r["ref_rel_err_vs_fp32"]
-    assert r["num_decided"] >= 64 and r["top1_decided"] >= TOP1_AGREEMENT
-    del llm, hf16
+    check_teacher_forced(llm, hf, _prompts(hf.config.vocab_size, (128, 160, 200, 256)),   # 744 positions
+                         f"{backend} {hf.config.model_type}")
+    del llm
     gc.collect()
     torch.cuda.empty_cache()

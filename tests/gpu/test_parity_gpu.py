@@ -4,20 +4,16 @@ float32 with TF32 off: greedy tokens equal. bfloat16: teacher-forced logits no f
 logits than transformers' own bf16 run is (times 1.25), and top-1 agreement with transformers' bf16 run on at least
 98% of decided positions (see bf16_check.py: random weights make near-ties that bf16 rounding flips)."""
 
-import copy
 import gc
 
 import pytest
 import torch
-from tests.helpers.bf16_check import bf16_report
+from tests.helpers.bf16_check import check_teacher_forced
 
 from ember import LLM, SamplingParams
 from ember.models.bundled import bundled_config
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
-
-BF16_ERR_RATIO = 1.25     # ember's bf16 error vs fp32 over transformers' bf16 error vs fp32
-TOP1_AGREEMENT = 0.98
 
 
 def _folder(tmp_path_factory, name, num_layers=4):
@@ -72,18 +68,8 @@ def test_bfloat16_teacher_forced_logits(family, backend):
     llm = LLM(path, dtype="bfloat16", attention_backend=backend, enforce_eager=True, max_model_len=512,
               gpu_memory_utilization=0.5)
     hf = hf.to("cuda", torch.float32).eval()
-    hf16 = copy.deepcopy(hf).to(torch.bfloat16)
-    got, ref16, ref32 = [], [], []
-    for tokens in _prompts(hf.config.vocab_size, (128, 160, 200, 256)):   # 744 positions
-        got.append(llm.engine.score(tokens))
-        ids = torch.tensor([tokens], device="cuda")
-        with torch.no_grad():
-            ref32.append(hf(ids).logits[0].float())
-            ref16.append(hf16(ids).logits[0].float())
-    r = bf16_report(torch.cat(got), torch.cat(ref16), torch.cat(ref32))
-    print(f"{backend} {hf.config.model_type} bf16: {r}")
-    assert r["rel_err_vs_fp32"] <= BF16_ERR_RATIO * r["ref_rel_err_vs_fp32"]
-    assert r["num_decided"] >= 64 and r["top1_decided"] >= TOP1_AGREEMENT
-    del llm, hf16
+    check_teacher_forced(llm, hf, _prompts(hf.config.vocab_size, (128, 160, 200, 256)),   # 744 positions
+                         f"{backend} {hf.config.model_type}")
+    del llm
     gc.collect()
     torch.cuda.empty_cache()

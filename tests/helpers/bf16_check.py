@@ -5,9 +5,14 @@ smaller than bf16 rounding: there transformers' own bf16 run already disagrees w
 positions for Llama-3.2-1B at 4 layers). So top-1 agreement is counted over decided positions, those whose float32
 gap exceeds four times the rms bf16 error of the reference, and the raw numbers are printed beside it."""
 
+import copy
+import json
+
 import torch
 
 DECIDED_GAP_FACTOR = 4.0
+BF16_ERR_RATIO = 1.25     # ember's bf16 error vs fp32 over transformers' bf16 error vs fp32
+TOP1_AGREEMENT = 0.98     # of the decided positions
 
 
 def bf16_report(got: torch.Tensor, ref_bf16: torch.Tensor, ref_fp32: torch.Tensor) -> dict:
@@ -26,3 +31,24 @@ def bf16_report(got: torch.Tensor, ref_bf16: torch.Tensor, ref_fp32: torch.Tenso
         "top1_decided": same[decided].float().mean().item(), "num_decided": int(decided.sum()),
         "num_positions": got.shape[0],
     }
+
+
+def check_teacher_forced(llm, hf, prompts, label: str) -> dict:
+    """Teacher-forced logits of `prompts` (token-id lists) from the engine `llm` in bfloat16 against `hf` (the same
+    weights, float32, on the GPU) and a bfloat16 copy of it: ember's error against float32 within BF16_ERR_RATIO of
+    transformers' bfloat16 error, top-1 agreement of at least TOP1_AGREEMENT over at least 64 decided positions.
+    Prints and returns the report."""
+    hf16 = copy.deepcopy(hf).to(torch.bfloat16)
+    got, ref16, ref32 = [], [], []
+    for tokens in prompts:
+        got.append(llm.engine.score(tokens))
+        ids = torch.tensor([tokens], device="cuda")
+        with torch.no_grad():
+            ref32.append(hf(ids).logits[0].float())
+            ref16.append(hf16(ids).logits[0].float())
+    del hf16
+    r = bf16_report(torch.cat(got), torch.cat(ref16), torch.cat(ref32))
+    print(f"{label} bf16: {json.dumps(r)}")
+    assert r["rel_err_vs_fp32"] <= BF16_ERR_RATIO * r["ref_rel_err_vs_fp32"]
+    assert r["num_decided"] >= 64 and r["top1_decided"] >= TOP1_AGREEMENT
+    return r
