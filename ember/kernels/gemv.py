@@ -36,8 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ember.kernels.e4m3 import AMAX_FLOOR, E4M3_MAX, max_combine, scale_to_e4m3
 from ember.kernels import gemv_fp8_words as words
+from ember.kernels.e4m3 import AMAX_FLOOR, E4M3_MAX, max_combine, scale_to_e4m3
 from ember.kernels.gemv_config import CPU_SMS, GEMV_MAX_M, cached_config, gemv_config
 from ember.kernels.gemv_routing import tma_shape
 from ember.kernels.gemv_tma import gemv_tma, tma_applies
@@ -434,7 +434,8 @@ def launch_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     if (fp8_constexprs.get("W_SCALE") == 1 and fp8_constexprs.get("ACT_QUANT", 0) in (0, 3) and norm_weight is None
             and out is None and out_dtype in (None, x.dtype) and words.enabled()
             and words.applies(x, weight, config, residual)):
-        # one row of e4m3 weights, a word at a time (ember.kernels.gemv_fp8_words)
+        # one row of e4m3 weights, weight-only or on `round_rows`' output (ACT_QUANT 3), a word at a time
+        # (ember.kernels.gemv_fp8_words)
         return words.gemv_fp8_words(x, weight, weight_scale, config, act_scale, bias, residual, gated)
     if M == 1 and not forced and weight_scale is None:
         shape = tma_shape(weight.shape[0], K, gated, _num_sms(x.device), x.element_size())

@@ -4,9 +4,9 @@ with its row scale, or as it is), with the GEMV's bias, SiLU·mul and residual e
 
 Why: a GEMV streaming 1-byte weights at an H100's or H200's copy bandwidth must finish each byte in about 8 issue
 slots of an SM's 128 a cycle, and the general kernel (ember.kernels.gemv) spends 5.6-6.4 on sm_90 with Triton 3.6
-(its loop in SASS, `python benches/experiments/gemv_sass.py`; this kernel 3.8-4.0): Triton widens e4m3 by taking every loaded word apart byte by
-byte and packing the pairs again for `cvt.rn.f16x2.e4m3x2` (PRMT, LOP3 and IMAD about 2.5 a byte), then widens x's
-bfloat16 values one at a time. Here W is loaded as int32 words (four e4m3 values) and x as int64 words (four
+(its loop in SASS, `python benches/experiments/gemv_sass.py`; this kernel 3.8-4.0): Triton widens e4m3 by taking
+every loaded word apart byte by byte and packing the pairs again for `cvt.rn.f16x2.e4m3x2` (PRMT, LOP3 and IMAD
+about 2.5 a byte), then widens x's bfloat16 values one at a time. Here W is loaded as int32 words (four e4m3 values) and x as int64 words (four
 bfloat16 values at the same K), and one inline-PTX block a word widens them: two `cvt.rn.f16x2.e4m3x2` on the
 word's halves and four `cvt.f32.f16`, and four bfloat16 -> float32 moves; the four products of a word are added to
 a float32 accumulator per (column, word) and summed over K once after the loop. Products of e4m3 values (and of an
@@ -15,8 +15,8 @@ summation order only.
 
 `ASM=False` widens the same words with Triton's own conversions (shifts, masks, bitcasts): what the interpreter runs
 (CPU tests of the word layout), and a fallback. Applies to one row, bfloat16 x, row scales, K a multiple of the
-K step and no K split (`applies`); `gemv_fp8` takes it where EMBER_FP8_WORDS=1 (A/B runs; off by default until its
-GPU figures are in docs/performance.md); `ember.kernels.gemv.launch_gemv` routes, after its checks.
+K step and no K split (`applies`). The fp8 GEMV takes it where EMBER_FP8_WORDS=1 (A/B runs; off by default until its
+GPU figures are in docs/performance.md), routed in `ember.kernels.gemv.launch_gemv` after its checks.
 """
 
 from __future__ import annotations
@@ -53,43 +53,33 @@ def set_enabled(on: bool) -> None:
 
 
 @triton.jit
-def _e4m3_at(w, SHIFT: tl.constexpr):
-    """The e4m3 value in bits SHIFT..SHIFT+7 of int32 words, in float32 (Triton's conversions)."""
-    return ((w >> SHIFT) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+def _field(v, SHIFT: tl.constexpr, E4M3: tl.constexpr):
+    """The value in the bits from SHIFT of words, in float32 (Triton's conversions): an e4m3 byte, or a bfloat16
+    half-word (the upper half of its float32)."""
+    if E4M3:
+        return ((v >> SHIFT) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:
+        return (((v >> SHIFT) & 0xFFFF) << 16).to(tl.int32).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _bf16_at(x, SHIFT: tl.constexpr):
-    """The bfloat16 value in bits SHIFT..SHIFT+15 of int64 words, in float32: the upper half of its float32."""
-    return (((x >> SHIFT) & 0xFFFF) << 16).to(tl.int32).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _e4m3_word(w, ASM: tl.constexpr):
-    """int32 words of four e4m3 values (the lowest byte first) -> four float32 tensors of w's shape."""
+def _widen_word(v, E4M3: tl.constexpr, ASM: tl.constexpr):
+    """int32 words of four e4m3 values (E4M3) or int64 words of four bfloat16 values, the lowest first -> four
+    float32 tensors of v's shape."""
+    STEP: tl.constexpr = 8 if E4M3 else 16
     if ASM:
-        return tl.inline_asm_elementwise(_E4M3X4, "=r,=r,=r,=r,r", [w],
-                                         dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True,
+        return tl.inline_asm_elementwise(_E4M3X4 if E4M3 else _BF16X4, "=r,=r,=r,=r,r" if E4M3 else "=r,=r,=r,=r,l",
+                                         [v], dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True,
                                          pack=1)
     else:
-        return _e4m3_at(w, 0), _e4m3_at(w, 8), _e4m3_at(w, 16), _e4m3_at(w, 24)
-
-
-@triton.jit
-def _bf16_word(x, ASM: tl.constexpr):
-    """int64 words of four bfloat16 values (the lowest first) -> four float32 tensors of x's shape."""
-    if ASM:
-        return tl.inline_asm_elementwise(_BF16X4, "=r,=r,=r,=r,l", [x],
-                                         dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True,
-                                         pack=1)
-    else:
-        return _bf16_at(x, 0), _bf16_at(x, 16), _bf16_at(x, 32), _bf16_at(x, 48)
+        return (_field(v, 0, E4M3), _field(v, STEP, E4M3), _field(v, 2 * STEP, E4M3),
+                _field(v, 3 * STEP, E4M3))
 
 
 @triton.jit
 def _dot_words(acc, x_words, w_words, ASM: tl.constexpr):
-    x0, x1, x2, x3 = _bf16_word(x_words, ASM)
-    w0, w1, w2, w3 = _e4m3_word(w_words, ASM)
+    x0, x1, x2, x3 = _widen_word(x_words, False, ASM)
+    w0, w1, w2, w3 = _widen_word(w_words, True, ASM)
     return acc + x0 * w0 + x1 * w1 + x2 * w2 + x3 * w3
 
 
@@ -165,7 +155,7 @@ def gemv_fp8_words(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Te
                    act_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None,
                    residual: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
     """x [1, K] bfloat16 @ (weight [N or 2N, K] e4m3 x weight_scale [rows])^T (x act_scale [1]) (+ bias) -> [1, N]
-    bfloat16, gated as `gemv` is; `applies` must hold (`gemv_fp8` checks it and the arguments)."""
+    bfloat16, gated as `gemv` is; `ember.kernels.gemv.launch_gemv` checks the arguments and `applies` first."""
     rows, K = weight.shape
     N = rows // 2 if gated else rows
     out = torch.empty(1, N, dtype=x.dtype, device=x.device)
