@@ -6,12 +6,12 @@ Why: a GEMV streaming 1-byte weights at an H100's or H200's copy bandwidth must 
 slots of an SM's 128 a cycle, and the general kernel (ember.kernels.gemv) spends 5.6-6.4 on sm_90 with Triton 3.6
 (its loop in SASS, `python benches/experiments/gemv_sass.py`; this kernel 3.8-4.0): Triton widens e4m3 by taking
 every loaded word apart byte by byte and packing the pairs again for `cvt.rn.f16x2.e4m3x2` (PRMT, LOP3 and IMAD
-about 2.5 a byte), then widens x's bfloat16 values one at a time. Here W is loaded as int32 words (four e4m3
-values) and x as int64 words (four bfloat16 values at the same K), and one inline-PTX block a word widens them: two `cvt.rn.f16x2.e4m3x2` on the
-word's halves and four `cvt.f32.f16`, and four bfloat16 -> float32 moves; the four products of a word are added to
-a float32 accumulator per (column, word) and summed over K once after the loop. Products of e4m3 values (and of an
-e4m3 value and a bfloat16 one) are exact in float32, so the results differ from the general kernel's by the
-summation order only.
+about 2.5 a byte), then widens x's bfloat16 values one at a time. Here W is loaded as int32 words (four e4m3 values)
+and x as int64 words (four bfloat16 values at the same K), and one inline-PTX block a word widens them: two
+`cvt.rn.f16x2.e4m3x2` on the word's halves and four `cvt.f32.f16`, and four bfloat16 -> float32 moves; the four
+products of a word are added to a float32 accumulator per (column, word) and summed over K once after the loop.
+Products of e4m3 values (and of an e4m3 value and a bfloat16 one) are exact in float32, so the results differ from
+the general kernel's by the summation order only.
 
 `ASM=False` widens the same words with Triton's own conversions (shifts, masks, bitcasts): what the interpreter runs
 (CPU tests of the word layout), and a fallback. Applies to one row, bfloat16 x, row scales, K a multiple of the
