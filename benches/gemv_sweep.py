@@ -373,7 +373,7 @@ def crossover(configs, bw, rows, write: bool, tp_sizes=(1,), fp8: bool = False) 
                 break
         found[(weight.shape[0], weight.shape[1], bool(op and op[0]))] = best
         print(f"crossover {name} {proj}: GEMV up to {best} rows")
-    if write:       # merged: the stored shapes this run did not measure stay (measured on the same device)
+    if write:       # merged: the stored shapes this run did not measure stay
         path = gemv_routing.FP8_TABLE_PATH if fp8 else gemv_routing.TABLE_PATH
         previous = json.loads(path.read_text()) if path.exists() else {}
         command = ("PYTHONPATH=. python benches/gemv_sweep.py crossover --configs " + " ".join(configs)
@@ -385,12 +385,15 @@ def crossover(configs, bw, rows, write: bool, tp_sizes=(1,), fp8: bool = False) 
 
 def merged_crossover(previous: dict, found: dict[tuple[int, int, bool], int], command: str, device: str,
                      torch_version: str) -> dict:
-    """The crossover table: `found` {(n, k, gated): max rows} over the `previous` table's entries when that table
-    was measured on the same device (its other shapes stay), else `found` alone."""
-    if previous.get("device") == device:
-        found = {**{(e["n"], e["k"], e["gated"]): e["max_rows"] for e in previous.get("shapes", [])}, **found}
+    """The crossover table: `found` {(n, k, gated): max rows} over the `previous` table's entries (its other shapes
+    stay). Each entry names the device it was measured on: a shape is looked up by its size alone, so a run on
+    another GPU (an H200's tensor-parallel shards beside an H100's whole projections) adds to the table."""
+    entries = {(e["n"], e["k"], e["gated"]): dict(e, device=e.get("device", previous.get("device")))
+               for e in previous.get("shapes", [])}
+    entries.update({key: dict(n=key[0], k=key[1], gated=key[2], max_rows=rows, device=device)
+                    for key, rows in found.items()})
     return dict(command=command, device=device, torch=torch_version,
-                shapes=[dict(n=n, k=k, gated=g, max_rows=r) for (n, k, g), r in sorted(found.items())])
+                shapes=[entries[key] for key in sorted(entries)])
 
 
 def main() -> None:

@@ -16,8 +16,11 @@ def test_a_crossover_run_keeps_the_shapes_it_did_not_measure():
                                         "2.11")
     assert [(e["n"], e["k"], e["max_rows"]) for e in table["shapes"]] == [(1024, 2048, 16), (2048, 2048, 5),
                                                                          (3072, 4096, 3)]
+    assert [e["device"] for e in table["shapes"]] == ["H100", "H100", "H100"]
     other = gemv_sweep.merged_crossover(previous, {(3072, 4096, False): 3}, "cmd", "H200", "2.11")
-    assert [(e["n"], e["k"]) for e in other["shapes"]] == [(3072, 4096)]     # another device's entries go
+    # another device's run adds its shapes; each entry names the device that measured it
+    assert [(e["n"], e["k"], e["device"]) for e in other["shapes"]] == [(1024, 2048, "H100"), (2048, 2048, "H100"),
+                                                                         (3072, 4096, "H200")]
 
 
 def test_the_one_row_table_keeps_the_row_shapes_and_loads_back(tmp_path):
