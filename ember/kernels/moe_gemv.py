@@ -18,13 +18,26 @@ masks its lane), so its contribution to the token's sum is zero, and each rank's
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 from ember.kernels.interpret import interpreted
+from ember.kernels.moe_router import route
 
-__all__ = ["moe_gemv", "routed_moe_gemv"]
+__all__ = ["moe_gemv", "routed_moe_gemv", "set_route_first"]
+
+# an A/B switch: the routing in a launch of its own (ember.kernels.moe_router) before the gate_up kernel, instead of
+# in every gate_up program; EMBER_MOE_ROUTE=kernel for a whole process
+_route_first = os.environ.get("EMBER_MOE_ROUTE", "fold") == "kernel"
+
+
+def set_route_first(on: bool) -> None:
+    """Route in a launch of its own before the gate_up kernel (True) or inside it (False, the default)."""
+    global _route_first
+    _route_first = bool(on)
 
 # programmatic dependent launch (Hopper): the caller passes PDL=True and launch_pdl=True where it applies
 _cuda = getattr(getattr(tl, "extra", None), "cuda", None)
@@ -222,7 +235,11 @@ def routed_moe_gemv(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Ten
     out = torch.empty(num_tokens, w13.shape[2], dtype=x.dtype, device=x.device)                  # [T, H]
     logits = router_logits if router_logits.stride(1) == 1 else router_logits.contiguous()
     options = launch_options or {}
-    _launch_gate_up(x, w13, logits, ids, weights, expert_map, act, gate_up_config, top_k, renormalize, options)
+    if _route_first:
+        weights, ids = route(logits, top_k, renormalize)
+        _launch_gate_up(x, w13, None, ids, weights, expert_map, act, gate_up_config, top_k, False, options)
+    else:
+        _launch_gate_up(x, w13, logits, ids, weights, expert_map, act, gate_up_config, top_k, renormalize, options)
     if residual is not None and residual.stride(1) != 1:
         residual = residual.contiguous()
     _launch_down(act, w2, ids, weights, expert_map, out, down_config, top_k, residual, options)

@@ -27,9 +27,10 @@ def _case(N, K, gated, seed=0):
 
 @pytest.fixture
 def on():
+    before = words.enabled()
     words.set_enabled(True)
     yield
-    words.set_enabled(False)
+    words.set_enabled(before)
 
 
 @pytest.mark.parametrize("activations", ["none", "dynamic"])

@@ -213,3 +213,27 @@ def test_the_stored_table_overrides_the_constants(tmp_path, monkeypatch):
     path.write_text("{not json")
     with pytest.warns(UserWarning, match="MoE launch table"):
         assert MC.load_table(path) == {}
+
+
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_routing_in_its_own_launch_gives_the_folded_routings_output(renormalize, kernels_on_cpu):
+    """The decode path with the routing kernel before the gate_up kernel (`set_route_first`, an A/B switch) gives
+    what the routing folded into every gate_up program gives, bit for bit: the same routing arithmetic."""
+    from ember.kernels import moe_gemv
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(3, 32, generator=g).to(torch.float16)
+    logits = torch.randn(3, 32, generator=g).to(torch.float16)
+    w13 = (torch.randn(32, 48, 32, generator=g) / 32 ** 0.5).to(torch.float16)
+    w2 = (torch.randn(32, 32, 24, generator=g) / 24 ** 0.5).to(torch.float16)
+    residual = torch.randn(3, 32, generator=g).to(torch.float16)
+    assert moe_op.launch_for(x, w13, 2).path == "gemv"
+    folded = moe_op.moe(x, logits, w13, w2, 2, renormalize, residual)
+    moe_gemv.set_route_first(True)
+    try:
+        first = moe_op.moe(x, logits, w13, w2, 2, renormalize, residual)
+    finally:
+        moe_gemv.set_route_first(False)
+    assert torch.equal(first, folded)
+    weights, ids = route_reference(logits.float(), 2, renormalize)
+    _close(first.float(), moe_reference(x.float(), weights, ids, w13.float(), w2.float()) + residual.float(),
+           torch.float16)
