@@ -259,7 +259,8 @@ def _one_row_shapes(configs, bw, rounds: int = 2, write: bool = False, tp_sizes=
     props = torch.cuda.get_device_properties(0)
     l2 = props.L2_cache_size
     default = (GC.PROGRAMS_PER_SM, GC.W_TILE_BYTES)
-    grid = [default] + [c for c in itertools.product((2, 4, 8), (8192, 16384)) if c != default]
+    tiles = (4096, 8192, 16384) if fp8 else (8192, 16384)      # e4m3: 4 KiB tiles give short rows more programs
+    grid = [default] + [c for c in itertools.product((2, 4, 8), tiles) if c != default]
     stored, tma_stored, table_lookup, tma_lookup = {}, {}, GC.launch_shape, G.tma_shape
     path = gemv_routing.FP8_SHAPES_PATH if fp8 else gemv_routing.SHAPES_PATH
     previous = json.loads(path.read_text()) if write and path.exists() else {}

@@ -9,8 +9,8 @@ model's experts to its local id or -1: the routing is over all E logits, only th
 the output is the rank's share of the weighted sum (zero for a token none of whose experts are local).
 
 On CUDA, by the launch table (ember.kernels.moe_configs) for the token count, either the decode path that reads
-only the chosen experts (ember.kernels.moe_gemv: two launches, the routing (softmax, top-k, renormalise) inside the
-first), or the routing kernel (ember.kernels.moe_router), the alignment and the grouped GEMM (ember.kernels.moe_align
+only the chosen experts (ember.kernels.moe_gemv: the routing (softmax, top-k, renormalise), then two GEMV launches),
+or the routing kernel (ember.kernels.moe_router), the alignment and the grouped GEMM (ember.kernels.moe_align
 and moe_gemm: one, three and two launches) and the top_k sum. The token count is fixed in a graph bucket, so capture
 and replay choose alike. Elsewhere the op runs the torch reference (a loop over the chosen experts), unless
 `set_moe_kernels("kernels")` sends CPU tensors through the interpreted kernels (tests).
@@ -124,7 +124,7 @@ def _moe_op(hidden: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor
         return hidden.new_empty(hidden.shape)
     hidden = hidden if hidden.stride(1) == 1 else hidden.contiguous()
     launch = launch_for(hidden, w13, top_k)
-    if launch.path == "gemv":          # the routing inside the first GEMV, the residual in the second's epilogue
+    if launch.path == "gemv":          # routing, then two GEMVs, the residual in the second's epilogue
         return routed_moe_gemv(hidden, router_logits, w13, w2, top_k, renormalize, launch.gate_up, launch.down,
                                residual, pdl_options(hidden.device), expert_map)
     topk_weights, topk_ids = route(router_logits, top_k, renormalize)

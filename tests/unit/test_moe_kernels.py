@@ -144,7 +144,7 @@ def kernels_on_cpu():
 
 @pytest.mark.parametrize("num_tokens, path, renormalize", [(3, "gemv", False), (5, "grouped", True)])
 def test_op_runs_the_kernels_when_asked(num_tokens, path, renormalize, kernels_on_cpu):
-    """The decode path routes inside its first kernel; the grouped path routes with the routing kernel."""
+    """Both paths route with the routing kernel, then run their GEMVs or grouped GEMMs."""
     g = torch.Generator().manual_seed(5)
     x = torch.randn(num_tokens, 32, generator=g)
     logits = torch.randn(num_tokens, 32, generator=g)
@@ -217,8 +217,9 @@ def test_the_stored_table_overrides_the_constants(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("renormalize", [False, True])
 def test_routing_in_its_own_launch_gives_the_folded_routings_output(renormalize, kernels_on_cpu):
-    """The decode path with the routing kernel before the gate_up kernel (`set_route_first`, an A/B switch) gives
-    what the routing folded into every gate_up program gives, bit for bit: the same routing arithmetic."""
+    """The decode path with the routing kernel before the gate_up kernel (the default) gives what the routing
+    folded into every gate_up program gives (`set_route_first(False)`, an A/B switch), bit for bit: the same
+    routing arithmetic."""
     from ember.kernels import moe_gemv
     g = torch.Generator().manual_seed(6)
     x = torch.randn(3, 32, generator=g).to(torch.float16)
@@ -227,12 +228,12 @@ def test_routing_in_its_own_launch_gives_the_folded_routings_output(renormalize,
     w2 = (torch.randn(32, 32, 24, generator=g) / 24 ** 0.5).to(torch.float16)
     residual = torch.randn(3, 32, generator=g).to(torch.float16)
     assert moe_op.launch_for(x, w13, 2).path == "gemv"
-    folded = moe_op.moe(x, logits, w13, w2, 2, renormalize, residual)
-    moe_gemv.set_route_first(True)
+    first = moe_op.moe(x, logits, w13, w2, 2, renormalize, residual)
+    moe_gemv.set_route_first(False)
     try:
-        first = moe_op.moe(x, logits, w13, w2, 2, renormalize, residual)
+        folded = moe_op.moe(x, logits, w13, w2, 2, renormalize, residual)
     finally:
-        moe_gemv.set_route_first(False)
+        moe_gemv.set_route_first(True)
     assert torch.equal(first, folded)
     weights, ids = route_reference(logits.float(), 2, renormalize)
     _close(first.float(), moe_reference(x.float(), weights, ids, w13.float(), w2.float()) + residual.float(),
