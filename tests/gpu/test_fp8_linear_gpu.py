@@ -151,6 +151,7 @@ def test_rows_rounded_once_are_the_many_row_paths(name, M, activations):
     (the same arithmetic in the same order, its loop unrolled), and the GEMV on them the numbers of the GEMV that
     rounds x in every program: equal without the norm; with it 1/rms is summed in another order, so at most one
     bf16 rounding of the output apart."""
+    from ember.kernels import gemv_fp8_words as words
     from ember.kernels.fp8_gemm import quantize_rows_fp8
     from ember.kernels.gemv_fp8 import gemv_fp8, round_rows, set_row_prepass
     weight, scale, x, norm_weight, gated, residual = _case(name, M, None)
@@ -158,14 +159,16 @@ def test_rows_rounded_once_are_the_many_row_paths(name, M, activations):
     rounded, row_scale = round_rows(x, norm_weight, 1e-6, input_scale)
     xq, x_scale = quantize_rows_fp8(x, norm_weight, 1e-6, input_scale)
     assert torch.equal(rounded, xq.to(DTYPE)) and torch.equal(row_scale, x_scale.reshape(M))
-    outs = {}
+    outs, before = {}, words.enabled()
     for prepass in (True, False):
         set_row_prepass(prepass)
+        words.set_enabled(False)    # the general kernel both times (the word-wise one sums in its own order)
         try:
             outs[prepass] = gemv_fp8(x, weight, scale, None, residual, activations=activations,
                                      input_scale=input_scale, norm_weight=norm_weight, gated=gated)
         finally:
             set_row_prepass(True)
+            words.set_enabled(before)
     if norm_weight is None:
         assert torch.equal(outs[True], outs[False])
     else:

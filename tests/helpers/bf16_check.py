@@ -3,7 +3,9 @@
 Random weights give nearly Gaussian logits over a large vocabulary, so many positions have a top-1/top-2 gap far
 smaller than bf16 rounding: there transformers' own bf16 run already disagrees with its float32 run (about 4% of
 positions for Llama-3.2-1B at 4 layers). So top-1 agreement is counted over decided positions, those whose float32
-gap exceeds four times the rms bf16 error of the reference, and the raw numbers are printed beside it."""
+gap exceeds four times the rms bf16 error of the reference, and the raw numbers are printed beside it. Where a
+model's own bf16 run strays at decided positions too (a mixture of experts: a rounding can change a token's expert),
+ember passes by picking float32's top-1 there at least as often as transformers' bf16 run does."""
 
 import copy
 import json
@@ -29,6 +31,8 @@ def bf16_report(got: torch.Tensor, ref_bf16: torch.Tensor, ref_fp32: torch.Tenso
         "top1_raw": same.float().mean().item(),
         "ref_top1_vs_fp32": (ref_bf16.argmax(-1) == ref_fp32.argmax(-1)).float().mean().item(),
         "top1_decided": same[decided].float().mean().item(), "num_decided": int(decided.sum()),
+        "top1_decided_vs_fp32": (got.argmax(-1) == ref_fp32.argmax(-1))[decided].float().mean().item(),
+        "ref_top1_decided_vs_fp32": (ref_bf16.argmax(-1) == ref_fp32.argmax(-1))[decided].float().mean().item(),
         "num_positions": got.shape[0],
     }
 
@@ -36,8 +40,9 @@ def bf16_report(got: torch.Tensor, ref_bf16: torch.Tensor, ref_fp32: torch.Tenso
 def check_teacher_forced(llm, hf, prompts, label: str) -> dict:
     """Teacher-forced logits of `prompts` (token-id lists) from the engine `llm` in bfloat16 against `hf` (the same
     weights, float32, on the GPU) and a bfloat16 copy of it: ember's error against float32 within BF16_ERR_RATIO of
-    transformers' bfloat16 error, top-1 agreement of at least TOP1_AGREEMENT over at least 64 decided positions.
-    Prints and returns the report."""
+    transformers' bfloat16 error; over at least 64 decided positions, top-1 agreement with the bfloat16 reference of
+    at least TOP1_AGREEMENT, or float32's top-1 picked at least as often as the bfloat16 reference picks it. Prints
+    and returns the report."""
     hf16 = copy.deepcopy(hf).to(torch.bfloat16)
     got, ref16, ref32 = [], [], []
     for tokens in prompts:
@@ -50,5 +55,6 @@ def check_teacher_forced(llm, hf, prompts, label: str) -> dict:
     r = bf16_report(torch.cat(got), torch.cat(ref16), torch.cat(ref32))
     print(f"{label} bf16: {json.dumps(r)}")
     assert r["rel_err_vs_fp32"] <= BF16_ERR_RATIO * r["ref_rel_err_vs_fp32"]
-    assert r["num_decided"] >= 64 and r["top1_decided"] >= TOP1_AGREEMENT
+    assert r["num_decided"] >= 64
+    assert r["top1_decided"] >= TOP1_AGREEMENT or r["top1_decided_vs_fp32"] >= r["ref_top1_decided_vs_fp32"], r
     return r
