@@ -238,7 +238,7 @@ def routed_moe_gemv(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Ten
     logits = router_logits if router_logits.stride(1) == 1 else router_logits.contiguous()
     options = launch_options or {}
     if _route_first:
-        weights, ids = route(logits, top_k, renormalize)
+        weights, ids = route(logits, top_k, renormalize, options)
         _launch_gate_up(x, w13, None, ids, weights, expert_map, act, gate_up_config, top_k, False, options)
     else:
         _launch_gate_up(x, w13, logits, ids, weights, expert_map, act, gate_up_config, top_k, renormalize, options)

@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from ember.kernels.interpret import interpreted
+from ember.kernels.pdl import gdc_launch_dependents, gdc_wait
 
 __all__ = ["route", "route_reference"]
 
@@ -22,8 +23,14 @@ BLOCK_T = 4          # tokens per program
 # of 1 or a multiple of 16 apart), so one compile serves every bucket
 @triton.jit(do_not_specialize=["num_tokens"])
 def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_tokens, num_experts, stride_t, TOP_K: tl.constexpr,
-                  K_P2: tl.constexpr, E_P2: tl.constexpr, BLOCK_T: tl.constexpr, RENORMALIZE: tl.constexpr):
-    """weights [T, TOP_K] float32 and ids [T, TOP_K] int32 of BLOCK_T tokens."""
+                  K_P2: tl.constexpr, E_P2: tl.constexpr, BLOCK_T: tl.constexpr, RENORMALIZE: tl.constexpr,
+                  PDL: tl.constexpr = False):
+    """weights [T, TOP_K] float32 and ids [T, TOP_K] int32 of BLOCK_T tokens. PDL: launched as a programmatic
+    dependent (the logits come from the kernel before); the next kernel's programs may start at once, as they
+    wait for this one's outputs."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     experts = tl.arange(0, E_P2)
     token_ok = tokens < num_tokens
@@ -54,8 +61,10 @@ def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_tokens, num_experts, str
     tl.store(ids_ptr + offsets, top_ids, mask=kept)
 
 
-def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """router_logits [T, E] -> (weights [T, top_k] float32, expert ids [T, top_k] int32), one launch."""
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool, launch_options: dict | None = None
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """router_logits [T, E] -> (weights [T, top_k] float32, expert ids [T, top_k] int32), one launch;
+    launch_options: e.g. PDL=True, launch_pdl=True (ember.kernels.pdl)."""
     num_tokens, num_experts = router_logits.shape
     if not 1 <= top_k <= num_experts:
         raise ValueError(f"top_k must be between 1 and the {num_experts} experts, got {top_k}")
@@ -66,7 +75,7 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
     kernel[(triton.cdiv(num_tokens, BLOCK_T),)](
         logits, weights, ids, num_tokens, num_experts, logits.stride(0), TOP_K=top_k,
         K_P2=triton.next_power_of_2(top_k), E_P2=triton.next_power_of_2(num_experts), BLOCK_T=BLOCK_T,
-        RENORMALIZE=renormalize)
+        RENORMALIZE=renormalize, **(launch_options or {}))
     return weights, ids
 
 
