@@ -14,7 +14,7 @@ import torch
 
 from ember.kernels import moe_op
 from ember.kernels.moe_align import align_reference, moe_align
-from ember.kernels.moe_configs import MoeLaunch, MoeShape, fallback_launch
+from ember.kernels.moe_configs import MoeShape, fallback_launch
 from ember.kernels.moe_gemm import moe_reference
 from ember.kernels.moe_router import route, route_reference
 from tests.helpers.bf16_check import check_teacher_forced
