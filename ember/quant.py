@@ -108,6 +108,10 @@ def resolve_quant_config(hf_config, quantization: str | None, model_dtype: torch
             config = _from_fp8_config(raw)
         elif method == "compressed-tensors":
             config = _from_compressed_tensors(raw)
+        elif method == "mxfp4":
+            raise QuantConfigError("the checkpoint's quantization_config has quant_method 'mxfp4' (gpt-oss's "
+                                   "experts in MXFP4); ember does not load MXFP4: use a bf16 conversion of the "
+                                   "checkpoint, its experts dequantized")
         else:
             raise QuantConfigError(f"the checkpoint's quantization_config has quant_method {method!r}; ember runs "
                                    f"'fp8' and 'compressed-tensors' (fp8 e4m3) checkpoints only")

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ember.distributed.shard import current_shard
 from ember.models.layers.activation import get_act_and_mul
 from ember.models.layers.attention import Attention
 from ember.models.layers.embedding import LMHead, VocabEmbedding
@@ -28,6 +29,7 @@ class BlockOptions:
     embed_scale: float | None = None            # multiply embeddings by this (Gemma: sqrt(hidden))
     query_pre_attn_scalar: float | None = None  # attention scale is this ** -0.5 instead of head_size ** -0.5
     attn_logit_softcap: float | None = None     # scores become cap * tanh(scores / cap) (Gemma 2)
+    attn_sinks: bool = False                    # one learned sink logit per query head (gpt-oss)
 
 
 def head_size_of(config) -> int:
@@ -98,7 +100,9 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(layer_name=_attn_layer_name(prefix, layer_idx),
                               num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_size=self.head_size,
                               scale=scale, sliding_window=sliding_window_of(config, layer_idx),
-                              logits_soft_cap=options.attn_logit_softcap, kv_sharing_target=source)
+                              logits_soft_cap=options.attn_logit_softcap, kv_sharing_target=source,
+                              sinks=options.attn_sinks, first_head=current_shard().rank * self.num_heads,
+                              num_heads_in_model=num_heads)
         self.attn.kv_heads_in_model = (self.qkv_proj.first_kv_head, self.qkv_proj.num_kv_heads_in_model)
 
     def forward(self, cos: torch.Tensor, sin: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:

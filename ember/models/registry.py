@@ -17,6 +17,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen3ForCausalLM": ("ember.models.qwen3", "Qwen3ForCausalLM"),
     "Qwen3MoeForCausalLM": ("ember.models.qwen3_moe", "Qwen3MoeForCausalLM"),
     "MixtralForCausalLM": ("ember.models.mixtral", "MixtralForCausalLM"),
+    "GptOssForCausalLM": ("ember.models.gpt_oss", "GptOssForCausalLM"),
     "GemmaForCausalLM": ("ember.models.gemma", "GemmaForCausalLM"),
     "Gemma2ForCausalLM": ("ember.models.gemma2", "Gemma2ForCausalLM"),
     "Gemma3ForCausalLM": ("ember.models.gemma3", "Gemma3ForCausalLM"),

@@ -204,7 +204,7 @@ def allocate_kv_caches(setup: AttentionSetup, num_blocks: int, device: torch.dev
         for name in g.layer_names:
             cache = caches[shared.get(name, name)]
             index = gi + sharing_metadata_offset if name in shared else gi
-            impl = backend.impl_cls(setup.layers[name].options)
+            impl = backend.impl_cls(setup.layers[name].options, sinks=getattr(setup.layers[name], "sinks", None))
             if s.dtype == torch.float8_e4m3fn:    # the owner's scales: it wrote the cache
                 impl.kv_scales = kv_scales_of(setup.layers[shared.get(name, name)], device)
             states[name] = AttentionLayerState(impl, cache, index)

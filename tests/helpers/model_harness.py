@@ -136,7 +136,7 @@ def greedy_generate(model: nn.Module, prompts: list[list[int]], max_new_tokens: 
 # Tiny configs of every supported family: 2 layers, hidden 64, GQA/MQA, tied and untied embeddings.
 def tiny_config(family: str, **overrides):
     """A small transformers config of `family` ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3",
-    "qwen3_moe", "mixtral")."""
+    "qwen3_moe", "mixtral", "gpt_oss")."""
     import transformers
 
     common = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -176,6 +176,14 @@ def tiny_config(family: str, **overrides):
         "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(
             num_attention_heads=4, num_key_value_heads=2, intermediate_size=48, num_local_experts=8,
             num_experts_per_tok=2, sliding_window=8, tie_word_embeddings=False)),
+        # gpt-oss: a window of 8 on the first layer, sinks, biases everywhere, yarn rotary, a swiglu limit that
+        # random activations reach
+        "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=48, num_local_experts=8,
+            num_experts_per_tok=2, sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+            swiglu_limit=1.5, attention_bias=True, tie_word_embeddings=False,
+            rope_parameters={"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                             "truncate": False, "original_max_position_embeddings": 32, "rope_theta": 150000.0})),
     }
     config_cls, arch, extra = families[family]
     kwargs = {**common, **extra, **overrides}

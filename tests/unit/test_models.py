@@ -216,6 +216,7 @@ def test_registry_maps_architectures():
     assert get_model_class(tiny_config("mistral")).__name__ == "MistralForCausalLM"
     assert set(supported_architectures()) == {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                                               "Qwen3ForCausalLM", "GemmaForCausalLM", "Gemma2ForCausalLM",
-                                              "Gemma3ForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM"}
+                                              "Gemma3ForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM",
+                                              "GptOssForCausalLM"}
     with pytest.raises(ValueError, match="FalconForCausalLM.*LlamaForCausalLM"):
         get_model_class(SimpleNamespace(architectures=["FalconForCausalLM"]))

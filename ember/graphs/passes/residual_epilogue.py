@@ -43,10 +43,10 @@ def fuse_residual_epilogue(graph: Graph) -> int:
 
 
 def is_moe(node) -> bool:
-    """An `ember::moe` call without a residual, with or without an expert map (matched by name: the op exists only
-    where a model has MoE)."""
+    """An `ember::moe` call without a residual, with or without an expert map, biases and a SwiGLU limit (matched
+    by name: the op exists only where a model has MoE)."""
     return (getattr(node, "op", None) == "call_function" and str(node.target) == "ember.moe.default"
-            and not node.kwargs and len(node.args) in (6, 7, 8) and (len(node.args) == 6 or node.args[6] is None))
+            and not node.kwargs and 6 <= len(node.args) <= 11 and (len(node.args) == 6 or node.args[6] is None))
 
 
 def _fuse_moe_residual(graph: Graph, add: Node, moe: Node, residual) -> bool:
@@ -60,7 +60,7 @@ def _fuse_moe_residual(graph: Graph, add: Node, moe: Node, residual) -> bool:
     if not same_shape(out_val, residual_val) or not same_shape(out_val, sum_val) or \
             not residual_val.dtype == out_val.dtype == sum_val.dtype:
         return False
-    args = tuple(moe.args[:6]) + (residual,) + tuple(moe.args[7:])      # an expert map kept
+    args = tuple(moe.args[:6]) + (residual,) + tuple(moe.args[7:])      # an expert map, biases, limit kept
     replace_with(graph, add, moe.target, args, lambda: sum_val)
     graph.erase_node(add)
     graph.erase_node(moe)

@@ -7,21 +7,34 @@ from torch import nn
 
 from ember.attention_backends.op import run_attention   # the import also registers torch.ops.ember.attention
 from ember.attention_backends.base import AttentionLayerOptions, RopeInputs
+from ember.distributed.shard import CheckpointSlice
+from ember.models.layers.linear import make_param
 
 
 class Attention(nn.Module):
-    """Holds no weights; the runner finds every `Attention` by its `layer_name` and binds it to a backend impl."""
+    """Holds no weights but a layer's attention sinks; the runner finds every `Attention` by its `layer_name` and
+    binds it to a backend impl, handing it the sinks.
+
+    sinks: one learned logit per query head (gpt-oss) that joins every query's softmax as a column of its own and
+    takes its share of the weight without a value: `self.sinks` [this rank's heads], read from a checkpoint tensor of
+    the model's `num_heads_in_model` heads at `first_head`."""
 
     def __init__(self, layer_name: str, num_heads: int, num_kv_heads: int, head_size: int, scale: float,
                  sliding_window: int | None = None, logits_soft_cap: float | None = None,
-                 kv_sharing_target: str | None = None):
+                 kv_sharing_target: str | None = None, sinks: bool = False, first_head: int = 0,
+                 num_heads_in_model: int | None = None):
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
         self.layer_name = layer_name
         self.options = AttentionLayerOptions(
             num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size, scale=scale,
-            sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, kv_sharing_target=kv_sharing_target)
+            sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, kv_sharing_target=kv_sharing_target,
+            use_sinks=sinks)
+        self.sinks = make_param((num_heads,)) if sinks else None                # [Hq of this rank]
+        heads_in_model = num_heads_in_model or num_heads
+        if sinks and heads_in_model != num_heads:
+            self.sinks.checkpoint_slice = lambda shard_id: CheckpointSlice(0, first_head, num_heads, heads_in_model)
         # set by the runner before the model is traced, from the layer's backend (`AttentionBackend.takes_rope`):
         # the model then hands q and k over before its rotary and q/k norm
         self.fuse_rope = False

@@ -1,0 +1,94 @@
+"""gpt-oss against transformers (float32, CPU): logits of a ragged batch, chunked prefill beside a decode, greedy
+continuations through the engine; the sinks, windows and expert tensors in place; two ranks (tensor and expert
+parallel, gloo) give one rank's tokens and logits; MXFP4 checkpoints and another SwiGLU alpha are refused."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from ember.models.loader import load_model
+from ember.quant import QuantConfigError
+from tests.helpers.model_harness import ModelHarness, greedy_generate, random_hf_model, tiny_config
+from tests.unit.test_moe_models import LOGITS_ATOL, PROMPTS, hf_greedy, hf_logits
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """(transformers model, its save_pretrained folder, ember model loaded from it)."""
+    hf = random_hf_model(tiny_config("gpt_oss"))
+    path = tmp_path_factory.mktemp("gpt_oss")
+    hf.save_pretrained(path)
+    return hf, path, load_model(path, None, torch.float32, "cpu", progress=False)
+
+
+def test_logits_match_transformers(pair):
+    hf, _, model = pair
+    hidden = ModelHarness(model, len(PROMPTS)).step(list(enumerate(PROMPTS)))     # one ragged batch of prefills
+    logits = model.compute_logits(hidden)
+    expected = torch.cat([hf_logits(hf, p) for p in PROMPTS])
+    assert expected.std() > 0.1, "the random model must produce informative logits"
+    assert (logits - expected).abs().max().item() <= LOGITS_ATOL
+
+
+def test_chunked_prefill_with_decodes_matches_transformers(pair):
+    hf, _, model = pair
+    long_prompt = PROMPTS[2]
+    harness = ModelHarness(model, 2)
+    harness.step([(0, PROMPTS[1][:-1]), (1, long_prompt[:9])])
+    hidden = harness.step([(0, PROMPTS[1][-1:]), (1, long_prompt[9:])])
+    expected = torch.cat([hf_logits(hf, PROMPTS[1])[-1:], hf_logits(hf, long_prompt)[9:]])
+    assert (model.compute_logits(hidden) - expected).abs().max().item() <= LOGITS_ATOL
+
+
+def test_greedy_decoding_matches_generate(pair):
+    hf, _, model = pair
+    prompts = PROMPTS[1:]     # longer than the first layer's window of 8 once decoded
+    got = greedy_generate(model, prompts, max_new_tokens=32)
+    assert got == [hf_greedy(hf, p, 32) for p in prompts]
+    assert got[0] != got[1]
+
+
+def test_sinks_windows_and_experts_are_the_checkpoints(pair):
+    hf, _, model = pair
+    layers = model.model.layers
+    assert [layer.self_attn.attn.options.sliding_window for layer in layers] == [8, None]
+    assert all(layer.self_attn.attn.options.use_sinks for layer in layers)
+    hf_layer, layer = hf.model.layers[0], layers[0]
+    assert torch.equal(layer.self_attn.attn.sinks, hf_layer.self_attn.sinks)
+    experts, ours = hf_layer.mlp.experts, layer.mlp.experts
+    inter = experts.intermediate_size
+    # w13 [E, 2I, H]: gate rows (the even columns of gate_up_proj [E, H, 2I]), then up rows (the odd ones)
+    assert torch.equal(ours.w13[:, :inter], experts.gate_up_proj[..., 0::2].transpose(1, 2))
+    assert torch.equal(ours.w13[:, inter:], experts.gate_up_proj[..., 1::2].transpose(1, 2))
+    assert torch.equal(ours.b13, torch.cat([experts.gate_up_proj_bias[:, 0::2], experts.gate_up_proj_bias[:, 1::2]],
+                                           dim=1))
+    assert torch.equal(ours.w2, experts.down_proj.transpose(1, 2))
+    assert torch.equal(ours.b2, experts.down_proj_bias)
+    assert torch.equal(layer.mlp.router.bias, hf_layer.mlp.router.bias)
+
+
+def test_two_ranks_give_one_ranks_tokens_and_logits(pair):
+    """Tensor parallel (heads, their sinks and the experts' intermediate dimension split; the down bias on rank 0),
+    then expert parallel (4 whole experts a rank, their biases with them), each against one rank."""
+    from tests.unit.test_tensor_parallel import run_both
+    _, path, _ = pair
+    for options in ({}, {"enable_expert_parallel": True}):
+        (one, _, one_logits, _), (two, _, two_logits, _) = run_both(str(path), device="cpu", **options)
+        assert all(len(t) == 32 for t in one) and two == one, options
+        assert one_logits.std() > 0.1 and (two_logits - one_logits).abs().max().item() <= LOGITS_ATOL, options
+
+
+def test_mxfp4_checkpoints_and_another_alpha_are_refused(pair, tmp_path):
+    from ember import LLM
+    _, path, _ = pair
+    config = json.loads((path / "config.json").read_text())
+    for name in ("config.json",):
+        (tmp_path / name).write_text(json.dumps({**config, "quantization_config": {"quant_method": "mxfp4"}}))
+    with pytest.raises(QuantConfigError, match=r"quant_method 'mxfp4'.*bf16 conversion"):
+        LLM(str(tmp_path), device="cpu", load_format="dummy")
+    (tmp_path / "config.json").write_text(json.dumps({**config, "swiglu_alpha": 1.5}))
+    with pytest.raises(ValueError, match=r"swiglu_alpha 1.5 is not supported"):
+        LLM(str(tmp_path), device="cpu", load_format="dummy")
