@@ -9,7 +9,9 @@ K (16-byte loads) and keep float32 products in a register tile summed once after
 does). The expert comes from `topk_ids` on the device; the grid depends on the token count alone. The down kernel
 loads the tiles of all top_k experts of its token at once ([top_k, BLOCK_N, BLOCK_K]): more bytes in flight per
 program, and the weighted top_k sum happens in registers, so nothing is written between the expert outputs and
-the layer's output. Roundings are those of ember.kernels.moe_gemm.
+the layer's output. Roundings are those of ember.kernels.moe_gemm, and so are the experts' biases and the clamped
+SwiGLU (gpt-oss): the gate_up kernel adds b13 [E, 2I] and applies the activation in its epilogue, the down kernel
+adds each lane's b2 [E, H] row before the routing weight (constexpr switches: without them the kernels are as before).
 
 Under expert parallelism (`expert_map` [E] int32, global id -> local id or -1) the routing stays global, over all E
 router logits; a slot whose expert is held elsewhere reads no weights (its gate_up program returns, the down kernel
@@ -25,6 +27,7 @@ import triton
 import triton.language as tl
 
 from ember.kernels.interpret import interpreted
+from ember.kernels.moe_gemm import gated_activation
 from ember.kernels.moe_router import route
 
 __all__ = ["moe_gemv", "routed_moe_gemv", "set_route_first"]
@@ -48,12 +51,14 @@ gdc_launch_dependents = getattr(_cuda, "gdc_launch_dependents", None)
 
 
 @triton.jit
-def _gate_up_gemv_kernel(x_ptr, w_ptr, logits_ptr, ids_ptr, weights_ptr, expert_map_ptr, out_ptr, N, K, num_experts,
-                         stride_xm, stride_lm, stride_we, stride_wn, stride_om, TOP_K: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, ROUTE: tl.constexpr,
-                         E_P2: tl.constexpr, RENORMALIZE: tl.constexpr, HAS_MAP: tl.constexpr = False,
-                         PDL: tl.constexpr = False):
+def _gate_up_gemv_kernel(x_ptr, w_ptr, bias_ptr, logits_ptr, ids_ptr, weights_ptr, expert_map_ptr, out_ptr, N, K,
+                         num_experts, stride_xm, stride_lm, stride_we, stride_wn, stride_be, stride_om, swiglu_limit,
+                         TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                         ROUTE: tl.constexpr, E_P2: tl.constexpr, RENORMALIZE: tl.constexpr,
+                         HAS_MAP: tl.constexpr = False, PDL: tl.constexpr = False, HAS_BIAS13: tl.constexpr = False,
+                         SWIGLU: tl.constexpr = False):
     """out[slot, n block] = silu(gate) * up for one token-slot; N is the expert's intermediate size.
+    HAS_BIAS13: the expert's gate and up biases added to the sums; SWIGLU: the clamped SwiGLU instead of SiLU.
 
     ROUTE: the slot's expert comes from the token's router logits (softmax, top-k, renormalise: the arithmetic of
     ember.kernels.moe_router, redone by every program of the token, which costs a few reductions over E values),
@@ -118,21 +123,27 @@ def _gate_up_gemv_kernel(x_ptr, w_ptr, logits_ptr, ids_ptr, weights_ptr, expert_
         acc_up += w_up.to(tl.float32) * x[None, :]
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    gate = tl.reduce(acc_gate, 1, tl.standard._sum_combine)
+    up = tl.reduce(acc_up, 1, tl.standard._sum_combine)
+    if HAS_BIAS13:
+        bias_ptrs = bias_ptr + expert * stride_be + tl.minimum(cols, N - 1)
+        gate += tl.load(bias_ptrs).to(tl.float32)
+        up += tl.load(bias_ptrs + N).to(tl.float32)
     dtype = out_ptr.dtype.element_ty
-    gate = tl.reduce(acc_gate, 1, tl.standard._sum_combine).to(dtype).to(tl.float32)
-    up = tl.reduce(acc_up, 1, tl.standard._sum_combine).to(dtype).to(tl.float32)
-    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-    tl.store(out_ptr + slot.to(tl.int64) * stride_om + cols, (act * up).to(dtype), mask=cols < N)
+    act = gated_activation(gate.to(dtype).to(tl.float32), up.to(dtype).to(tl.float32), dtype, SWIGLU, swiglu_limit)
+    tl.store(out_ptr + slot.to(tl.int64) * stride_om + cols, act, mask=cols < N)
 
 
 @triton.jit
-def _down_gemv_kernel(a_ptr, w_ptr, ids_ptr, weights_ptr, expert_map_ptr, residual_ptr, out_ptr, N, K, stride_am,
-                      stride_we, stride_wn, stride_rm, stride_om, TOP_K: tl.constexpr, K_P2: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                      HAS_RESIDUAL: tl.constexpr, HAS_MAP: tl.constexpr = False, PDL: tl.constexpr = False):
+def _down_gemv_kernel(a_ptr, w_ptr, bias_ptr, ids_ptr, weights_ptr, expert_map_ptr, residual_ptr, out_ptr, N, K,
+                      stride_am, stride_we, stride_wn, stride_be, stride_rm, stride_om, TOP_K: tl.constexpr,
+                      K_P2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                      HAS_RESIDUAL: tl.constexpr, HAS_MAP: tl.constexpr = False, PDL: tl.constexpr = False,
+                      HAS_BIAS2: tl.constexpr = False):
     """out[token, n block] = the weighted sum over the token's TOP_K slots (+ the residual, added to the rounded
     sum and rounded again, as the unfused add); N is the hidden size. HAS_MAP: over the slots whose expert this
-    rank holds (the others' lanes load nothing and add zero). PDL: as the gate_up kernel."""
+    rank holds (the others' lanes load nothing and add zero). PDL: as the gate_up kernel. HAS_BIAS2: each lane's
+    expert output plus its expert's bias, before the routing weight."""
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
@@ -168,8 +179,11 @@ def _down_gemv_kernel(a_ptr, w_ptr, ids_ptr, weights_ptr, expert_map_ptr, residu
         acc += w.to(tl.float32) * a
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    y = tl.reduce(acc, 2, tl.standard._sum_combine)                                                # [K_P2, BN]
+    if HAS_BIAS2:        # a lane held elsewhere reads expert 0's row (a valid address) and is masked in the sum
+        y += tl.load(bias_ptr + experts[:, None] * stride_be + tl.minimum(cols, N - 1)[None, :]).to(tl.float32)
     dtype = out_ptr.dtype.element_ty
-    y = tl.reduce(acc, 2, tl.standard._sum_combine).to(dtype).to(tl.float32)                      # [K_P2, BN]
+    y = y.to(dtype).to(tl.float32)
     routing = tl.load(weights_ptr + slots, mask=lane_ok, other=0.0)                                # [K_P2]
     weighted = (y * routing[:, None]).to(dtype).to(tl.float32)
     total = tl.reduce(tl.where(lane_ok[:, None], weighted, 0.0), 0, tl.standard._sum_combine)      # [BN]
@@ -183,53 +197,62 @@ def _kernel(kernel, device: torch.device):
     return interpreted(kernel) if device.type == "cpu" else kernel
 
 
-def _launch_gate_up(x, w13, logits, ids, weights, expert_map, act, config, top_k, renormalize, options) -> None:
+def _launch_gate_up(x, w13, logits, ids, weights, expert_map, act, config, top_k, renormalize, options, b13,
+                    swiglu_limit) -> None:
     num_slots, intermediate = act.shape
     hidden = w13.shape[2]
     route = logits is not None
     num_experts = logits.shape[1] if route else w13.shape[0]      # the routing's: every expert of the model
     _kernel(_gate_up_gemv_kernel, x.device)[(num_slots, triton.cdiv(intermediate, config["BLOCK_N"]))](
-        x, w13, logits if route else x, ids, weights, expert_map if expert_map is not None else ids, act,
-        intermediate, hidden, num_experts, x.stride(0), logits.stride(0) if route else 0, w13.stride(0),
-        w13.stride(1), act.stride(0), TOP_K=top_k, BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"],
+        x, w13, w13 if b13 is None else b13, logits if route else x, ids, weights,
+        expert_map if expert_map is not None else ids, act, intermediate, hidden, num_experts, x.stride(0),
+        logits.stride(0) if route else 0, w13.stride(0), w13.stride(1), 0 if b13 is None else b13.stride(0),
+        act.stride(0), float(swiglu_limit), TOP_K=top_k, BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"],
         EVEN_K=hidden % config["BLOCK_K"] == 0, ROUTE=route, E_P2=triton.next_power_of_2(num_experts),
-        RENORMALIZE=renormalize, HAS_MAP=expert_map is not None, num_warps=config["num_warps"], **options)
+        RENORMALIZE=renormalize, HAS_MAP=expert_map is not None, HAS_BIAS13=b13 is not None,
+        SWIGLU=swiglu_limit > 0, num_warps=config["num_warps"], **options)
 
 
-def _launch_down(act, w2, ids, weights, expert_map, out, config, top_k, residual, options) -> None:
+def _launch_down(act, w2, ids, weights, expert_map, out, config, top_k, residual, options, b2) -> None:
     num_tokens, hidden = out.shape
     intermediate = w2.shape[2]
     _kernel(_down_gemv_kernel, act.device)[(num_tokens, triton.cdiv(hidden, config["BLOCK_N"]))](
-        act, w2, ids, weights, expert_map if expert_map is not None else ids,
+        act, w2, w2 if b2 is None else b2, ids, weights, expert_map if expert_map is not None else ids,
         residual if residual is not None else out, out, hidden, intermediate, act.stride(0), w2.stride(0),
-        w2.stride(1), residual.stride(0) if residual is not None else 0, out.stride(0), TOP_K=top_k,
+        w2.stride(1), 0 if b2 is None else b2.stride(0), residual.stride(0) if residual is not None else 0,
+        out.stride(0), TOP_K=top_k,
         K_P2=triton.next_power_of_2(top_k), BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"],
         EVEN_K=intermediate % config["BLOCK_K"] == 0, HAS_RESIDUAL=residual is not None,
-        HAS_MAP=expert_map is not None, num_warps=config["num_warps"], **options)
+        HAS_MAP=expert_map is not None, HAS_BIAS2=b2 is not None, num_warps=config["num_warps"], **options)
 
 
 def moe_gemv(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor,
              w2: torch.Tensor, gate_up_config: dict, down_config: dict, launch_options: dict | None = None,
-             expert_map: torch.Tensor | None = None) -> torch.Tensor:
+             expert_map: torch.Tensor | None = None, b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
+             swiglu_limit: float = 0.0) -> torch.Tensor:
     """x [T, H] through each token's top_k experts (w13 [E, 2I, H], w2 [E, H, I]), weighted and summed -> [T, H];
     configs: BLOCK_N, BLOCK_K, num_warps (each kernel its own); launch_options: e.g. PDL=True, launch_pdl=True.
-    With `expert_map` [E_global] int32 (global id -> local id or -1) only the slots of local experts are summed."""
+    With `expert_map` [E_global] int32 (global id -> local id or -1) only the slots of local experts are summed;
+    b13 [E, 2I], b2 [E, H] and `swiglu_limit` > 0 as in ember.kernels.moe_gemm."""
     num_tokens, top_k = topk_ids.shape
     act = torch.empty(num_tokens * top_k, w13.shape[1] // 2, dtype=x.dtype, device=x.device)     # [T * top_k, I]
     out = torch.empty(num_tokens, w13.shape[2], dtype=x.dtype, device=x.device)                  # [T, H]
     options = launch_options or {}
-    _launch_gate_up(x, w13, None, topk_ids, topk_weights, expert_map, act, gate_up_config, top_k, False, options)
-    _launch_down(act, w2, topk_ids, topk_weights, expert_map, out, down_config, top_k, None, options)
+    _launch_gate_up(x, w13, None, topk_ids, topk_weights, expert_map, act, gate_up_config, top_k, False, options,
+                    b13, swiglu_limit)
+    _launch_down(act, w2, topk_ids, topk_weights, expert_map, out, down_config, top_k, None, options, b2)
     return out
 
 
 def routed_moe_gemv(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
                     renormalize: bool, gate_up_config: dict, down_config: dict,
                     residual: torch.Tensor | None = None, launch_options: dict | None = None,
-                    expert_map: torch.Tensor | None = None) -> torch.Tensor:
+                    expert_map: torch.Tensor | None = None, b13: torch.Tensor | None = None,
+                    b2: torch.Tensor | None = None, swiglu_limit: float = 0.0) -> torch.Tensor:
     """`moe_gemv` from the router logits: the routing kernel first (ember.kernels.moe_router), or the same
     arithmetic inside the gate_up kernel (`set_route_first(False)`). router_logits [T, E] -> [T, H], plus `residual` [T, H] when given; with `expert_map`,
-    this rank's share (router_logits cover every expert, w13 / w2 the local ones)."""
+    this rank's share (router_logits cover every expert, w13 / w2 the local ones); biases and `swiglu_limit` as
+    `moe_gemv`."""
     num_tokens = x.shape[0]
     act = torch.empty(num_tokens * top_k, w13.shape[1] // 2, dtype=x.dtype, device=x.device)     # [T * top_k, I]
     ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=x.device)                     # [T, top_k]
@@ -239,10 +262,12 @@ def routed_moe_gemv(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Ten
     options = launch_options or {}
     if _route_first:
         weights, ids = route(logits, top_k, renormalize, options)
-        _launch_gate_up(x, w13, None, ids, weights, expert_map, act, gate_up_config, top_k, False, options)
+        _launch_gate_up(x, w13, None, ids, weights, expert_map, act, gate_up_config, top_k, False, options, b13,
+                        swiglu_limit)
     else:
-        _launch_gate_up(x, w13, logits, ids, weights, expert_map, act, gate_up_config, top_k, renormalize, options)
+        _launch_gate_up(x, w13, logits, ids, weights, expert_map, act, gate_up_config, top_k, renormalize, options,
+                        b13, swiglu_limit)
     if residual is not None and residual.stride(1) != 1:
         residual = residual.contiguous()
-    _launch_down(act, w2, ids, weights, expert_map, out, down_config, top_k, residual, options)
+    _launch_down(act, w2, ids, weights, expert_map, out, down_config, top_k, residual, options, b2)
     return out
