@@ -11,48 +11,24 @@ import torch
 
 from ember.models.loader import load_model
 from ember.quant import QuantConfigError
-from tests.helpers.model_harness import ModelHarness, greedy_generate, random_hf_model, tiny_config
-from tests.unit.test_moe_models import LOGITS_ATOL, PROMPTS, hf_greedy, hf_logits
+from tests.helpers.model_harness import random_hf_model, tiny_config
+# the MoE families' parity tests, run here on this module's `pair`: logits of a ragged batch, chunked prefill beside
+# a decode, greedy continuations against transformers
+from tests.unit.test_moe_models import (LOGITS_ATOL, test_chunked_prefill_with_decodes_matches_transformers,  # noqa: F401
+                                        test_greedy_decoding_matches_generate, test_logits_match_transformers)
 
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    """(transformers model, its save_pretrained folder, ember model loaded from it)."""
+    """(family, transformers model, its save_pretrained folder, ember model loaded from it)."""
     hf = random_hf_model(tiny_config("gpt_oss"))
     path = tmp_path_factory.mktemp("gpt_oss")
     hf.save_pretrained(path)
-    return hf, path, load_model(path, None, torch.float32, "cpu", progress=False)
-
-
-def test_logits_match_transformers(pair):
-    hf, _, model = pair
-    hidden = ModelHarness(model, len(PROMPTS)).step(list(enumerate(PROMPTS)))     # one ragged batch of prefills
-    logits = model.compute_logits(hidden)
-    expected = torch.cat([hf_logits(hf, p) for p in PROMPTS])
-    assert expected.std() > 0.1, "the random model must produce informative logits"
-    assert (logits - expected).abs().max().item() <= LOGITS_ATOL
-
-
-def test_chunked_prefill_with_decodes_matches_transformers(pair):
-    hf, _, model = pair
-    long_prompt = PROMPTS[2]
-    harness = ModelHarness(model, 2)
-    harness.step([(0, PROMPTS[1][:-1]), (1, long_prompt[:9])])
-    hidden = harness.step([(0, PROMPTS[1][-1:]), (1, long_prompt[9:])])
-    expected = torch.cat([hf_logits(hf, PROMPTS[1])[-1:], hf_logits(hf, long_prompt)[9:]])
-    assert (model.compute_logits(hidden) - expected).abs().max().item() <= LOGITS_ATOL
-
-
-def test_greedy_decoding_matches_generate(pair):
-    hf, _, model = pair
-    prompts = PROMPTS[1:]     # longer than the first layer's window of 8 once decoded
-    got = greedy_generate(model, prompts, max_new_tokens=32)
-    assert got == [hf_greedy(hf, p, 32) for p in prompts]
-    assert got[0] != got[1]
+    return "gpt_oss", hf, path, load_model(path, None, torch.float32, "cpu", progress=False)
 
 
 def test_sinks_windows_and_experts_are_the_checkpoints(pair):
-    hf, _, model = pair
+    _, hf, _, model = pair
     layers = model.model.layers
     assert [layer.self_attn.attn.options.sliding_window for layer in layers] == [8, None]
     assert all(layer.self_attn.attn.options.use_sinks for layer in layers)
@@ -84,7 +60,7 @@ def test_two_ranks_give_one_ranks_tokens_and_logits(pair):
             return generate(llm), llm.engine.score(SCORED)
         finally:
             llm.engine.runner.shutdown()
-    _, path, _ = pair
+    _, _, path, _ = pair
     one, one_logits = _run(str(path))
     assert all(len(t) == 32 for t in one) and one_logits.std() > 0.1
     for options in ({}, {"enable_expert_parallel": True}):
@@ -95,7 +71,7 @@ def test_two_ranks_give_one_ranks_tokens_and_logits(pair):
 
 def test_mxfp4_checkpoints_and_another_alpha_are_refused(pair, tmp_path):
     from ember import LLM
-    _, path, _ = pair
+    _, _, path, _ = pair
     config = json.loads((path / "config.json").read_text())
     for name in ("config.json",):
         (tmp_path / name).write_text(json.dumps({**config, "quantization_config": {"quant_method": "mxfp4"}}))
