@@ -237,7 +237,7 @@ def test_attention_the_cache_cannot_hold_is_refused_at_build():
     cfg = transformers.AutoConfig.for_model("gpt_oss", architectures=["GptOssForCausalLM"], **COMMON, head_dim=16,
                                             num_local_experts=4, num_experts_per_tok=2)
     with pytest.raises(ValueError, match=r"GptOssAttention \(layer 0\) hands its attention function 's_aux'"):
-        build_on_meta(cfg, torch.float32, "transformers")
+        build_on_meta(cfg, torch.float32, model_impl="transformers")
 
 
 def test_model_impl_is_checked(tmp_path):
