@@ -164,3 +164,12 @@ def test_the_op_names_bad_biases_and_limits():
         moe_op.moe(x, logits, w13, w2, 2, True, b2=b2.half())
     with pytest.raises(ValueError, match="swiglu_limit must be 0 .* got -1.0"):
         moe_op.moe(x, logits, w13, w2, 2, True, swiglu_limit=-1.0)
+
+
+def test_the_fake_takes_the_new_arguments():
+    """Tracing sees the op's output shape from its fake with every argument given (no kernel runs)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode() as mode:
+        x, logits, w13, w2, b13, b2, residual = (mode.from_tensor(t) for t in _op_layer(4))
+        out = torch.ops.ember.moe(x, logits, w13, w2, 2, True, residual, None, b13, b2, LIMIT)
+    assert out.shape == (4, 32) and out.dtype == torch.float32
