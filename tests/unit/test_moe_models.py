@@ -239,3 +239,29 @@ def test_qwen3_moe_pieces_are_plain():
     model, ids, positions, context = tiny_model_step("qwen3_moe", torch.bfloat16, seed=0)
     with torch.inference_mode(), forward_context(context):
         assert torch.equal(out, model(ids, positions))
+
+
+def test_the_residual_add_folds_into_a_call_with_expert_biases():
+    """The same fold for a call with the bias and SwiGLU-limit arguments (gpt-oss): the residual takes its slot and
+    the arguments after it stay; the graph computes the same."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from ember.graphs.passes.residual_epilogue import fuse_residual_epilogue
+    from ember.kernels.moe_op import moe
+
+    g = torch.Generator().manual_seed(1)
+    x, logits, residual = torch.randn(3, 16, generator=g), torch.randn(3, 4, generator=g), torch.randn(3, 16)
+    w13, w2 = torch.randn(4, 24, 16, generator=g) * 0.2, torch.randn(4, 16, 12, generator=g) * 0.2
+    b13, b2 = torch.randn(4, 24, generator=g) * 0.2, torch.randn(4, 16, generator=g) * 0.2
+
+    def layer(x, logits, residual, w13, w2, b13, b2):
+        return moe(x, logits, w13, w2, 2, True, None, None, b13, b2, 1.5) + residual
+
+    args = (x, logits, residual, w13, w2, b13, b2)
+    gm = make_fx(layer, tracing_mode="fake")(*args)
+    assert fuse_residual_epilogue(gm.graph) == 1
+    calls = [n for n in gm.graph.nodes if n.op == "call_function"]
+    assert [str(n.target) for n in calls] == ["ember.moe.default"]
+    assert calls[0].args[6].name == "residual_1" and calls[0].args[10] == 1.5
+    gm.recompile()
+    assert torch.equal(gm(*args), layer(*args))
