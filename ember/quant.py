@@ -109,9 +109,15 @@ def resolve_quant_config(hf_config, quantization: str | None, model_dtype: torch
         elif method == "compressed-tensors":
             config = _from_compressed_tensors(raw)
         elif method == "mxfp4":
-            raise QuantConfigError("the checkpoint's quantization_config has quant_method 'mxfp4' (gpt-oss's "
-                                   "experts in MXFP4); ember does not load MXFP4: use a bf16 conversion of the "
-                                   "checkpoint, its experts dequantized")
+            # gpt-oss's experts in MXFP4, the rest unquantized: dequantized at load (ember.models.gpt_oss)
+            if "GptOssForCausalLM" not in list(getattr(hf_config, "architectures", None) or []):
+                raise QuantConfigError(f"the checkpoint's quantization_config has quant_method 'mxfp4', which ember "
+                                       f"loads for gpt-oss's experts only (architectures "
+                                       f"{getattr(hf_config, 'architectures', None)})")
+            if quantization is not None:
+                raise QuantConfigError(f"quantization={quantization!r} cannot be applied over an MXFP4 checkpoint; "
+                                       f"leave quantization unset (its experts load dequantized to the model dtype)")
+            return None
         else:
             raise QuantConfigError(f"the checkpoint's quantization_config has quant_method {method!r}; ember runs "
                                    f"'fp8' and 'compressed-tensors' (fp8 e4m3) checkpoints only")

@@ -12,7 +12,10 @@ Checkpoints hold transformers' layout: the experts stacked as `experts.gate_up_p
 interleaved along the last dim (gate at the even columns), `experts.gate_up_proj_bias` [E, 2I] likewise,
 `experts.down_proj` [E, I, H] and `experts.down_proj_bias` [E, H]. The loaders de-interleave and transpose them
 into ember's w13 [E, 2I, H] / b13 [E, 2I] (gate rows first) and w2 [E, H, I]. The released checkpoints keep the
-experts in MXFP4 (`quant_method: "mxfp4"`), which ember.quant refuses with the reason; bf16 conversions load.
+two projections in MXFP4 (`quant_method: "mxfp4"`): `gate_up_proj_blocks` [E, 2I, H/32, 16] and `_scales`
+[E, 2I, H/32] (`down_proj_*` likewise over I), 32 values a block as e2m1 codes, two a byte (the low nibble first),
+scaled by the block's e8m0 exponent. They are dequantized when both halves of a projection have been read, into
+the layout above, then loaded as a bf16 checkpoint's tensor would be: the experts run in the model's dtype.
 
 Under tensor parallelism the attention splits its heads (the sinks with them) as Llama's does, and the experts
 their intermediate dimension; the down projection's bias is added on rank 0 only, before the all-reduce sums the
@@ -26,7 +29,7 @@ from torch import nn
 
 from ember.distributed.ops import all_reduce
 from ember.distributed.parallel_state import TP_GROUP
-from ember.distributed.shard import current_shard
+from ember.distributed.shard import CheckpointSlice, current_shard
 from ember.kernels.moe_op import moe
 from ember.models.layers.linear import Linear, check_shape, default_weight_loader, make_param
 from ember.models.layers.moe import FusedMoE, num_experts_of
@@ -35,8 +38,26 @@ from ember.models.llama import BlockOptions, LlamaDecoderLayer, LlamaForCausalLM
 __all__ = ["GptOssExperts", "GptOssForCausalLM", "GptOssMoeBlock", "SWIGLU_ALPHA"]
 
 SWIGLU_ALPHA = 1.702      # the activation's sigmoid scale in every released gpt-oss; the MoE kernels fix it
+# e2m1 (FP4) by code: sign bit 3, then two exponent bits and one mantissa bit
+FP4_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+MXFP4_PARTS = ("blocks", "scales")      # the shard ids of an MXFP4 projection's two checkpoint tensors
 
 _EXPERT_TENSORS = {"gate_up_proj": "w13", "gate_up_proj_bias": "b13", "down_proj": "w2", "down_proj_bias": "b2"}
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """blocks [..., rows, G, 16] uint8 (32 e2m1 codes a block, two a byte, the low nibble first), scales
+    [..., rows, G] uint8 (the block's e8m0 exponent, 2 ** (s - 127)) -> float32 [..., G * 32, rows]: the
+    projection as an unquantized gpt-oss checkpoint holds it (its input dim before its rows)."""
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 or blocks.shape[-1] != 16 or \
+            tuple(blocks.shape[:-1]) != tuple(scales.shape):
+        raise ValueError(f"MXFP4 blocks must be uint8 [..., G, 16] and scales uint8 [..., G], got "
+                         f"{blocks.dtype} {tuple(blocks.shape)} and {scales.dtype} {tuple(scales.shape)}")
+    lut = torch.tensor(FP4_E2M1, dtype=torch.float32, device=blocks.device)
+    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).long()                 # [..., rows, G, 16, 2]
+    values = lut[codes].flatten(-2)                                                   # [..., rows, G, 32]
+    values = torch.ldexp(values, scales.to(torch.int32)[..., None] - 127)
+    return values.flatten(-2).transpose(-1, -2)                                       # [..., G * 32, rows]
 
 
 class GptOssExperts(FusedMoE):
@@ -48,10 +69,39 @@ class GptOssExperts(FusedMoE):
         experts, local = self.num_local_experts, self.intermediate_size
         self.b13 = make_param((experts, 2 * local), self._load_b13)          # [E/N or E, 2I/N or 2I]
         self.b2 = make_param((experts, hidden_size), self._load_b2)          # [E/N or E, H]
+        # MXFP4 checkpoints: each projection in two tensors (MXFP4_PARTS), held until both are read
+        self._mxfp4: dict[str, dict[str, torch.Tensor]] = {}
+        for param in (self.w13, self.w2):
+            param.casts_itself = True               # uint8 blocks and scales arrive as stored; the rest is copied
+            param.missing_shards = self._missing_parts
         if self.expert_parallel:
-            self.b13.checkpoint_slice = self.b2.checkpoint_slice = self._experts_slice
+            every = CheckpointSlice(0, self.first_expert, self.num_local_experts, self.num_experts)
+            for param in (self.w13, self.w2, self.b13, self.b2):    # stacked, whole or in parts: this rank's experts
+                param.checkpoint_slice = lambda shard_id, every=every: every
+                param.holds_shard = lambda shard_id: True
         elif current_shard().size > 1:
-            self.w2.checkpoint_slice = lambda shard_id: self._slice(1)      # down_proj [E, I, H]: rows I
+            # read whole and narrowed after dequantizing, or (down_proj [E, I, H]) this rank's rows I
+            self.w13.checkpoint_slice = lambda shard_id: None
+            self.w2.checkpoint_slice = lambda shard_id: self._slice(1) if shard_id is None else None
+
+    @staticmethod
+    def _missing_parts(got: set) -> list[str]:
+        """What a checkpoint left out of a projection it did not hold whole: the MXFP4 parts it lacks, or all."""
+        return [f"its MXFP4 {part}" for part in MXFP4_PARTS if part not in got] if got else ["the stacked tensor"]
+
+    def _whole(self, which: str, loaded: torch.Tensor, shard_id) -> torch.Tensor | None:
+        """The projection's unquantized tensor: `loaded` itself, or once both MXFP4 parts are in, their
+        dequantization (None until then)."""
+        if shard_id is None:
+            return loaded
+        if shard_id not in MXFP4_PARTS:
+            raise ValueError(f"gpt-oss checkpoints stack their experts; got expert shard {shard_id}")
+        parts = self._mxfp4.setdefault(which, {})
+        parts[shard_id] = loaded
+        if len(parts) < len(MXFP4_PARTS):
+            return None
+        del self._mxfp4[which]
+        return dequantize_mxfp4(parts["blocks"], parts["scales"])
 
     def _stacked(self, loaded: torch.Tensor, what: str, dims: int) -> torch.Tensor:
         if loaded.dim() != dims:
@@ -70,14 +120,16 @@ class GptOssExperts(FusedMoE):
         return torch.cat([self._mine(gate, last), self._mine(up, last)], dim=last)
 
     def _load_w13(self, param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
-        if shard_id is not None:
-            raise ValueError(f"gpt-oss checkpoints stack their experts; got expert shard {shard_id}")
+        loaded = self._whole("w13", loaded, shard_id)
+        if loaded is None:
+            return
         loaded = self._gate_up(self._stacked(loaded, "gate_up_proj", 3))          # [E, H, 2I/N]
         default_weight_loader(param, loaded.transpose(1, 2))                       # [E, 2I/N, H]
 
     def _load_w2(self, param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
-        if shard_id is not None:
-            raise ValueError(f"gpt-oss checkpoints stack their experts; got expert shard {shard_id}")
+        loaded = self._whole("w2", loaded, shard_id)
+        if loaded is None:
+            return
         loaded = self._mine(self._stacked(loaded, "down_proj", 3), 1)              # [E, I/N, H]
         default_weight_loader(param, loaded.transpose(1, 2))                       # [E, H, I/N]
 
@@ -159,5 +211,8 @@ class GptOssForCausalLM(LlamaForCausalLM):
             return f"{prefix}.attn.sinks", None
         if prefix.endswith(".experts") and leaf in _EXPERT_TENSORS:
             return f"{prefix}.{_EXPERT_TENSORS[leaf]}", None
+        projection, _, part = leaf.rpartition("_")
+        if prefix.endswith(".experts") and part in MXFP4_PARTS and projection in ("gate_up_proj", "down_proj"):
+            return f"{prefix}.{_EXPERT_TENSORS[projection]}", part
         return None
 

@@ -177,9 +177,9 @@ def tiny_config(family: str, **overrides):
             num_attention_heads=4, num_key_value_heads=2, intermediate_size=48, num_local_experts=8,
             num_experts_per_tok=2, sliding_window=8, tie_word_embeddings=False)),
         # gpt-oss: a window of 8 on the first layer, sinks, biases everywhere, yarn rotary, a swiglu limit that
-        # random activations reach
+        # random activations reach; hidden and intermediate sizes in whole MXFP4 blocks of 32
         "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(
-            num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=48, num_local_experts=8,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=32, num_local_experts=8,
             num_experts_per_tok=2, sliding_window=8, layer_types=["sliding_attention", "full_attention"],
             swiglu_limit=1.5, attention_bias=True, tie_word_embeddings=False,
             rope_parameters={"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,

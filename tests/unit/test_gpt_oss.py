@@ -69,14 +69,72 @@ def test_two_ranks_give_one_ranks_tokens_and_logits(pair):
         assert (two_logits - one_logits).abs().max().item() <= LOGITS_ATOL, options
 
 
-def test_mxfp4_checkpoints_and_another_alpha_are_refused(pair, tmp_path):
+def test_mxfp4_elsewhere_fp8_over_it_and_another_alpha_are_refused(pair, tmp_path):
     from ember import LLM
     _, _, path, _ = pair
     config = json.loads((path / "config.json").read_text())
-    for name in ("config.json",):
-        (tmp_path / name).write_text(json.dumps({**config, "quantization_config": {"quant_method": "mxfp4"}}))
-    with pytest.raises(QuantConfigError, match=r"quant_method 'mxfp4'.*bf16 conversion"):
+    mxfp4 = {"quant_method": "mxfp4"}
+    (tmp_path / "config.json").write_text(json.dumps({**config, "quantization_config": mxfp4}))
+    with pytest.raises(QuantConfigError, match=r"quantization='fp8' cannot be applied over an MXFP4 checkpoint"):
+        LLM(str(tmp_path), device="cpu", load_format="dummy", quantization="fp8")
+    llama = tiny_config("llama").to_dict()
+    (tmp_path / "config.json").write_text(json.dumps({**llama, "quantization_config": mxfp4}))
+    with pytest.raises(QuantConfigError, match=r"'mxfp4', which ember loads for gpt-oss's experts only"):
         LLM(str(tmp_path), device="cpu", load_format="dummy")
     (tmp_path / "config.json").write_text(json.dumps({**config, "swiglu_alpha": 1.5}))
     with pytest.raises(ValueError, match=r"swiglu_alpha 1.5 is not supported"):
         LLM(str(tmp_path), device="cpu", load_format="dummy")
+
+
+def _to_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A projection as gpt-oss checkpoints hold it unquantized, [E, K, rows], -> (blocks [E, rows, K/32, 16] uint8,
+    scales [E, rows, K/32] uint8): each 32 values of a row scaled by a power of two into e2m1's range, rounded to
+    the nearest code, two codes a byte (the low nibble first)."""
+    from ember.models.gpt_oss import FP4_E2M1
+    groups = weight.transpose(1, 2).unflatten(-1, (-1, 32))                            # [E, rows, G, 32]
+    exponent = torch.ceil(torch.log2(groups.abs().amax(-1).clamp_min(2.0 ** -100) / 6.0))  # [E, rows, G]
+    scaled = groups / torch.exp2(exponent)[..., None]
+    codes = (scaled[..., None] - torch.tensor(FP4_E2M1)).abs().argmin(-1)             # [E, rows, G, 32]
+    return (codes[..., 0::2] | codes[..., 1::2] << 4).to(torch.uint8), (exponent + 127).to(torch.uint8)
+
+
+def test_an_mxfp4_checkpoint_loads_its_experts_dequantized(tmp_path):
+    """The released layout (experts' projections as MXFP4 blocks and scales, the rest unquantized): ember's
+    experts equal transformers' own dequantization of the same tensors, and its logits those of the transformers
+    model holding them; two tensor-parallel ranks load their shares of it."""
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from ember.distributed.shard import ShardSpec
+    from tests.unit.test_moe_models import PROMPTS, hf_logits
+    from tests.helpers.model_harness import ModelHarness
+    hf = random_hf_model(tiny_config("gpt_oss"), seed=3)
+    hf.save_pretrained(tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    for i, layer in enumerate(hf.model.layers):
+        for proj in ("gate_up_proj", "down_proj"):
+            name = f"model.layers.{i}.mlp.experts.{proj}"
+            blocks, scales = _to_mxfp4(tensors.pop(name))
+            tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = blocks, scales
+            dequantized = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)      # transformers' own
+            assert (dequantized - getattr(layer.mlp.experts, proj)).abs().max() < 0.5        # a coarse copy
+            getattr(layer.mlp.experts, proj).data.copy_(dequantized)
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn",
+                                                                                         "model.layers.*.mlp.router"]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    model = load_model(tmp_path, None, torch.float32, "cpu", progress=False)
+    experts, ours = hf.model.layers[1].mlp.experts, model.model.layers[1].mlp.experts
+    assert torch.equal(ours.w13[:, :32], experts.gate_up_proj[..., 0::2].transpose(1, 2))
+    assert torch.equal(ours.w2, experts.down_proj.transpose(1, 2))
+    hidden = ModelHarness(model, len(PROMPTS)).step(list(enumerate(PROMPTS)))
+    expected = torch.cat([hf_logits(hf, p) for p in PROMPTS])
+    assert (model.compute_logits(hidden) - expected).abs().max().item() <= LOGITS_ATOL
+    ranks = [load_model(tmp_path, None, torch.float32, "cpu", progress=False, shard=ShardSpec(r, 2)) for r in (0, 1)]
+    halves = [r.model.layers[1].mlp.experts for r in ranks]
+    assert torch.equal(torch.cat([h.w13[:, :16] for h in halves], dim=1), ours.w13[:, :32])
+    assert torch.equal(torch.cat([h.w2 for h in halves], dim=2), ours.w2)
+    experts_ranks = [load_model(tmp_path, None, torch.float32, "cpu", progress=False,
+                                shard=ShardSpec(r, 2, expert_parallel=True)) for r in (0, 1)]
+    assert torch.equal(torch.cat([r.model.layers[1].mlp.experts.w13 for r in experts_ranks]), ours.w13)
