@@ -1,6 +1,7 @@
 """The MoE kernels on the GPU in bfloat16 against the torch reference, on the layer shapes of Qwen3-30B-A3B and
-Mixtral-8x7B; the op inside a CUDA graph and under torch.compile; and Qwen3-MoE / Mixtral (random weights of the
-bundled configs, trimmed) through the engine against transformers.
+Mixtral-8x7B, and gpt-oss-20b's with expert biases and the clamped SwiGLU; the op inside a CUDA graph and under
+torch.compile; and Qwen3-MoE / Mixtral / gpt-oss (random weights of the bundled configs, trimmed) through the
+engine against transformers.
 
 Kernel tolerance, relative to the output scale s = max |float32 reference|: 2**-6 s. The kernels and the bf16
 reference round the same intermediates (each projection, SiLU, the product, the weighted output) but sum in other
@@ -73,6 +74,31 @@ def test_kernels_match_the_reference_in_bf16(layer, num_tokens):
     _close(moe_op.fused_experts(x, weights, ids, w13, w2, other), ref32)
 
 
+@pytest.mark.parametrize("num_tokens", TOKENS)
+def test_experts_with_biases_and_the_clamped_swiglu_match_the_reference(num_tokens):
+    """gpt-oss-20b's layer shape (32 experts of 2880 x 2880, top 4) with expert biases and swiglu_limit 7, on both
+    paths, against the float32 loop over the same bf16 weights."""
+    num_experts, hidden, intermediate, top_k = 32, 2880, 2880, 4
+    g = torch.Generator(device="cuda").manual_seed(5)
+    w13 = (torch.randn(num_experts, 2 * intermediate, hidden, device="cuda", generator=g) / hidden ** 0.5
+           ).to(torch.bfloat16)                                                                # [E, 2I, H]
+    w2 = (torch.randn(num_experts, hidden, intermediate, device="cuda", generator=g) / intermediate ** 0.5
+          ).to(torch.bfloat16)                                                                 # [E, H, I]
+    b13 = torch.randn(num_experts, 2 * intermediate, device="cuda", generator=g).to(torch.bfloat16)    # [E, 2I]
+    b2 = (torch.randn(num_experts, hidden, device="cuda", generator=g) * 0.1).to(torch.bfloat16)       # [E, H]
+    router = (torch.randn(num_experts, hidden, device="cuda", generator=g) / hidden ** 0.5).to(torch.bfloat16)
+    x, logits = _inputs(num_tokens, hidden, router, logits_dtype=torch.float32)
+    weights, ids = route(logits, top_k, renormalize=True)
+    bias = dict(b13=b13, b2=b2, swiglu_limit=7.0)
+    ref32 = moe_reference(x.float(), weights, ids, w13.float(), w2.float(), None, b13.float(), b2.float(), 7.0)
+    _close(moe_op.fused_experts(x, weights, ids, w13, w2, **bias), ref32)
+    chosen = moe_op.launch_for(x, w13, top_k)
+    shape = MoeShape(num_tokens, num_experts, hidden, intermediate, top_k, 2, 132)
+    other = fallback_launch(shape, gemv_max_tokens=0 if chosen.path == "gemv" else num_tokens)
+    _close(moe_op.fused_experts(x, weights, ids, w13, w2, other, **bias), ref32)
+    _close(moe_op.moe(x, logits, w13, w2, top_k, True, None, None, b13, b2, 7.0), ref32)
+
+
 def test_alignment_of_a_long_prefill_equals_the_stable_sort():
     ids = torch.stack([torch.randperm(128, device="cuda")[:8] for _ in range(8192)]).to(torch.int32)
     ids[ids == 7] = 3                         # expert 7 empty
@@ -128,7 +154,8 @@ def _hf_folder(tmp_path_factory, name, **overrides):
 
 # 2 layers; Qwen3-MoE keeps 128 experts of its real size (top 8), Mixtral's experts shrink to fit the GPU twice
 TRIMMED = {"qwen3-30b-a3b": dict(num_hidden_layers=2),
-           "mixtral-8x7b": dict(num_hidden_layers=2, intermediate_size=4096)}
+           "mixtral-8x7b": dict(num_hidden_layers=2, intermediate_size=4096),
+           "gpt-oss-20b": dict(num_hidden_layers=2)}
 
 
 @pytest.fixture(scope="module", params=list(TRIMMED))

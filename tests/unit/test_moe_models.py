@@ -158,6 +158,7 @@ def test_engine_greedy_tokens_equal_transformers(family, tmp_path):
 @pytest.mark.parametrize("name, experts, top_k, w13, w2", [
     ("qwen3-30b-a3b", 128, 8, (128, 1536, 2048), (128, 2048, 768)),
     ("mixtral-8x7b", 8, 2, (8, 28672, 4096), (8, 4096, 14336)),
+    ("gpt-oss-20b", 32, 4, (32, 5760, 2880), (32, 2880, 2880)),
 ])
 def test_bundled_moe_configs_build(name, experts, top_k, w13, w2):
     from ember.models.bundled import bundled_config
@@ -167,9 +168,11 @@ def test_bundled_moe_configs_build(name, experts, top_k, w13, w2):
     model = build_on_meta(config, torch.bfloat16)
     blocks = [layer.mlp for layer in model.model.layers]
     assert len(blocks) == config.num_hidden_layers and all(hasattr(b, "experts") for b in blocks)
-    assert (blocks[0].experts.num_experts, blocks[0].top_k, blocks[0].renormalize) == (experts, top_k, True)
+    assert (blocks[0].experts.num_experts, blocks[0].top_k, getattr(blocks[0], "renormalize", True)) == \
+        (experts, top_k, True)
     assert (tuple(blocks[0].experts.w13.shape), tuple(blocks[0].experts.w2.shape)) == (w13, w2)
-    assert model.model.layers[0].self_attn.attn.options.sliding_window is None
+    windows = [layer.self_attn.attn.options.sliding_window for layer in model.model.layers[:2]]
+    assert windows == ([128, None] if name == "gpt-oss-20b" else [None, None])
 
 
 def test_fp8_experts_are_refused():
