@@ -32,7 +32,7 @@ from ember.distributed.parallel_state import TP_GROUP
 from ember.distributed.shard import CheckpointSlice, current_shard
 from ember.kernels.moe_op import moe
 from ember.models.layers.linear import Linear, check_shape, default_weight_loader, make_param
-from ember.models.layers.moe import FusedMoE, num_experts_of
+from ember.models.layers.moe import FusedMoE, SparseMoeBlock, num_experts_of
 from ember.models.llama import BlockOptions, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 
 __all__ = ["GptOssExperts", "GptOssForCausalLM", "GptOssMoeBlock", "SWIGLU_ALPHA"]
@@ -166,6 +166,8 @@ class GptOssMoeBlock(nn.Module):
         self.adds_down_bias = spec.rank == 0 or (spec.expert_parallel and spec.size > 1)
         self.router = Linear(config.hidden_size, num_experts, bias=True)
         self.experts = GptOssExperts(num_experts, config.hidden_size, config.intermediate_size)
+
+    expected_experts = SparseMoeBlock.expected_experts     # what a step reads, for the bench's roofline
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H]."""

@@ -46,6 +46,15 @@ def test_sinks_windows_and_experts_are_the_checkpoints(pair):
     assert torch.equal(layer.mlp.router.bias, hf_layer.mlp.router.bias)
 
 
+def test_the_roofline_counts_the_chosen_experts(pair):
+    from ember.bench.roofline import expert_bytes
+    *_, model = pair
+    per_layer = expert_bytes(model, 1)           # one token: top_k = 2 of 8 experts, biases with their experts
+    experts = model.model.layers[0].mlp.experts
+    every = sum(p.numel() for p in (experts.w13, experts.w2, experts.b13, experts.b2)) * 4
+    assert per_layer == [(every, every // 4)] * 2
+
+
 def test_two_ranks_give_one_ranks_tokens_and_logits(pair):
     """Over gloo, chunks of 8 tokens with preemption: tensor parallel (heads and their sinks, the experts'
     intermediate dimension split; the down bias on rank 0), then expert parallel (4 whole experts a rank, their
