@@ -45,19 +45,25 @@ MXFP4_PARTS = ("blocks", "scales")      # the shard ids of an MXFP4 projection's
 _EXPERT_TENSORS = {"gate_up_proj": "w13", "gate_up_proj_bias": "b13", "down_proj": "w2", "down_proj_bias": "b2"}
 
 
-def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """blocks [..., rows, G, 16] uint8 (32 e2m1 codes a block, two a byte, the low nibble first), scales
-    [..., rows, G] uint8 (the block's e8m0 exponent, 2 ** (s - 127)) -> float32 [..., G * 32, rows]: the
-    projection as an unquantized gpt-oss checkpoint holds it (its input dim before its rows)."""
-    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 or blocks.shape[-1] != 16 or \
-            tuple(blocks.shape[:-1]) != tuple(scales.shape):
-        raise ValueError(f"MXFP4 blocks must be uint8 [..., G, 16] and scales uint8 [..., G], got "
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32
+                     ) -> torch.Tensor:
+    """blocks [E, rows, G, 16] uint8 (32 e2m1 codes a block, two a byte, the low nibble first), scales
+    [E, rows, G] uint8 (the block's e8m0 exponent, 2 ** (s - 127)) -> [E, G * 32, rows] in `dtype`: the projection
+    as an unquantized gpt-oss checkpoint holds it (its input dim before its rows). An expert at a time, so the
+    temporaries stay one expert's size (a 120b projection's codes would take 17 GB at once). The values are exact
+    in bfloat16 and float32 (two significant bits times a power of two)."""
+    if blocks.dim() != 4 or blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 or blocks.shape[-1] != 16 \
+            or tuple(blocks.shape[:-1]) != tuple(scales.shape):
+        raise ValueError(f"MXFP4 blocks must be uint8 [E, rows, G, 16] and scales uint8 [E, rows, G], got "
                          f"{blocks.dtype} {tuple(blocks.shape)} and {scales.dtype} {tuple(scales.shape)}")
+    experts, rows, groups, _ = blocks.shape
     lut = torch.tensor(FP4_E2M1, dtype=torch.float32, device=blocks.device)
-    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).long()                 # [..., rows, G, 16, 2]
-    values = lut[codes].flatten(-2)                                                   # [..., rows, G, 32]
-    values = torch.ldexp(values, scales.to(torch.int32)[..., None] - 127)
-    return values.flatten(-2).transpose(-1, -2)                                       # [..., G * 32, rows]
+    out = torch.empty(experts, groups * 32, rows, dtype=dtype, device=blocks.device)          # [E, K, rows]
+    for e in range(experts):
+        codes = torch.stack([blocks[e] & 0x0F, blocks[e] >> 4], dim=-1).long()           # [rows, G, 16, 2]
+        values = torch.ldexp(lut[codes].flatten(-2), scales[e].to(torch.int32)[..., None] - 127)   # [rows, G, 32]
+        out[e] = values.flatten(-2).t()
+    return out
 
 
 class GptOssExperts(FusedMoE):
@@ -101,7 +107,7 @@ class GptOssExperts(FusedMoE):
         if len(parts) < len(MXFP4_PARTS):
             return None
         del self._mxfp4[which]
-        return dequantize_mxfp4(parts["blocks"], parts["scales"])
+        return dequantize_mxfp4(parts["blocks"], parts["scales"], self.w13.dtype)
 
     def _stacked(self, loaded: torch.Tensor, what: str, dims: int) -> torch.Tensor:
         if loaded.dim() != dims:
