@@ -29,6 +29,7 @@ import triton.language as tl
 from ember.kernels.interpret import interpreted
 from ember.kernels.moe_gemm import gated_activation
 from ember.kernels.moe_router import route
+from ember.kernels.pdl import gdc_launch_dependents, gdc_wait
 
 __all__ = ["moe_gemv", "routed_moe_gemv", "set_route_first"]
 
@@ -43,11 +44,6 @@ def set_route_first(on: bool) -> None:
     """Route in a launch of its own before the gate_up kernel (True, the default) or inside it (False)."""
     global _route_first
     _route_first = bool(on)
-
-# programmatic dependent launch (Hopper): the caller passes PDL=True and launch_pdl=True where it applies
-_cuda = getattr(getattr(tl, "extra", None), "cuda", None)
-gdc_wait = getattr(_cuda, "gdc_wait", None)
-gdc_launch_dependents = getattr(_cuda, "gdc_launch_dependents", None)
 
 
 @triton.jit
@@ -250,13 +246,11 @@ def routed_moe_gemv(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Ten
                     expert_map: torch.Tensor | None = None, b13: torch.Tensor | None = None,
                     b2: torch.Tensor | None = None, swiglu_limit: float = 0.0) -> torch.Tensor:
     """`moe_gemv` from the router logits: the routing kernel first (ember.kernels.moe_router), or the same
-    arithmetic inside the gate_up kernel (`set_route_first(False)`). router_logits [T, E] -> [T, H], plus `residual` [T, H] when given; with `expert_map`,
-    this rank's share (router_logits cover every expert, w13 / w2 the local ones); biases and `swiglu_limit` as
-    `moe_gemv`."""
+    arithmetic inside the gate_up kernel (`set_route_first(False)`). router_logits [T, E] -> [T, H], plus
+    `residual` [T, H] when given; with `expert_map`, this rank's share (router_logits cover every expert, w13 / w2
+    the local ones); biases and `swiglu_limit` as `moe_gemv`."""
     num_tokens = x.shape[0]
     act = torch.empty(num_tokens * top_k, w13.shape[1] // 2, dtype=x.dtype, device=x.device)     # [T * top_k, I]
-    ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=x.device)                     # [T, top_k]
-    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=x.device)               # [T, top_k]
     out = torch.empty(num_tokens, w13.shape[2], dtype=x.dtype, device=x.device)                  # [T, H]
     logits = router_logits if router_logits.stride(1) == 1 else router_logits.contiguous()
     options = launch_options or {}
@@ -264,7 +258,9 @@ def routed_moe_gemv(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Ten
         weights, ids = route(logits, top_k, renormalize, options)
         _launch_gate_up(x, w13, None, ids, weights, expert_map, act, gate_up_config, top_k, False, options, b13,
                         swiglu_limit)
-    else:
+    else:       # the gate_up kernel's programs of column block 0 store each slot's expert and weight
+        ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=x.device)                 # [T, top_k]
+        weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=x.device)           # [T, top_k]
         _launch_gate_up(x, w13, logits, ids, weights, expert_map, act, gate_up_config, top_k, renormalize, options,
                         b13, swiglu_limit)
     if residual is not None and residual.stride(1) != 1:

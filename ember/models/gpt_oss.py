@@ -30,14 +30,14 @@ from torch import nn
 from ember.distributed.ops import all_reduce
 from ember.distributed.parallel_state import TP_GROUP
 from ember.distributed.shard import CheckpointSlice, current_shard
+from ember.kernels.moe_gemm import SWIGLU_ALPHA
 from ember.kernels.moe_op import moe
 from ember.models.layers.linear import Linear, check_shape, default_weight_loader, make_param
 from ember.models.layers.moe import FusedMoE, SparseMoeBlock, num_experts_of
 from ember.models.llama import BlockOptions, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 
-__all__ = ["GptOssExperts", "GptOssForCausalLM", "GptOssMoeBlock", "SWIGLU_ALPHA"]
+__all__ = ["GptOssExperts", "GptOssForCausalLM", "GptOssMoeBlock", "dequantize_mxfp4"]
 
-SWIGLU_ALPHA = 1.702      # the activation's sigmoid scale in every released gpt-oss; the MoE kernels fix it
 # e2m1 (FP4) by code: sign bit 3, then two exponent bits and one mantissa bit
 FP4_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 MXFP4_PARTS = ("blocks", "scales")      # the shard ids of an MXFP4 projection's two checkpoint tensors
@@ -157,10 +157,10 @@ class GptOssMoeBlock(nn.Module):
         num_experts, top_k = num_experts_of(config), int(config.num_experts_per_tok)
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok {top_k} must be between 1 and num_local_experts {num_experts}")
-        alpha = float(getattr(config, "swiglu_alpha", SWIGLU_ALPHA))
-        if alpha != SWIGLU_ALPHA:
+        alpha = float(getattr(config, "swiglu_alpha", SWIGLU_ALPHA.value))
+        if alpha != SWIGLU_ALPHA.value:
             raise ValueError(f"swiglu_alpha {alpha} is not supported: ember's MoE kernels fix the activation's "
-                             f"sigmoid scale at {SWIGLU_ALPHA}, the value of every released gpt-oss")
+                             f"sigmoid scale at {SWIGLU_ALPHA.value}, the value of every released gpt-oss")
         self.swiglu_limit = float(config.swiglu_limit)
         if not self.swiglu_limit > 0:
             raise ValueError(f"swiglu_limit must be positive, got {config.swiglu_limit}")

@@ -34,7 +34,8 @@ class ModelHarness:
                 cache = torch.zeros(shape, dtype=dtype, device=self.device)   # [2, num_blocks, block_size, Hkv, D]
             else:
                 cache = self.layers[o.kv_sharing_target].kv_cache
-            self.layers[attn.layer_name] = AttentionLayerState(TorchRefImpl(o, sinks=attn.sinks), cache, 0)
+            impl = TorchRefImpl(o, sinks=attn.sinks)
+            self.layers[attn.layer_name] = AttentionLayerState(impl, cache, 0)
         o = attentions[0].options
         spec = KVCacheSpec(block_size, o.num_kv_heads, o.head_size, dtype, o.sliding_window)
         self.builder = TorchRefMetadataBuilder(BuilderContext(

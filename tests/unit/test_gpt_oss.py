@@ -14,8 +14,9 @@ from ember.quant import QuantConfigError
 from tests.helpers.model_harness import random_hf_model, tiny_config
 # the MoE families' parity tests, run here on this module's `pair`: logits of a ragged batch, chunked prefill beside
 # a decode, greedy continuations against transformers
-from tests.unit.test_moe_models import (LOGITS_ATOL, test_chunked_prefill_with_decodes_matches_transformers,  # noqa: F401
-                                        test_greedy_decoding_matches_generate, test_logits_match_transformers)
+from tests.unit.test_moe_models import (  # noqa: F401
+    LOGITS_ATOL, test_chunked_prefill_with_decodes_matches_transformers, test_greedy_decoding_matches_generate,
+    test_logits_match_transformers)
 
 
 @pytest.fixture(scope="module")
