@@ -54,14 +54,14 @@ def _one(mode: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("modes", nargs="*", default=["none", "serial", "thread"],
-                        choices=["none", "serial", "thread"])
+    parser.add_argument("modes", nargs="*", choices=["none", "serial", "thread"],
+                        help="default: all three")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
         _one(args.one)
         return
-    for mode in args.modes:            # each in a fresh process: NVML and the allocator start once a process
+    for mode in args.modes or ["none", "serial", "thread"]:            # each in a fresh process: NVML and the allocator start once a process
         print(f"== {mode}", flush=True)
         subprocess.run([sys.executable, __file__, "--one", mode], check=False)
 
