@@ -73,23 +73,6 @@ def _measure(size: int, rank: int, ranks: int, calls: int, reps: int) -> dict[st
     return result
 
 
-class _TwoShot:
-    """A symmetric buffer of ember's one-shot all-reduce (`symm`) reduced through the two-shot kernel instead
-    (`symm_mem::two_shot_all_reduce_out`: each rank sums its 1/N of the message from every peer, then gathers the
-    others' sums), after a copy into the buffer; measured here only, the engine does not take it."""
-
-    def __init__(self, symm):
-        self.symm = symm
-
-    def applies(self, x: torch.Tensor) -> bool:
-        return self.symm.applies(x)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        slot = self.symm.buffer.narrow(0, 0, x.numel()).view(x.shape)
-        slot.copy_(x)
-        return torch.ops.symm_mem.two_shot_all_reduce_out(slot, "sum", self.symm.group_name, torch.empty_like(x))
-
-
 def _rank(rank: int, ranks: int, port: int, sizes: list[int], calls: int, reps: int, out) -> None:
     import datetime
     import torch.distributed as dist
@@ -101,8 +84,10 @@ def _rank(rank: int, ranks: int, port: int, sizes: list[int], calls: int, reps: 
     store = dist.TCPStore("127.0.0.1", port, ranks, is_master=rank == 0, timeout=datetime.timedelta(seconds=120))
     init_tensor_parallel(rank, ranks, rank, "cuda", store, 120.0)
     # a buffer for the largest size of the sweep (the engine's holds symm_mem.MAX_BYTES)
-    one_shot = OneShotAllReduce(dist.group.WORLD, torch.device("cuda", rank), max_bytes=max(sizes))
-    two_shot = _TwoShot(OneShotAllReduce(dist.group.WORLD, torch.device("cuda", rank), max_bytes=max(sizes)))
+    device = torch.device("cuda", rank)
+    one_shot = OneShotAllReduce(dist.group.WORLD, device, max_bytes=max(sizes), two_shot_max_bytes=0)
+    # one-shot up to 16 bytes: every message of the sweep takes the two-shot kernel
+    two_shot = OneShotAllReduce(dist.group.WORLD, device, max_bytes=16, two_shot_max_bytes=max(sizes))
     group = ops._groups[TP_GROUP]
     results = {}
     for size in sizes:
