@@ -28,7 +28,7 @@
 #                                         # unconstrained / one JSON schema / 64 schemas, bitmask in and after the graph
 #   bash benches/run_gpu.sh tp2_collectives   # 2 GPUs: the all-reduce bench (NCCL vs one-shot), ranks' sampling
 #   bash benches/run_gpu.sh tp2_tests [1|2]  # 2 GPUs: the TP GPU tests (in two parts that each fit a call)
-#   bash benches/run_gpu.sh tp2_startup   # 2 GPUs: cold and warm start-up at TP=1 and TP=2
+#   [PYC=1] bash benches/run_gpu.sh tp2_startup   # 2 GPUs: cold and warm start-up at TP=1 and TP=2
 #   bash benches/run_gpu.sh tp2           # 2 GPUs: Llama-3.1-8B batch 1 and nano-vllm throughput, TP=1 against TP=2
 #   bash benches/run_gpu.sh tp2_sampling  # 2 GPUs: shard-local sampling's test, TP=2 throughput with it and without
 #   bash benches/run_gpu.sh structured_tp2  # 2 GPUs: structured output's TP=2 test, one-schema throughput TP=2 and TP=1
@@ -199,11 +199,15 @@ PY
 # writes the bytecode, so that the cold start after it finds bytecode and empty ember/Triton caches, and a second
 # warm start ("warm2") follows. STAMP_AB=1 adds, per model, a cold start that traces every decoder layer
 # (EMBER_HOOKS=layer_stamp=off) beside the default one that traces three and stamps the rest (JSON "traced_layers").
+bytecode_kept() {
+  unset PYTHONDONTWRITEBYTECODE
+  export PYTHONPYCACHEPREFIX=${PYTHONPYCACHEPREFIX:-$(mktemp -d)}
+}
+
 part_startup() {
   local models=${*:-qwen3-0.6b llama-3.1-8b} labels="cold warm" cache model label
   if [ "${PYC:-0}" = 1 ]; then
-    unset PYTHONDONTWRITEBYTECODE
-    export PYTHONPYCACHEPREFIX=${PYTHONPYCACHEPREFIX:-$(mktemp -d)}
+    bytecode_kept
     labels="cold warm warm2"
     cache=$(mktemp -d)
     echo "== bytecode (writes it: not a start-up figure)"
@@ -351,6 +355,11 @@ part_tp2_tests() {
 # tp2_startup (at most 4 min): Llama-3.1-8B started cold, then warm, at TP=1 and at TP=2 (fresh caches; phases).
 part_tp2_startup() {
   local cache tp
+  if [ "${PYC:-0}" = 1 ]; then     # as for startup; the imports a start makes are compiled once first
+    bytecode_kept
+    python3 -c "import torch, transformers, sympy, torch._dynamo, torch._inductor.compile_fx; import ember.llm" \
+      2>/dev/null
+  fi
   for tp in 1 2; do
     cache=$(mktemp -d)
     export EMBER_CACHE=$cache/ember TRITON_CACHE_DIR=$cache/triton
