@@ -11,6 +11,8 @@ import triton.language as tl
 
 E4M3_MAX = tl.constexpr(448.0)     # e4m3's largest finite value (ember.kernels.fp8.FP8_MAX)
 AMAX_FLOOR = tl.constexpr(1e-12)   # an all-zero row's amax (ember.kernels.fp8.MIN_AMAX): a tiny scale, not 0 / 0
+ROW_BLOCK = 1024    # elements a step and warps where a row's amax and sum of squares are taken (quantize_rows_fp8,
+ROW_WARPS = 4       # round_rows, the word-wise GEMV's prologue): the same sums in the same order, so the same scales
 
 
 @triton.jit
