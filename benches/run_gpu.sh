@@ -18,8 +18,6 @@
 #                                         # fp8 decode attention and GEMV benches, accuracy against bf16 (< 9 min)
 #   bash benches/run_gpu.sh fp8_gemv      # the fp8 GEMV's variants, its one-row launch shapes (written), Llama-3.1-8B
 #                                         # batch-1 latency in bf16, fp8, fp8 rounding inside the GEMV (< 9 min)
-#   bash benches/run_gpu.sh fp8_round     # the word-wise fp8 GEMV rounding x itself: its GPU test, the 8B's projections
-#                                         # and launch shapes, batch-1 latency of the 8B and 1B off / on (< 9 min)
 #   bash benches/run_gpu.sh gemv_rows     # the GEMV's launch shapes at 2, 4, 5, 8 rows, bf16 and e4m3, and the
 #                                         # crossover after them (written), then Llama-3.1-8B speculative decoding
 #                                         # (k 4) and batch-4 latency (< 9 min)
@@ -557,26 +555,6 @@ part_fp8_gemv() {
   grep -h "formats\|decode \|TPOT" "$OUT"/fp8g_*.log
 }
 
-# fp8_round, one call of under 9 minutes (the steps' limits add up to 510 s): the word-wise fp8 GEMV rounding the raw
-# row itself (EMBER_FP8_WORDS_ROUND=1) against `round_rows` then the word-wise kernel (the default): its GPU test
-# (bit for bit at the 8B's four projections), each 8B projection alone at one row with the norm and SiLU·mul folded
-# in under each launch shape, then batch-1 decode of Llama-3.1-8B and -3.2-1B with fp8 weights, off then on.
-part_fp8_round() {
-  local lat="--batch-size 1 --input-len 32 --output-len 128 --num-iters 2 --quantization fp8" config value
-  run fp8_round_test 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_fp8_words_round_gpu.py
-  run fp8_round_modes 150 python3 benches/experiments/fp8_gemv_modes.py --rows 1 --fused --shapes
-  for config in llama-3.1-8b llama-3.2-1b; do
-    for value in 0 1; do
-      quiet "fp8_round_${config}_$value" "$([ $config = llama-3.1-8b ] && echo 70 || echo 50)" \
-        env EMBER_FP8_WORDS_ROUND=$value python3 -m ember bench latency --config $config $lat
-    done
-  done
-  echo "== summary"
-  grep -h "passed\|failed" "$OUT/fp8_round_test.log" | tail -1
-  grep -h "word-wise\|words rounding\|round_rows alone" "$OUT/fp8_round_modes.log"
-  for f in "$OUT"/fp8_round_llama*.log; do echo "-- $(basename "$f" .log)"; grep -h "decode \|TPOT" "$f"; done
-}
-
 # gemv_rows, one call of under 9 minutes (the steps' limits add up to 530 s): the GEMV's launch shapes at 2, 4, 5
 # and 8 rows for the Llama-3.1-8B and Qwen3-0.6B projections, bf16 then e4m3 weights (benches/gemv_row_shapes.py
 # estimates about 3 and 2 minutes), written as the row_shapes of ember/kernels/gemv_shapes.json and
@@ -676,7 +654,7 @@ part=${1:-}
 [ $# -gt 0 ] && shift
 case "$part" in
   decode|throughput|headline|serve|serve_dp|startup|flash|fusion|ab|moe|moe_sweep|moe_throughput|fp8|fp8_gemv|\
-  fp8_round|gemv_rows|gemv_tp|fallback|structured|structured_tp2|spec_tp2|tp2|tp2_collectives|tp2_tests|tp2_startup|tp2_sampling|tp4|moe_tp2|moe_ep2) mkdir -p "$OUT" ;;
+  gemv_rows|gemv_tp|fallback|structured|structured_tp2|spec_tp2|tp2|tp2_collectives|tp2_tests|tp2_startup|tp2_sampling|tp4|moe_tp2|moe_ep2) mkdir -p "$OUT" ;;
 esac
 case "$part" in
   decode) part_decode ;;
@@ -693,7 +671,6 @@ case "$part" in
   moe_throughput) part_moe_throughput ;;
   fp8) part_fp8 ;;
   fp8_gemv) part_fp8_gemv ;;
-  fp8_round) part_fp8_round ;;
   gemv_rows) part_gemv_rows ;;
   gemv_tp) part_gemv_tp ;;
   fallback) part_fallback "$@" ;;
@@ -709,7 +686,7 @@ case "$part" in
   moe_tp2) part_moe_tp2 ;;
   moe_ep2) part_moe_ep2 ;;
   *) echo "usage: bash benches/run_gpu.sh decode|throughput|headline|serve|serve_dp|startup [MODEL ...]|flash|fusion|ab|" \
-          "moe|moe_sweep [CONFIG]|moe_throughput|fp8|fp8_gemv|fp8_round|gemv_rows|fallback [qwen3|llama|pythia]|structured|" \
+          "moe|moe_sweep [CONFIG]|moe_throughput|fp8|fp8_gemv|gemv_rows|fallback [qwen3|llama|pythia]|structured|" \
           "tp2_collectives|tp2|tp2_sampling|structured_tp2|spec_tp2|tp4|moe_tp2|moe_ep2" >&2
      exit 2 ;;
 esac

@@ -2,12 +2,9 @@
 with the plan's tiles and a sweep of key-tile widths, stages and warps, on ragged batches, in one process, graph
 replays over L2-evicting copies (benches/bench_flash.py's harness). Prints ms and % of copy bandwidth counting each
 cache's own bytes, to find whether the fp8 cache wants other tiles than bf16 (half the bytes a key tile), and
-whether products in float16 (`EMBER_FP8_KV_F16_DOT=1`: e4m3 widens to float16 in one conversion) pay. With --words,
-each float16-product variant also reads the cache as int32 words widened in inline PTX (`set_fp8_kv_words`); its
-output is checked bit-equal to the byte-wise read's.
+whether products in float16 (`EMBER_FP8_KV_F16_DOT=1`: e4m3 widens to float16 in one conversion) pay.
 
     python benches/experiments/fp8_decode_tiles.py [--workloads 256xU[100,2048] 64xU[200,8192]] [--block-sizes 64]
-        [--words] [--plan-only]
 """
 
 from __future__ import annotations
@@ -22,7 +19,6 @@ def main() -> None:
 
     from benches.bench_flash import DECODE_HEADS, HEAD_SIZE, RAGGED, _paged, _ragged_lengths, time_graph
     from benches.conftest import measure_peaks, rotation_count
-    from ember.attention_backends.triton_common.kv_write import set_fp8_kv_words
     from ember.attention_backends.triton_unified import kernels as U, plan as UP
 
     p = argparse.ArgumentParser()
@@ -32,8 +28,6 @@ def main() -> None:
     p.add_argument("--stages", type=int, nargs="+", default=[2, 3])
     p.add_argument("--warps", type=int, nargs="+", default=[4, 8])
     p.add_argument("--unmasked", action="store_true", help="also each variant with unmasked middle tiles")
-    p.add_argument("--words", action="store_true", help="also each float16-product variant reading words")
-    p.add_argument("--plan-only", action="store_true", help="the plan's tile only, no sweep")
     args = p.parse_args()
 
     peaks = measure_peaks(torch.device("cuda"))
@@ -57,22 +51,17 @@ def main() -> None:
             if kind == "fp8":
                 cache = cache.to(torch.float8_e4m3fn)
             kv = dict(kv_scales=scales) if kind == "fp8" else {}
-            variants = [("plan", plan_tile, False, False)]     # (label, tile, float16 products, words)
+            variants = [("plan", plan_tile, False)]
             if kind == "fp8":
-                variants.append(("plan f16 dot", plan_tile, True, False))
-                if not args.plan_only:
-                    variants += [(f"n{n} {w}w {s}stg{' unmasked' if um else ''}{' f16 dot' if f16 else ''}",
-                                  U.TileConfig(block_m=plan_tile.block_m, tile_n=n, num_warps=w, num_stages=s,
-                                               unmasked_middle=um), f16, False)
-                                 for n, w, s, um, f16 in itertools.product(
-                                     args.tile_n, args.warps, args.stages, (False, True) if args.unmasked else (False,),
-                                     (False, True))]
-                if args.words:
-                    variants += [(f"{label} words", tile, True, True) for label, tile, f16, _ in variants if f16]
-            byte_wise = {}
-            for label, tile, f16, words in variants:
+                variants.append(("plan f16 dot", plan_tile, True))
+                variants += [(f"n{n} {w}w {s}stg{' unmasked' if um else ''}{' f16 dot' if f16 else ''}",
+                              U.TileConfig(block_m=plan_tile.block_m, tile_n=n, num_warps=w, num_stages=s,
+                                           unmasked_middle=um), f16)
+                             for n, w, s, um, f16 in itertools.product(
+                                 args.tile_n, args.warps, args.stages, (False, True) if args.unmasked else (False,),
+                                 (False, True))]
+            for label, tile, f16 in variants:
                 os.environ["EMBER_FP8_KV_F16_DOT"] = "1" if f16 else "0"     # read at each launch
-                set_fp8_kv_words(words)
                 try:
                     ms = time_graph([lambda i=i, tile=tile: U.unified_attention_2d(
                         q, cache[0], cache[1], out, tables[i], qsl, seq_lens, num_seqs=batch, num_tokens=batch,
@@ -82,16 +71,8 @@ def main() -> None:
                     continue
                 moved = kv_bytes + 2 * q.numel() * q.element_size()
                 pct = 100 * moved / (ms * 1e-3) / peaks.copy_bytes_per_s
-                same = ""
-                if words:   # the output of the last copy's call, against the byte-wise read of the same tile
-                    want = byte_wise.get(label[:-len(" words")])
-                    same = ", no byte-wise output" if want is None else ", bit-equal" if torch.equal(out, want) \
-                        else ", DIFFERS from the byte-wise read"
-                elif f16:
-                    byte_wise[label] = out.clone()
-                print(f"{workload} bs{block_size} {kind} {label}: {ms * 1e3:.1f} us, {pct:.1f}% of copy bandwidth"
-                      f"{same}", flush=True)
-            set_fp8_kv_words(False)
+                print(f"{workload} bs{block_size} {kind} {label}: {ms * 1e3:.1f} us, {pct:.1f}% of copy bandwidth",
+                      flush=True)
             del cache, tables
             torch.cuda.empty_cache()
 

@@ -1,9 +1,8 @@
 """The fp8 GEMV at a few rows under its variants, against the bf16 GEMV on the same shape and copy bandwidth:
 weight-only (x in bf16) against dynamic per-row e4m3 activations, rounded once a call before the GEMV (`round_rows`,
 the default) or inside every GEMV program (`set_row_prepass(False)`, the earlier path), on CUDA cores or tensor
-cores (use_dot); at one row, the word-wise kernel (ember.kernels.gemv_fp8_words), on `round_rows`' output or
-rounding the raw row itself (`set_rounding(True)`); `round_rows` alone; with --shapes, the one-row launch shapes
-(programs per SM, W tile bytes) of the rounded path and of the word-wise kernel rounding x itself.
+cores (use_dot); at one row, the word-wise kernel (ember.kernels.gemv_fp8_words); `round_rows` alone; with
+--shapes, the one-row launch shapes (programs per SM, W tile bytes) of the rounded path.
 
     PYTHONPATH=. python benches/experiments/fp8_gemv_modes.py [--rows 1 4] [--fused] [--shapes] [--eager]
 
@@ -102,11 +101,10 @@ def main() -> None:
             rows = {"bf16 gemv": (time_us([lambda i=i: gemv(x, w16[i], norm_weight=nw, gated=gated)
                                            for i in range(copies)], args.eager), floor16, "")}
 
-            def fp8(label, act, dot, prepass, config=None, word_wise=False, rounding=False):
+            def fp8(label, act, dot, prepass, config=None, word_wise=False):
                 cfg = config or gemv_config(m, n_out, k, sms, 1, use_dot=dot, gated=gated)
                 set_row_prepass(prepass)
                 words.set_enabled(word_wise)
-                words.set_rounding(rounding)
                 try:
                     rows[label] = (time_us([lambda i=i: gemv_fp8(x, w8[i], s8[i], config=cfg, activations=act,
                                                                  norm_weight=nw, gated=gated)
@@ -116,7 +114,6 @@ def main() -> None:
                 finally:
                     set_row_prepass(True)
                     words.set_enabled(False)
-                    words.set_rounding(False)
 
             for dot in (False, True):
                 fp8(f"fp8 none dot={int(dot)}", "none", dot, True)
@@ -125,7 +122,6 @@ def main() -> None:
             if m == 1:
                 fp8("fp8 none, word-wise", "none", False, True, word_wise=True)
                 fp8("fp8 dynamic rounded, word-wise", "dynamic", False, True, word_wise=True)
-                fp8("fp8 dynamic, word-wise rounding x", "dynamic", False, True, word_wise=True, rounding=True)
             rows["round_rows alone"] = (time_us([lambda: round_rows(x, nw)], args.eager), 0.0, "")
             if args.shapes and m == 1:
                 saved = GC.launch_shape, GC.PROGRAMS_PER_SM, GC.W_TILE_BYTES
@@ -135,8 +131,6 @@ def main() -> None:
                         GC.PROGRAMS_PER_SM, GC.W_TILE_BYTES = pps, tile
                         cfg = gemv_config(m, n_out, k, sms, 1, gated=gated)
                         fp8(f"fp8 dynamic rounded {pps}/SM {tile // 1024}K", "dynamic", False, True, cfg)
-                        fp8(f"fp8 words rounding x {pps}/SM {tile // 1024}K", "dynamic", False, True, cfg,
-                            word_wise=True, rounding=True)
                 finally:
                     GC.launch_shape, GC.PROGRAMS_PER_SM, GC.W_TILE_BYTES = saved
             for label, (us, floor, tile) in rows.items():

@@ -431,15 +431,12 @@ def launch_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     bias = bias.contiguous() if bias is not None else None
     norm_weight = norm_weight.contiguous() if norm_weight is not None else None
 
-    act_quant = fp8_constexprs.get("ACT_QUANT", 0)
-    rounds = act_quant in (1, 2)
-    if (fp8_constexprs.get("W_SCALE") == 1 and out is None and out_dtype in (None, x.dtype) and words.enabled()
-            and (words.rounding() if rounds else norm_weight is None)
-            and words.applies(x, weight, config, residual, norm_weight if rounds else None)):
-        # one row of e4m3 weights, weight-only, on `round_rows`' output (ACT_QUANT 3) or rounding the raw row
-        # itself, a word at a time (ember.kernels.gemv_fp8_words)
-        return words.gemv_fp8_words(x, weight, weight_scale, config, act_scale, bias, residual, gated,
-                                    act_quant=act_quant, norm_weight=norm_weight, eps=eps)
+    if (fp8_constexprs.get("W_SCALE") == 1 and fp8_constexprs.get("ACT_QUANT", 0) in (0, 3) and norm_weight is None
+            and out is None and out_dtype in (None, x.dtype) and words.enabled()
+            and words.applies(x, weight, config, residual)):
+        # one row of e4m3 weights, weight-only or on `round_rows`' output (ACT_QUANT 3), a word at a time
+        # (ember.kernels.gemv_fp8_words)
+        return words.gemv_fp8_words(x, weight, weight_scale, config, act_scale, bias, residual, gated)
     if M == 1 and not forced and weight_scale is None:
         shape = tma_shape(weight.shape[0], K, gated, _num_sms(x.device), x.element_size())
         if shape is not None and tma_applies(x, weight, N, shape):

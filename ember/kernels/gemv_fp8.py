@@ -18,8 +18,7 @@ once), and writes the rounded row as e4m3 values in x's dtype (exact in bfloat16
 row's scale (times 1/rms); the GEMV then runs weight-only's K loop on it and scales the sums by row (ACT_QUANT 3).
 Done inside the GEMV instead (`set_row_prepass(False)`, or EMBER_FP8_ROW_PREPASS=0 for a whole process: A/B runs),
 every program first walks all of K for the amax and 1/rms and rounds x again at every step: on an H100 about twice
-weight-only's time at one row. The one-row word-wise kernel can do `round_rows`' work itself, with the same values
-(ember.kernels.gemv_fp8_words, EMBER_FP8_WORDS_ROUND=1): where it takes a call, no `round_rows` is launched.
+weight-only's time at one row.
 """
 
 from __future__ import annotations
@@ -30,9 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ember.kernels import gemv_fp8_words as words
-from ember.kernels.e4m3 import AMAX_FLOOR, E4M3_MAX, ROW_BLOCK, ROW_WARPS, max_combine, scale_to_e4m3
-from ember.kernels.gemv import _kernel, _num_sms, launch_gemv
+from ember.kernels.e4m3 import AMAX_FLOOR, E4M3_MAX, max_combine, scale_to_e4m3
+from ember.kernels.gemv import _kernel, launch_gemv
 from ember.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_options
 
 __all__ = ["ACTIVATIONS", "gemv_fp8", "round_rows", "set_row_prepass"]
@@ -40,6 +38,8 @@ __all__ = ["ACTIVATIONS", "gemv_fp8", "round_rows", "set_row_prepass"]
 FP8 = torch.float8_e4m3fn
 ACTIVATIONS = {"none": 0, "dynamic": 1, "static": 2}     # how x is rounded to e4m3 (ACT_QUANT)
 ROUNDED = 3                  # ACT_QUANT of a GEMV on `round_rows`' output
+ROW_BLOCK = 1024             # elements a step of `round_rows` (quantize_rows_fp8's, for the same sums)
+ROW_WARPS = 4                # warps of a `round_rows` program
 
 _row_prepass = os.environ.get("EMBER_FP8_ROW_PREPASS", "1") != "0"      # an A/B switch (module docstring)
 
@@ -158,17 +158,13 @@ def gemv_fp8(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
     constexprs = dict(W_SCALE=1) if scale_block is None else \
         dict(W_SCALE=2, SCALE_BN=scale_block[0], SCALE_BK=scale_block[1])
     act_scale = input_scale.reshape(1).float().contiguous() if input_scale is not None else None
-    if activations != "none":
+    if activations != "none" and _row_prepass:
+        # rounded once a call, the norm folded in (module docstring)
+        x, act_scale = round_rows(x, norm_weight, eps, input_scale)
+        norm_weight = None
+        constexprs["ACT_QUANT"] = ROUNDED
+    elif activations != "none":
         constexprs["ACT_QUANT"] = ACTIVATIONS[activations]
-        words_config = words.rounding_config(x, weight, config, gated, residual, norm_weight, out_dtype,
-                                             _num_sms(x.device)) if _row_prepass else None
-        if words_config is not None:
-            config = words_config        # the word-wise kernel rounds the raw row itself (module docstring)
-        elif _row_prepass:
-            # rounded once a call, the norm folded in (module docstring)
-            x, act_scale = round_rows(x, norm_weight, eps, input_scale)
-            norm_weight = None
-            constexprs["ACT_QUANT"] = ROUNDED
     return launch_gemv(x, weight, bias, residual, config, norm_weight, eps, gated, out_dtype,
                        weight_scale=weight_scale, act_scale=act_scale,
                        max_block_k=scale_block[1] if scale_block else None, **constexprs)

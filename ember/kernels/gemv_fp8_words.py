@@ -18,17 +18,6 @@ the general kernel's by the summation order only.
 K step and no K split (`applies`). The fp8 GEMV takes it wherever it applies, routed in
 `ember.kernels.gemv.launch_gemv` after its checks; EMBER_FP8_WORDS=0 (or `set_enabled(False)`) keeps the general
 kernel, for A/B runs (on an H200 it took Llama-3.1-8B's fp8 batch-1 decode from 294 to 341 tok/s).
-
-Rounding the raw row here (EMBER_FP8_WORDS_ROUND=1 or `set_rounding(True)`; off by default until measured on a
-GPU): with e4m3 activations the kernel takes x as it comes (with the RMSNorm's weight and eps folded in, or the
-static scale) and does `round_rows`' work itself, so a one-row fp8 linear is one launch instead of two (`round_rows`
-was 0.52 ms of the 8B's 2.98 ms step). Every program first takes the row's amax and sum of squares as `round_rows`
-takes them (steps of ROW_BLOCK reduced over ROW_WARPS warps: the same scale and 1/rms; a norm at another warp count
-keeps `round_rows`), then rounds x's words in the K loop as it does (x / scale, saturated, the e4m3 conversion) and
-multiplies as on a rounded row: bit for bit `round_rows` and this kernel. x's broadcast load gives a thread its words
-once for all its W rows, and the compiler rounds them once (no shared memory in the loop). The rounding costs about
-10 instructions a value, spread over the W rows a thread holds: at the 8B's stored launch shapes 5.6-6.5 a weight
-byte against 3.6-3.9 on a rounded row, qkv 9.5 against 4.3 (2 rows a thread; docs/performance.md).
 """
 
 from __future__ import annotations
@@ -39,16 +28,13 @@ import torch
 import triton
 import triton.language as tl
 
-from ember.kernels.e4m3 import AMAX_FLOOR, E4M3_MAX, ROW_BLOCK, ROW_WARPS, max_combine, scale_to_e4m3
-from ember.kernels.gemv_config import cached_config
 from ember.kernels.interpret import interpreted
 from ember.kernels.launcher import launcher
 from ember.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_options
 
-__all__ = ["applies", "enabled", "gemv_fp8_words", "rounding", "rounding_config", "set_enabled", "set_rounding"]
+__all__ = ["applies", "enabled", "gemv_fp8_words", "set_enabled"]
 
 _enabled = os.environ.get("EMBER_FP8_WORDS", "1") != "0"
-_rounding = os.environ.get("EMBER_FP8_WORDS_ROUND", "0") == "1"      # off until measured (module docstring)
 
 _E4M3X4 = tl.constexpr("{ .reg .b16 lo, hi; .reg .b32 p, q; .reg .f16 a, b, c, d; mov.b32 {lo, hi}, $4; "
            "cvt.rn.f16x2.e4m3x2 p, lo; cvt.rn.f16x2.e4m3x2 q, hi; mov.b32 {a, b}, p; mov.b32 {c, d}, q; "
@@ -65,17 +51,6 @@ def set_enabled(on: bool) -> None:
     """Take this kernel where it applies (True) or the general GEMV (False): a switch for A/B runs."""
     global _enabled
     _enabled = bool(on)
-
-
-def rounding() -> bool:
-    return _rounding
-
-
-def set_rounding(on: bool) -> None:
-    """Round x's row inside this kernel where it takes a call with e4m3 activations (True), or in `round_rows`
-    before it (False, the default): a switch for A/B runs."""
-    global _rounding
-    _rounding = bool(on)
 
 
 @triton.jit
@@ -103,53 +78,19 @@ def _widen_word(v, E4M3: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def _dot4(acc, x0, x1, x2, x3, w_words, ASM: tl.constexpr):
-    """acc + the products of x's four float32 values at a word with W's words (four e4m3 values each)."""
+def _dot_words(acc, x_words, w_words, ASM: tl.constexpr):
+    x0, x1, x2, x3 = _widen_word(x_words, False, ASM)
     w0, w1, w2, w3 = _widen_word(w_words, True, ASM)
     return acc + x0 * w0 + x1 * w1 + x2 * w2 + x3 * w3
 
 
 @triton.jit
-def _to_e4m3(x, scale, EXACT_E4M3: tl.constexpr):
-    """x / scale at its e4m3 value in float32: `round_rows`' rounding (saturated, then the hardware's e4m3
-    conversion; the interpreter's in float32)."""
-    q = scale_to_e4m3(x, scale, EXACT_E4M3)
-    if not EXACT_E4M3:
-        q = q.to(tl.float8e4nv).to(tl.float32)
-    return q
-
-
-@triton.jit
-def _rounded_words(x_words, nw_words, scale, rstd, ROUND: tl.constexpr, NORM: tl.constexpr, ASM: tl.constexpr,
-                   EXACT_E4M3: tl.constexpr):
-    """x's words (and the norm weight's) -> x's four values a word rounded as `round_rows` rounds them: x * norm
-    weight by the row's scale (dynamic), or the normed x by the static scale."""
-    x0, x1, x2, x3 = _widen_word(x_words, False, ASM)
-    if NORM:
-        n0, n1, n2, n3 = _widen_word(nw_words, False, ASM)
-        x0 = x0 * n0
-        x1 = x1 * n1
-        x2 = x2 * n2
-        x3 = x3 * n3
-        if ROUND == 2:
-            x0 = x0 * rstd
-            x1 = x1 * rstd
-            x2 = x2 * rstd
-            x3 = x3 * rstd
-    return (_to_e4m3(x0, scale, EXACT_E4M3), _to_e4m3(x1, scale, EXACT_E4M3), _to_e4m3(x2, scale, EXACT_E4M3),
-            _to_e4m3(x3, scale, EXACT_E4M3))
-
-
-@triton.jit
-def _words_kernel(x_ptr, w_ptr, w_scale_ptr, act_scale_ptr, norm_weight_ptr, bias_ptr, residual_ptr, out_ptr, N, K,
-                  eps, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
-                  HAS_RESIDUAL: tl.constexpr, ACT_SCALE: tl.constexpr, ASM: tl.constexpr, ROUND: tl.constexpr = 0,
-                  NORM: tl.constexpr = False, ROW_BLOCK: tl.constexpr = 1024, ROW_STEPS: tl.constexpr = 1,
-                  EXACT_E4M3: tl.constexpr = False, PDL: tl.constexpr = False):
+def _words_kernel(x_ptr, w_ptr, w_scale_ptr, act_scale_ptr, bias_ptr, residual_ptr, out_ptr, N, K,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
+                  HAS_RESIDUAL: tl.constexpr, ACT_SCALE: tl.constexpr, ASM: tl.constexpr,
+                  PDL: tl.constexpr = False):
     """Program per BLOCK_N output columns: the K loop in steps of BLOCK_K values (BLOCK_K / 4 words); W rows past N
-    re-read row N - 1 (never stored), as the general kernel does. ROUND: x is the raw row, rounded here as
-    `round_rows` rounds it, 1 by its amax (of x * norm weight with NORM), 2 by the static scale at act_scale_ptr
-    (of the normed x with NORM); the row's scale first, in ROW_STEPS steps of ROW_BLOCK as `round_rows` takes it."""
+    re-read row N - 1 (never stored), as the general kernel does."""
     WORDS: tl.constexpr = BLOCK_K // 4
     pid = tl.program_id(0)
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -157,10 +98,8 @@ def _words_kernel(x_ptr, w_ptr, w_scale_ptr, act_scale_ptr, norm_weight_ptr, bia
     k_words = K // 4
     w_rows = tl.minimum(cols, N - 1).to(tl.int64)
     w_ptrs = w_ptr.to(tl.pointer_type(tl.int32)) + w_rows[:, None] * k_words + kw[None, :]      # [BLOCK_N, WORDS]
-    # x as a [BLOCK_N, WORDS] broadcast (column stride 0): W's register layout, no shuffle through shared memory;
-    # a thread's rows load and widen (and round) the same words, which the compiler does once
+    # x as a [BLOCK_N, WORDS] broadcast (column stride 0): W's register layout, no shuffle through shared memory
     x_ptrs = x_ptr.to(tl.pointer_type(tl.int64)) + kw[None, :] + w_rows[:, None] * 0
-    nw_ptrs = norm_weight_ptr.to(tl.pointer_type(tl.int64)) + kw[None, :] + w_rows[:, None] * 0
     up_offset = N * k_words
     w_next = tl.load(w_ptrs)            # W never comes from the kernel before: its first tile before the PDL wait
     u_next = w_next
@@ -171,30 +110,6 @@ def _words_kernel(x_ptr, w_ptr, w_scale_ptr, act_scale_ptr, norm_weight_ptr, bia
         gdc_launch_dependents()
     if HAS_RESIDUAL:
         residual = tl.load(residual_ptr + cols, mask=cols < N, other=0.0)
-    scale = 1.0
-    rstd = 1.0
-    if ROUND:
-        # `round_rows`' pass in every program (x and the norm weight stay in L1/L2): its steps and reduce, so the
-        # same scale and 1/rms
-        row = tl.arange(0, ROW_BLOCK)
-        amax = tl.full((ROW_BLOCK,), 0.0, tl.float32)
-        sum_sq = tl.full((ROW_BLOCK,), 0.0, tl.float32)
-        if NORM or ROUND == 1:
-            for step in tl.static_range(ROW_STEPS):
-                ok = step * ROW_BLOCK + row < K
-                xs = tl.load(x_ptr + step * ROW_BLOCK + row, mask=ok, other=0.0).to(tl.float32)
-                if NORM:
-                    sum_sq += xs * xs
-                    xs = xs * tl.load(norm_weight_ptr + step * ROW_BLOCK + row, mask=ok, other=0.0).to(tl.float32)
-                amax = tl.maximum(amax, tl.abs(xs))
-        if NORM:
-            rstd = tl.math.rsqrt(tl.reduce(sum_sq, 0, tl.standard._sum_combine) / K + eps)
-        if ROUND == 2:
-            scale = tl.load(act_scale_ptr)
-            row_scale = scale
-        else:
-            scale = tl.maximum(tl.reduce(amax, 0, max_combine), AMAX_FLOOR) / E4M3_MAX
-            row_scale = scale * rstd if NORM else scale
     acc = tl.full((BLOCK_N, WORDS), 0.0, tl.float32)
     acc_up = acc
     for k in range(0, k_words, WORDS):
@@ -205,29 +120,18 @@ def _words_kernel(x_ptr, w_ptr, w_scale_ptr, act_scale_ptr, norm_weight_ptr, bia
         if GATED:
             u_next = tl.load(w_ptrs + up_offset + k + WORDS, mask=next_ok, other=0)
         x = tl.load(x_ptrs + k)
-        if ROUND:
-            nw = x
-            if NORM:
-                nw = tl.load(nw_ptrs + k)
-            x0, x1, x2, x3 = _rounded_words(x, nw, scale, rstd, ROUND, NORM, ASM, EXACT_E4M3)
-        else:
-            x0, x1, x2, x3 = _widen_word(x, False, ASM)
-        acc = _dot4(acc, x0, x1, x2, x3, w, ASM)
+        acc = _dot_words(acc, x, w, ASM)
         if GATED:
-            acc_up = _dot4(acc_up, x0, x1, x2, x3, u, ASM)
+            acc_up = _dot_words(acc_up, x, u, ASM)
     out = tl.reduce(acc, 1, tl.standard._sum_combine)          # [BLOCK_N]
-    if ROUND:
-        out = out * row_scale
-    elif ACT_SCALE:
+    if ACT_SCALE:
         out = out * tl.load(act_scale_ptr)
     out = out * tl.load(w_scale_ptr + cols, mask=cols < N, other=0.0)
     if HAS_BIAS:
         out += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
     if GATED:
         up = tl.reduce(acc_up, 1, tl.standard._sum_combine)
-        if ROUND:
-            up = up * row_scale
-        elif ACT_SCALE:
+        if ACT_SCALE:
             up = up * tl.load(act_scale_ptr)
         up = up * tl.load(w_scale_ptr + N + cols, mask=cols < N, other=0.0)
         if HAS_BIAS:
@@ -238,60 +142,30 @@ def _words_kernel(x_ptr, w_ptr, w_scale_ptr, act_scale_ptr, norm_weight_ptr, bia
     tl.store(out_ptr + cols, out.to(out_ptr.dtype.element_ty), mask=cols < N)
 
 
-def applies(x: torch.Tensor, weight: torch.Tensor, config: dict, residual: torch.Tensor | None,
-            norm_weight: torch.Tensor | None = None) -> bool:
+def applies(x: torch.Tensor, weight: torch.Tensor, config: dict, residual: torch.Tensor | None) -> bool:
     """Whether this kernel takes the call: one bfloat16 row whose start is 8-byte aligned, a contiguous e4m3 weight
-    with K a multiple of the config's K step (itself a multiple of 4), no K split, a contiguous residual row; a norm
-    weight (rounding here) contiguous, bfloat16, 8-byte aligned, and the program of `round_rows`' warp count: the
-    sum of squares then reduces in its order (the amax's order does not matter)."""
+    with K a multiple of the config's K step (itself a multiple of 4), no K split, a contiguous residual row."""
     K = x.shape[1]
     return (x.shape[0] == 1 and x.dtype == torch.bfloat16 and x.stride(1) == 1 and x.data_ptr() % 8 == 0
             and weight.is_contiguous() and config["SPLIT_K"] == 1 and not config["USE_DOT"]
             and config["BLOCK_K"] % 4 == 0 and K % config["BLOCK_K"] == 0
-            and (residual is None or residual.stride(1) == 1)
-            and (norm_weight is None or (norm_weight.dtype == torch.bfloat16 and norm_weight.is_contiguous()
-                                         and norm_weight.data_ptr() % 8 == 0 and config["num_warps"] == ROW_WARPS)))
-
-
-def rounding_config(x: torch.Tensor, weight: torch.Tensor, config: dict | None, gated: bool,
-                    residual: torch.Tensor | None, norm_weight: torch.Tensor | None, out_dtype: torch.dtype | None,
-                    num_sms: int) -> dict | None:
-    """The launch parameters under which `ember.kernels.gemv.launch_gemv` gives this one-row e4m3 call, its
-    activations still to be rounded (ACT_QUANT 1 or 2), to this kernel, which rounds them itself (when switched on:
-    `set_rounding`), or None: `gemv_fp8` then rounds them in `round_rows` first. `config` None: the stored or
-    computed one-row launch shape for `num_sms` SMs, as `launch_gemv` takes it."""
-    if not (_enabled and _rounding) or x.dim() != 2 or x.shape[0] != 1 or x.shape[1] != weight.shape[1]:
-        return None
-    if out_dtype not in (None, x.dtype) or (gated and weight.shape[0] % 2):
-        return None
-    if config is None:
-        config = cached_config(1, weight.shape[0] // 2 if gated else weight.shape[0], x.shape[1], num_sms,
-                               weight.element_size(), gated=gated)
-    return config if applies(x, weight, config, residual, norm_weight) else None
+            and (residual is None or residual.stride(1) == 1))
 
 
 def gemv_fp8_words(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, config: dict,
                    act_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None,
-                   residual: torch.Tensor | None = None, gated: bool = False, *, act_quant: int = 0,
-                   norm_weight: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
+                   residual: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
     """x [1, K] bfloat16 @ (weight [N or 2N, K] e4m3 x weight_scale [rows])^T (x act_scale [1]) (+ bias) -> [1, N]
-    bfloat16, gated as `gemv` is; `ember.kernels.gemv.launch_gemv` checks the arguments and `applies` first.
-    act_quant (the general kernel's ACT_QUANT): 0 or 3, x as it is (times act_scale); 1, the raw row rounded here
-    by its amax; 2, by the static scale act_scale; with norm_weight, x is the RMSNorm's input (`round_rows`)."""
+    bfloat16, gated as `gemv` is; `ember.kernels.gemv.launch_gemv` checks the arguments and `applies` first."""
     rows, K = weight.shape
     N = rows // 2 if gated else rows
     out = torch.empty(1, N, dtype=x.dtype, device=x.device)
     cpu = x.device.type == "cpu"
     kernel = interpreted(_words_kernel) if cpu else launcher(_words_kernel)
-    rounds = act_quant in (1, 2)
-    row_block = min(ROW_BLOCK, triton.next_power_of_2(K)) if rounds else ROW_BLOCK
     kernel[(triton.cdiv(N, config["BLOCK_N"]),)](
         x, weight, weight_scale, act_scale if act_scale is not None else weight_scale,
-        norm_weight if norm_weight is not None else x, bias if bias is not None else out,
-        residual if residual is not None else out, out, N, K, float(eps),
+        bias if bias is not None else out, residual if residual is not None else out, out, N, K,
         BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"], GATED=gated, HAS_BIAS=bias is not None,
         HAS_RESIDUAL=residual is not None, ACT_SCALE=act_scale is not None, ASM=not cpu,
-        ROUND=act_quant if rounds else 0, NORM=rounds and norm_weight is not None, ROW_BLOCK=row_block,
-        ROW_STEPS=triton.cdiv(K, row_block) if rounds else 1, EXACT_E4M3=cpu and rounds,
         num_warps=config["num_warps"], **pdl_options(x.device))
     return out

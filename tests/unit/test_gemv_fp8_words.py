@@ -66,12 +66,10 @@ def test_sm90_code_widens_whole_words_and_streams_w_in_16_byte_loads():
     from triton.compiler import ASTSource
     c = gemv_config(1, 4096, 14336, 132, 1)
     signature = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "w_scale_ptr": "*fp32", "act_scale_ptr": "*fp32",
-                 "norm_weight_ptr": "*bf16", "bias_ptr": "*bf16", "residual_ptr": "*bf16", "out_ptr": "*bf16",
-                 "N": "i32", "K": "i32", "eps": "fp32"}
+                 "bias_ptr": "*bf16", "residual_ptr": "*bf16", "out_ptr": "*bf16", "N": "i32", "K": "i32"}
     constexprs = dict(BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], GATED=False, HAS_BIAS=False, HAS_RESIDUAL=True,
-                      ACT_SCALE=True, ASM=True, ROUND=0, NORM=False, ROW_BLOCK=1024, ROW_STEPS=1, EXACT_E4M3=False,
-                      PDL=False)
-    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(signature) if name != "eps"}
+                      ACT_SCALE=True, ASM=True, PDL=False)
+    attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(signature))}
     compiled = triton.compile(ASTSource(fn=triton.runtime.jit.JITFunction(words._words_kernel.fn),
                                         signature={**signature, **{n: "constexpr" for n in constexprs}},
                                         constexprs=constexprs, attrs=attrs),

@@ -71,30 +71,6 @@ def fp8_f16_products(query: torch.Tensor, cache: torch.Tensor) -> bool:
             and os.environ.get("EMBER_FP8_KV_F16_DOT", "1") != "0")
 
 
-_words = os.environ.get("EMBER_FP8_KV_WORDS", "0") == "1"     # read once; `set_fp8_kv_words` for A/B runs
-
-
-def set_fp8_kv_words(on: bool) -> None:
-    """Decode launches read an e4m3 cache as int32 words widened in inline PTX (True) or let Triton widen its
-    bytes (False, the default): a switch for A/B runs, also set by EMBER_FP8_KV_WORDS=1 at import."""
-    global _words
-    _words = bool(on)
-
-
-def fp8_kv_words(query: torch.Tensor, cache: torch.Tensor) -> int:
-    """A decode launch's E4M3_WORDS: 0 (off, or not applicable), 1 (inline PTX), 2 (Triton's conversions of the
-    same words, for CPU tensors: the interpreter). Applies to an e4m3 cache whose products are float16 (float16
-    queries, or bfloat16 ones under `fp8_f16_products`) and whose key rows are whole 4-byte words (head size and
-    strides multiples of 4, a 4-byte aligned start); the float16 values reaching the products are the same."""
-    if not _words or cache.dtype != torch.float8_e4m3fn:
-        return 0
-    if not (query.dtype == torch.float16 or fp8_f16_products(query, cache)):
-        return 0
-    if cache.shape[-1] % 4 or any(s % 4 for s in cache.stride()[:-1]) or cache.data_ptr() % 4:
-        return 0
-    return 2 if cache.device.type == "cpu" else 1
-
-
 def check_kv_scales(kv_scales, cache: torch.Tensor, num_kv_heads: int):
     """(k_scale, v_scale) float32 [Hkv] for an e4m3 cache (ValueError without them), stand-ins for another."""
     if cache.dtype != torch.float8_e4m3fn:

@@ -13,7 +13,6 @@ import triton
 import triton.language as tl
 
 from ember.attention_backends.triton_common.tiles import LOG2E, reduce_max, reduce_sum, tanh
-from ember.kernels.e4m3 import e4m3_words_to_f16
 
 # How programs map to sequences (a kernel's MODE).
 MODE_ALL = 0        # every request; programs are query blocks found by binary search over query_start_loc
@@ -82,12 +81,10 @@ def attend_tiles(acc, m_i, l_i, q, k_base, v_base, block_table_row, tile_lo, til
                  slopes, qk_scale, softcap, window, stride_cb, stride_ct,
                  HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
                  MASKED: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
-                 USE_ALIBI: tl.constexpr, IEEE: tl.constexpr, E4M3_WORDS: tl.constexpr = 0):
+                 USE_ALIBI: tl.constexpr, IEEE: tl.constexpr):
     """Online-softmax accumulation of KV tiles [tile_lo, tile_hi) into (acc [M, HEAD_PAD], m_i [M], l_i [M]).
 
-    q [M, HEAD_PAD]; q_pos [M] absolute positions; slopes [M] ALiBi slopes already in log2 units. E4M3_WORDS (an
-    e4m3 cache, float16 q): the tiles are read as int32 words and widened by `load_e4m3_words` (2: Triton's
-    conversions, for the interpreter)."""
+    q [M, HEAD_PAD]; q_pos [M] absolute positions; slopes [M] ALiBi slopes already in log2 units."""
     offs_n = tl.arange(0, TILE_N)
     offs_d = tl.arange(0, HEAD_PAD)
     for t in range(tile_lo, tile_hi):
@@ -100,10 +97,7 @@ def attend_tiles(acc, m_i, l_i, q, k_base, v_base, block_table_row, tile_lo, til
         # Out-of-sequence keys read the null block 0 (always in bounds); their scores are masked below and their
         # values zeroed, so stale or NaN bytes there cannot leak into the output.
         kv_off = block.to(tl.int64) * stride_cb + (keys % BLOCK_SIZE) * stride_ct   # [TILE_N]
-        if E4M3_WORDS:
-            k, v = load_e4m3_words(k_base, v_base, kv_off, keys, seq_len, HEAD_SIZE, HEAD_PAD, MASKED,
-                                   E4M3_WORDS == 1)
-        elif HEAD_PAD == HEAD_SIZE:
+        if HEAD_PAD == HEAD_SIZE:
             k = tl.load(k_base + kv_off[None, :] + offs_d[:, None])                # [HEAD_PAD, TILE_N]
             if MASKED:
                 v = tl.load(v_base + kv_off[:, None] + offs_d[None, :], mask=in_seq[:, None], other=0.0)
@@ -149,25 +143,6 @@ def attend_tiles(acc, m_i, l_i, q, k_base, v_base, block_table_row, tile_lo, til
         acc = acc * alpha[:, None] + pv
         m_i = m_new
     return acc, m_i, l_i
-
-
-@triton.jit
-def load_e4m3_words(k_base, v_base, kv_off, keys, seq_len, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
-                    MASKED: tl.constexpr, ASM: tl.constexpr):
-    """K [HEAD_PAD, TILE_N] and V [TILE_N, HEAD_PAD] in float16 from an e4m3 cache read as int32 words of four
-    values (kv_off [TILE_N]: each key's first byte, a multiple of 4), widened a word at a time
-    (`ember.kernels.e4m3.e4m3_words_to_f16`): the values Triton's own widening gives, without taking each word
-    apart byte by byte. MASKED: V rows of keys past seq_len read as 0."""
-    offs_w = tl.arange(0, HEAD_PAD // 4)
-    w_ok = offs_w < HEAD_SIZE // 4
-    w_off = kv_off >> 2                                                             # [TILE_N] words
-    k_words = tl.load(k_base.to(tl.pointer_type(tl.int32)) + w_off[:, None] + offs_w[None, :], mask=w_ok[None, :],
-                      other=0)                                                      # [TILE_N, HEAD_PAD / 4]
-    v_ok = w_ok[None, :]
-    if MASKED:
-        v_ok = v_ok & (keys < seq_len)[:, None]
-    v_words = tl.load(v_base.to(tl.pointer_type(tl.int32)) + w_off[:, None] + offs_w[None, :], mask=v_ok, other=0)
-    return tl.trans(e4m3_words_to_f16(k_words, ASM)), e4m3_words_to_f16(v_words, ASM)
 
 
 @triton.jit

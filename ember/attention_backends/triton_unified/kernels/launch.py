@@ -9,8 +9,7 @@ import torch
 import triton
 
 from ember.attention_backends.triton_common.interpreted import kernel_for
-from ember.attention_backends.triton_common.kv_write import (check_kv_scales, fp8_f16_products, fp8_kv_mode,
-                                                             fp8_kv_words)
+from ember.attention_backends.triton_common.kv_write import check_kv_scales, fp8_f16_products, fp8_kv_mode
 from ember.kernels.pdl import pdl_options
 
 from .attention_core import MODE_ALL, MODE_DECODES, MODE_PREFILLS
@@ -93,15 +92,13 @@ def _rope_args(rope, query, new_kv):
 
 def _common_args(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, num_decodes, sinks,
                  alibi_slopes, num_seqs, scale, sliding_window, soft_cap, stride_out, new_kv=None, rope=None,
-                 single_tiles: int = 0, kv_scales=None, decode: bool = False):
+                 single_tiles: int = 0, kv_scales=None):
     # Unused optional pointers get a harmless stand-in: the kernel never dereferences them (constexpr flags).
-    # decode: a decode launch, which may read an e4m3 cache a word at a time (`fp8_kv_words`)
     dummy = query_start_loc
     new_ptrs, new_strides = _new_kv_args(new_kv, query, key_cache)
     rope_ptrs, (eps, stride_cos, stride_sin), rope_flags = _rope_args(rope, query, new_kv)
     scales = check_kv_scales(kv_scales, key_cache, key_cache.shape[1])
     fp8 = fp8_kv_mode(key_cache)
-    words = fp8_kv_words(query, key_cache) if decode else 0
     return ((query, key_cache, value_cache, block_table, query_start_loc, seq_lens,
              num_decodes if num_decodes is not None else dummy,
              sinks if sinks is not None else dummy, alibi_slopes if alibi_slopes is not None else dummy, *new_ptrs,
@@ -112,8 +109,7 @@ def _common_args(query, key_cache, value_cache, block_table, query_start_loc, se
             dict(USE_WINDOW=sliding_window is not None, USE_SOFTCAP=bool(soft_cap), USE_SINKS=sinks is not None,
                  USE_ALIBI=alibi_slopes is not None, IEEE=query.dtype == torch.float32,
                  BLOCK_SIZE=key_cache.shape[2], NEW_KV=new_kv is not None, **rope_flags,
-                 **(dict(FP8_KV=fp8, F16_DOT=fp8_f16_products(query, key_cache)) if fp8 else {}),
-                 **(dict(E4M3_WORDS=words) if words else {})))
+                 **(dict(FP8_KV=fp8, F16_DOT=fp8_f16_products(query, key_cache)) if fp8 else {})))
 
 
 def unified_attention_2d(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, out: torch.Tensor,
@@ -156,8 +152,7 @@ def unified_attention_2d(query: torch.Tensor, key_cache: torch.Tensor, value_cac
         return
     args, flags = _common_args(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, num_decodes,
                                sinks, alibi_slopes, num_seqs, scale, sliding_window, soft_cap,
-                               (out.stride(0), out.stride(1)), new_kv, rope, kv_scales=kv_scales,
-                               decode=mode == MODE_DECODES)
+                               (out.stride(0), out.stride(1)), new_kv, rope, kv_scales=kv_scales)
     kernel = kernel_for(query.device, unified_attention_kernel)
     kernel[(programs, num_kv_heads)](
         out, out, out, out, out, *args,
@@ -219,8 +214,7 @@ def unified_attention_3d(query: torch.Tensor, key_cache: torch.Tensor, value_cac
         return
     args, flags = _common_args(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, num_decodes,
                                sinks, alibi_slopes, num_seqs, scale, sliding_window, soft_cap,
-                               (out.stride(0), out.stride(1)), new_kv, rope, single_segment_tiles, kv_scales,
-                               decode=True)
+                               (out.stride(0), out.stride(1)), new_kv, rope, single_segment_tiles, kv_scales)
     head_pad = max(16, triton.next_power_of_2(head_size))
     limit = num_decodes is not None
     kernel = kernel_for(query.device, unified_attention_kernel)

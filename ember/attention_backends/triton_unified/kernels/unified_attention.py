@@ -53,13 +53,10 @@ def unified_attention_kernel(
     IEEE: tl.constexpr, UNMASKED_MIDDLE: tl.constexpr, FUSED_COMBINE: tl.constexpr = False,
     NEW_KV: tl.constexpr = False, PDL: tl.constexpr = False, ROPE: tl.constexpr = False,
     QK_NORM: tl.constexpr = False, FP8_KV: tl.constexpr = 0, F16_DOT: tl.constexpr = False,
-    E4M3_WORDS: tl.constexpr = 0,
 ):
     # FP8_KV (an e4m3 cache, as `triton_common.kv_write` writes it): the KV head's key scale joins qk_scale, its
     # value scale multiplies the output (or the partial output) once; the new keys of NEW_KV are quantized as the
-    # cache-write kernel quantizes them (2: rounded in float32 first, for the interpreter). E4M3_WORDS (decode
-    # launches, `triton_common.kv_write.fp8_kv_words`): the tiles are read as int32 words, each widened to float16 in
-    # inline PTX (2: by Triton's conversions, for the interpreter)
+    # cache-write kernel quantizes them (2: rounded in float32 first, for the interpreter)
     # Launched as a programmatic dependent (PDL, ember.kernels.pdl), a program reads the step's metadata (query
     # starts, lengths, slots: written before the step's first layer, so complete by the time this kernel starts)
     # before it waits for the kernel before it, and only q and the new keys and values after. A program that
@@ -189,20 +186,20 @@ def unified_attention_kernel(
         acc, m_i, l_i = attend_tiles(acc, m_i, l_i, q, k_base, v_base, block_table_row,
                                      tl.maximum(lo, seg_lo), tl.minimum(a, seg_hi), q_pos, kv_len, slopes,
                                      qk_scale, softcap, window, stride_cb, stride_ct, HEAD_SIZE, HEAD_PAD, BLOCK_SIZE,
-                                     TILE_N, True, USE_WINDOW, USE_SOFTCAP, USE_ALIBI, IEEE, E4M3_WORDS)
+                                     TILE_N, True, USE_WINDOW, USE_SOFTCAP, USE_ALIBI, IEEE)
         acc, m_i, l_i = attend_tiles(acc, m_i, l_i, q, k_base, v_base, block_table_row,
                                      tl.maximum(a, seg_lo), tl.minimum(b, seg_hi), q_pos, kv_len, slopes,
                                      qk_scale, softcap, window, stride_cb, stride_ct, HEAD_SIZE, HEAD_PAD, BLOCK_SIZE,
-                                     TILE_N, False, USE_WINDOW, USE_SOFTCAP, USE_ALIBI, IEEE, E4M3_WORDS)
+                                     TILE_N, False, USE_WINDOW, USE_SOFTCAP, USE_ALIBI, IEEE)
         acc, m_i, l_i = attend_tiles(acc, m_i, l_i, q, k_base, v_base, block_table_row,
                                      tl.maximum(b, seg_lo), tl.minimum(hi_loop, seg_hi), q_pos, kv_len, slopes,
                                      qk_scale, softcap, window, stride_cb, stride_ct, HEAD_SIZE, HEAD_PAD, BLOCK_SIZE,
-                                     TILE_N, True, USE_WINDOW, USE_SOFTCAP, USE_ALIBI, IEEE, E4M3_WORDS)
+                                     TILE_N, True, USE_WINDOW, USE_SOFTCAP, USE_ALIBI, IEEE)
     else:
         acc, m_i, l_i = attend_tiles(acc, m_i, l_i, q, k_base, v_base, block_table_row, seg_lo,
                                      tl.minimum(hi_loop, seg_hi), q_pos, kv_len, slopes, qk_scale, softcap, window,
                                      stride_cb, stride_ct, HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, TILE_N, True, USE_WINDOW,
-                                     USE_SOFTCAP, USE_ALIBI, IEEE, E4M3_WORDS)
+                                     USE_SOFTCAP, USE_ALIBI, IEEE)
     if NEW_KV:
         if owner:
             acc, m_i, l_i = attend_new_key(acc, m_i, l_i, q, k_new, v_new, qk_scale, softcap, USE_SOFTCAP)
