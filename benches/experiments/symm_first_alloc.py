@@ -64,7 +64,8 @@ def main() -> None:
     if args.one:
         _one(args.one)
         return
-    for mode in args.modes or ["none", "serial", "thread"]:            # each in a fresh process: NVML and the allocator start once a process
+    # each in a fresh process: NVML and the allocator start once a process
+    for mode in args.modes or ["none", "serial", "thread"]:
         print(f"== {mode}", flush=True)
         subprocess.run([sys.executable, __file__, "--one", mode], check=False)
 
